@@ -1,0 +1,5 @@
+import sys
+
+from gpud.cli import main
+
+sys.exit(main())

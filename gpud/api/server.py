@@ -1,0 +1,221 @@
+"""gpud's HTTP/JSON API on a Unix socket. Handlers serve snapshots; they never call NVML themselves."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import importlib.resources
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from gpud.api.errors import MAX_BODY_BYTES, ApiError, error_middleware, read_json_object
+from gpud.api.views import RenderedInventory, encode, node_view
+from gpud.inventory import Inventory, InventoryService
+from gpud.logs import get_logger
+from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState, describe_error
+
+log = get_logger("api")
+JSON = "application/json"
+
+
+def load_openapi() -> dict:
+    """The API's OpenAPI document, kept as commented YAML beside this module."""
+    return yaml.safe_load(importlib.resources.files("gpud.api").joinpath("openapi.yaml").read_text())
+
+
+class SocketInUse(RuntimeError):
+    """Another gpud already serves (or is starting on) this socket path."""
+
+
+class Api:
+    """The routes, and the rendered snapshot they answer from."""
+
+    def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict, body_timeout_s: float):
+        self.session = session
+        self.inventory = inventory
+        self.node_base = node_base
+        self.body_timeout_s = body_timeout_s
+        self.rendered: RenderedInventory | None = None
+        self._node_body = encode(node_view(None, node_base))
+        self._openapi = encode(load_openapi())
+        inventory.subscribe(self._render)
+
+    def _render(self, snapshot: Inventory) -> None:
+        self.rendered = RenderedInventory(snapshot)
+        self._node_body = encode(node_view(snapshot, self.node_base))
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/v1/node", self.node)
+        app.router.add_get("/v1/gpus", self.gpus)
+        app.router.add_get("/v1/gpus/{id}", self.gpu)
+        app.router.add_get("/v1/openapi.json", self.openapi)
+        app.router.add_post("/v1/sim/xid", self.sim_xid)
+        app.router.add_post("/v1/sim/gpu-lost", self.sim_gpu_lost)
+        app.router.add_post("/v1/sim/processes", self.sim_processes)
+        return app
+
+    # -- read routes ------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        state = self.session.state
+        if state is SessionState.READY and self.rendered is not None:
+            return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+        if state is SessionState.READY or state is SessionState.STARTING:
+            status, code, message = "starting", "starting", "gpud is starting: the first inventory is not read yet"
+        else:
+            status, code = "unavailable", "nvml-unavailable"
+            message = self.session.error or f"NVML is {state.value}"
+        body = {"status": status, "reason": message, "error": {"code": code, "message": message}}
+        return web.Response(status=503, body=encode(body), content_type=JSON)
+
+    async def node(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._node_body, content_type=JSON)
+
+    async def gpus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._require_inventory().gpus_body, content_type=JSON)
+
+    async def gpu(self, request: web.Request) -> web.Response:
+        ident = request.match_info["id"]
+        body = self._require_inventory().gpu_body(ident)
+        if body is None:
+            raise ApiError(404, "gpu-not-found", f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
+                                                 "or a PCI bus id)")
+        return web.Response(body=body, content_type=JSON)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type=JSON)
+
+    def _require_inventory(self) -> RenderedInventory:
+        if self.rendered is None:
+            raise ApiError(503, "nvml-unavailable" if self.session.error else "starting",
+                           self.session.error or "gpud is starting: the first inventory is not read yet")
+        return self.rendered
+
+    # -- simulator faults ----------------------------------------------------------------------
+
+    async def sim_xid(self, request: web.Request) -> web.Response:
+        body = await self._sim_body(request, {"gpu": (int, str), "xid": (int,), "gi_id": (int, type(None)),
+                                              "ci_id": (int, type(None))})
+        if not 0 < body["xid"] < 1 << 16:
+            raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
+        await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"))
+        log.warning("sim_xid_injected", gpu=body["gpu"], xid=body["xid"], gi_id=body.get("gi_id"),
+                    ci_id=body.get("ci_id"))
+        return _accepted({"injected": "xid", **body})
+
+    async def sim_gpu_lost(self, request: web.Request) -> web.Response:
+        body = await self._sim_body(request, {"gpu": (int, str)})
+        await self._sim_call("sim_set_gpu_lost", body["gpu"])
+        log.warning("sim_gpu_lost", gpu=body["gpu"])
+        await self.inventory.refresh("simulated GPU loss")
+        return _accepted({"injected": "gpu-lost", **body})
+
+    async def sim_processes(self, request: web.Request) -> web.Response:
+        body = await self._sim_body(request, {"gpu": (int, str), "pids": (list,)})
+        pids = body["pids"]
+        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 22 for p in pids):
+            raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
+        await self._sim_call("sim_set_processes", body["gpu"], pids)
+        log.info("sim_processes_set", gpu=body["gpu"], pids=pids)
+        await self.inventory.refresh("simulated processes")
+        return _accepted({"injected": "processes", **body})
+
+    async def _sim_body(self, request: web.Request, fields: dict) -> dict:
+        if not self.session.simulated:
+            raise ApiError(404, "not-simulated", "fault injection exists only on a simulated node (--simulate)")
+        return await read_json_object(request, self.body_timeout_s, fields)
+
+    async def _sim_call(self, method: str, *args: Any) -> None:
+        from gpud.nvml.sim import SimError
+
+        try:
+            await self.session.call(lambda nvml: getattr(nvml, method)(*args))
+        except SimError as exc:
+            raise ApiError(422, "invalid-target", str(exc)) from None
+        except NvmlUnavailable as exc:
+            raise ApiError(503, "nvml-unavailable", str(exc)) from None
+        except self.session.nvml.NVMLError as exc:
+            raise ApiError(409, "nvml-error", describe_error(exc)) from None
+
+
+def _accepted(document: dict) -> web.Response:
+    return web.Response(body=encode(document), content_type=JSON)
+
+
+# -- the socket ------------------------------------------------------------------------------
+
+
+class UnixSocketListener:
+    """Binds the API socket, refusing to take over one that another gpud serves.
+
+    A lock file beside the socket is held for gpud's whole life, so two daemons starting at the
+    same moment cannot both decide the socket is stale.
+    """
+
+    def __init__(self, path: Path, mode: int = 0o660):
+        self.path = path
+        self.mode = mode
+        self._lock_fd: int | None = None
+        self.sock: socket.socket | None = None
+
+    def open(self) -> socket.socket:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._lock()
+        if self.path.exists() or self.path.is_symlink():
+            self._remove_stale()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o777 & ~self.mode)  # never world-accessible, not even for an instant
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        sock.listen(128)
+        sock.setblocking(False)
+        self.sock = sock
+        return sock
+
+    def _lock(self) -> None:
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SocketInUse(f"another gpud is running on {self.path} (it holds {lock_path})") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _remove_stale(self) -> None:
+        if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+            raise SocketInUse(f"{self.path} exists and is not a socket; remove it or choose another --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.path))
+        except OSError:
+            log.info("stale_socket_removed", path=str(self.path))
+            self.path.unlink()
+        else:
+            raise SocketInUse(f"another process answers on {self.path}; not taking it over")
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        """Removes the socket path (ours: we hold the lock) and releases the lock."""
+        if self.sock is not None:
+            self.path.unlink(missing_ok=True)
+            self.sock.close()
+            self.sock = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,57 @@
+"""What the API says about an inventory snapshot, rendered once per snapshot.
+
+Requests are answered from these pre-encoded bodies: no NVML call and no JSON encoding on the
+request path, so a busy client costs gpud almost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from gpud.inventory import Gpu, Inventory, normal_bus_id
+
+
+def encode(document: Any) -> bytes:
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def gpu_view(gpu: Gpu) -> dict:
+    view = asdict(gpu)
+    if not gpu.error:
+        del view["error"]
+    return view
+
+
+def node_view(inventory: Inventory | None, base: dict) -> dict:
+    view = dict(base)
+    view.update(
+        driver_version=inventory.driver_version if inventory else None,
+        cuda_version=inventory.cuda_version if inventory else None,
+        nvml_version=inventory.nvml_version if inventory else None,
+        gpu_count=len(inventory.gpus) if inventory else None,
+        mig_device_count=sum(len(g.mig.devices) for g in inventory.gpus) if inventory else None,
+        inventory_read_at=inventory.read_at if inventory else None,
+    )
+    return view
+
+
+class RenderedInventory:
+    """The encoded bodies of one snapshot: the GPU list and each GPU under every name it answers to."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        views = [gpu_view(gpu) for gpu in inventory.gpus]
+        self.gpus_body = encode({"gpus": views})
+        self._gpu_bodies: dict[str, bytes] = {}
+        for gpu, view in zip(inventory.gpus, views):
+            body = encode(view)
+            for key in (str(gpu.index), gpu.uuid, gpu.pci_bus_id, normal_bus_id(gpu.pci_bus_id)):
+                self._gpu_bodies.setdefault(key, body)
+
+    def gpu_body(self, ident: str) -> bytes | None:
+        body = self._gpu_bodies.get(ident)
+        if body is None and ":" in ident:
+            body = self._gpu_bodies.get(normal_bus_id(ident) or "")
+        return body

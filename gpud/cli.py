@@ -1,0 +1,164 @@
+"""The `gpud` command: `gpud serve` runs the daemon; the other subcommands are clients of its socket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpud import __version__
+from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not hasattr(args, "run"):
+        _parser().print_help()
+        return EXIT_USAGE
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpud", description="Owns the NVIDIA GPUs of this node.")
+    parser.add_argument("--version", action="version", version=f"gpud {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", type=Path, help="config file (default /etc/gpud/gpud.yaml, if present)")
+    serve.add_argument("--socket", help="API socket path (default /run/gpud/gpud.sock as root, "
+                                        "$XDG_RUNTIME_DIR/gpud/gpud.sock otherwise)")
+    serve.add_argument("--state-dir", help="persisted state (default /var/lib/gpud as root, "
+                                           "$XDG_STATE_HOME/gpud otherwise)")
+    serve.add_argument("--simulate", metavar="PRESET",
+                       help="run on a simulated node: dgx-a100, dgx-a100-80gb, hgx-h100, hgx-h200, a30, t4, "
+                            "rtx-2080ti, or MODEL:COUNT[,MODEL:COUNT…]")
+    serve.add_argument("--sim-state", help="file holding the simulated GPUs' state (default: in the runtime dir)")
+    serve.add_argument("--log-level", choices=LOG_LEVELS)
+    serve.add_argument("--log-format", choices=LOG_FORMATS)
+    serve.set_defaults(run=_serve)
+
+    for name, run, text in (("status", _status, "the daemon's health and node summary"),
+                            ("gpus", _gpus, "the GPUs and their MIG devices")):
+        client = commands.add_parser(name, help=text)
+        client.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+        client.add_argument("--json", action="store_true", help="print the API's JSON")
+        client.set_defaults(run=run)
+
+    config = commands.add_parser("config", help="work with config files")
+    config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
+    validate = config_commands.add_parser("validate", help="check a config file without starting anything")
+    validate.add_argument("path", nargs="?", type=Path, default=Path("/etc/gpud/gpud.yaml"))
+    validate.set_defaults(run=_config_validate)
+    return parser
+
+
+# -- serve -------------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gpud import daemon
+    from gpud.logs import configure_logging
+    from gpud.nvml.sim import PresetError, parse_preset
+
+    try:
+        config = load_config(args.config).with_overrides(
+            **{"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
+               "sim_state": args.sim_state, "log.level": args.log_level, "log.format": args.log_format})
+        if config.simulate:
+            parse_preset(config.simulate)
+    except (ConfigError, PresetError) as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(config.log.level, config.log.format)
+    return asyncio.run(daemon.serve(config))
+
+
+def _config_validate(args: argparse.Namespace) -> int:
+    from gpud.nvml.sim import PresetError, parse_preset
+
+    try:
+        config = load_config(args.path)
+        if config.simulate:
+            parse_preset(config.simulate)
+    except (ConfigError, PresetError) as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.path}: valid")
+    return EXIT_OK
+
+
+# -- clients -----------------------------------------------------------------------------------
+
+
+def _client_call(args: argparse.Namespace, fetch) -> int:
+    from gpud.client import ApiFailure, Client, DaemonUnreachable
+
+    try:
+        return fetch(Client(args.socket))
+    except DaemonUnreachable as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ApiFailure as exc:
+        print(f"gpud: {exc} ({exc.code})", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _status(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        health = client.get("/healthz", ok_statuses=(503,))
+        node = client.get("/v1/node")
+        if args.json:
+            _print_json({"health": health, "node": node})
+        else:
+            backend = node["backend"] + (f" ({node['simulated_preset']})" if node.get("simulated_preset") else "")
+            print(f"gpud {node['gpud_version']} on {node['hostname']}, backend {backend}")
+            print(f"health:  {health['status']}" + (f" — {health['reason']}" if health.get("reason") else ""))
+            if node.get("driver_version"):
+                print(f"driver:  {node['driver_version']}  CUDA {node['cuda_version']}  NVML {node['nvml_version']}")
+                print(f"GPUs:    {node['gpu_count']}  MIG devices: {node['mig_device_count']}")
+        return EXIT_OK if health["status"] == "ok" else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        document = client.get("/v1/gpus")
+        if args.json:
+            _print_json(document)
+        else:
+            print(format_gpu_table(document["gpus"]))
+        return EXIT_OK
+
+    return _client_call(args, fetch)
+
+
+def format_gpu_table(gpus: list[dict]) -> str:
+    rows = [("IDX", "NAME", "UUID", "PCI BUS ID", "MEMORY", "MIG", "STATE")]
+    for gpu in gpus:
+        mig = gpu["mig"]
+        mig_text = "n/a" if not mig["capable"] else mig["mode"] + (
+            f" → {mig['pending_mode']}" if mig["pending_mode"] != mig["mode"] else "")
+        state = "lost" if gpu["lost"] else ("error" if gpu.get("error") else "ok")
+        rows.append((str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"],
+                     f"{gpu['memory_total_mib']} MiB", mig_text, state))
+        for dev in mig["devices"]:
+            place = dev["placement"]
+            rows.append(("", f"└ MIG {dev['profile']}", dev["uuid"],
+                         f"gi {dev['gi_id']} ci {dev['ci_id']} @{place['start']}:{place['size']}",
+                         f"{dev['memory_total_mib']} MiB", f"{dev['sm_count']} SMs", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

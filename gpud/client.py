@@ -1,0 +1,83 @@
+"""A small synchronous client of gpud's socket, for the CLI (standard library only: starts fast)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from gpud.config import SYSTEM_RUNTIME_DIR, user_runtime_dir
+
+
+class DaemonUnreachable(Exception):
+    pass
+
+
+class ApiFailure(Exception):
+    def __init__(self, status: int, document: Any):
+        error = document.get("error", {}) if isinstance(document, dict) else {}
+        self.status, self.code = status, error.get("code", f"http-{status}")
+        super().__init__(error.get("message") or f"HTTP {status}")
+
+
+def default_socket() -> Path:
+    """$GPUD_SOCKET, else this user's gpud if one runs, else the system daemon's socket."""
+    if os.environ.get("GPUD_SOCKET"):
+        return Path(os.environ["GPUD_SOCKET"])
+    own = user_runtime_dir() / "gpud.sock"
+    return own if own.exists() else SYSTEM_RUNTIME_DIR / "gpud.sock"
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self._path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class Client:
+    def __init__(self, socket_path: Path | None = None, timeout: float = 30.0):
+        self.socket_path = socket_path or default_socket()
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None, ok_statuses: tuple = ()) -> tuple[int, Any]:
+        conn = _UnixConnection(self.socket_path, self.timeout)
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        except FileNotFoundError:
+            raise DaemonUnreachable(f"gpud is not running: no socket at {self.socket_path}") from None
+        except PermissionError:
+            raise DaemonUnreachable(f"no permission to connect to {self.socket_path} "
+                                    "(join the gpud group, or use sudo)") from None
+        except (ConnectionRefusedError, ConnectionResetError):
+            raise DaemonUnreachable(f"gpud is not answering on {self.socket_path}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise DaemonUnreachable(f"talking to gpud on {self.socket_path} failed: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            document = json.loads(raw) if raw else None
+        except ValueError:
+            document = {"error": {"message": raw.decode(errors="replace")[:200]}}
+        if response.status >= 400 and response.status not in ok_statuses:
+            raise ApiFailure(response.status, document)
+        return response.status, document
+
+    def get(self, path: str, ok_statuses: tuple = ()) -> Any:
+        return self.request("GET", path, ok_statuses=ok_statuses)[1]

@@ -1,0 +1,241 @@
+"""gpud's one configuration model: typed sections with defaults, loaded from YAML and validated.
+
+Every key here is documented in the shipped etc/gpud/gpud.yaml. A bad file raises ConfigError,
+which names the file, the key path and (where the YAML says) the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
+SYSTEM_RUNTIME_DIR = Path("/run/gpud")
+SYSTEM_STATE_DIR = Path("/var/lib/gpud")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
+
+
+class ConfigError(Exception):
+    """A configuration file or value that gpud will not start with."""
+
+    def __init__(self, source: str, key: str | None, message: str, line: int | None = None):
+        self.source, self.key, self.line, self.reason = source, key, line, message
+        where = source
+        if line is not None:
+            where += f", line {line}"
+        if key:
+            where += f", key '{key}'"
+        super().__init__(f"{where}: {message}")
+
+
+def _bounded(low: float | None = None, high: float | None = None, choices: tuple = ()) -> dict:
+    return {"low": low, "high": high, "choices": choices}
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    # None means "pick by who runs gpud": /run/gpud/gpud.sock for root, $XDG_RUNTIME_DIR otherwise.
+    socket: str | None = None
+    # Seconds a connection may stay idle (or stay silent before its first request) before it is closed.
+    idle_timeout_s: float = field(default=15.0, metadata=_bounded(0.1, 3600))
+    # Seconds a client has to send a request body once its headers arrived.
+    body_timeout_s: float = field(default=10.0, metadata=_bounded(0.1, 600))
+    # Seconds in-flight requests get to finish when gpud stops.
+    shutdown_timeout_s: float = field(default=10.0, metadata=_bounded(0, 300))
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = field(default="info", metadata=_bounded(choices=LOG_LEVELS))
+    format: str = field(default="auto", metadata=_bounded(choices=LOG_FORMATS))
+
+
+@dataclass(frozen=True)
+class InventoryConfig:
+    # Seconds between full re-reads of the node, on top of the re-reads after every change gpud makes.
+    refresh_interval_s: float = field(default=30.0, metadata=_bounded(1, 3600))
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    # Back-off between NVML initialisation attempts while the driver is missing: doubles up to the maximum.
+    init_retry_initial_s: float = field(default=1.0, metadata=_bounded(0.01, 600))
+    init_retry_max_s: float = field(default=60.0, metadata=_bounded(0.01, 3600))
+
+
+@dataclass(frozen=True)
+class Config:
+    api: ApiConfig = ApiConfig()
+    log: LogConfig = LogConfig()
+    inventory: InventoryConfig = InventoryConfig()
+    nvml: NvmlConfig = NvmlConfig()
+    state_dir: str | None = None
+    # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
+    simulate: str | None = None
+    # Where the simulated node keeps its GPU state; None = sim-<preset>.json in the runtime directory.
+    sim_state: str | None = None
+
+    def with_overrides(self, **changes: Any) -> "Config":
+        """Returns a copy with the non-None top-level or dotted ("api.socket") values applied."""
+        result = self
+        for dotted, value in changes.items():
+            if value is None:
+                continue
+            section, _, key = dotted.partition(".")
+            if key:
+                result = dataclasses.replace(
+                    result, **{section: dataclasses.replace(getattr(result, section), **{key: value})}
+                )
+            else:
+                result = dataclasses.replace(result, **{section: value})
+        return result
+
+    # -- derived locations -------------------------------------------------------------------
+
+    @property
+    def runtime_dir(self) -> Path:
+        if self.api.socket:
+            return Path(self.api.socket).parent
+        return user_runtime_dir()
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.api.socket) if self.api.socket else user_runtime_dir() / "gpud.sock"
+
+    @property
+    def state_path(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir)
+        if os.geteuid() == 0:
+            return SYSTEM_STATE_DIR
+        base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(base) / "gpud"
+
+    @property
+    def sim_state_path(self) -> Path | None:
+        if not self.simulate:
+            return None
+        if self.sim_state:
+            return Path(self.sim_state)
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.simulate.lower())
+        return self.runtime_dir / f"sim-{slug}.json"
+
+
+def user_runtime_dir() -> Path:
+    """/run/gpud for root; $XDG_RUNTIME_DIR/gpud (or a private /tmp directory) for anyone else."""
+    if os.geteuid() == 0:
+        return SYSTEM_RUNTIME_DIR
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "gpud" if xdg else Path(f"/tmp/gpud-{os.geteuid()}")
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_config(path: Path | None) -> Config:
+    """Reads the config file. path None = the default file, which may be absent (defaults apply)."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return Config()
+        path = DEFAULT_CONFIG_PATH
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, None, "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, None, f"cannot read: {exc}") from None
+    return parse_config(text, source)
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        raise ConfigError(source, None, f"invalid YAML: {exc.problem or exc}", line) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, None, f"invalid YAML: {exc}") from None
+    if data is None:
+        return Config()
+    lines = _key_lines(node)
+    return _build(Config, data, (), source, lines)
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
+    """Maps each mapping key path to the line it is on, so errors can point at it."""
+    lines: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (str(key_node.value),)
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    return lines
+
+
+def _build(cls: type, data: Any, path: tuple, source: str, lines: dict[tuple, int]) -> Any:
+    dotted = ".".join(path) or None
+    if not isinstance(data, dict):
+        raise ConfigError(source, dotted, f"expected a mapping, got {_type_name(data)}", lines.get(path))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        key_path = path + (str(key),)
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(
+                source, ".".join(key_path), f"unknown key (known keys here: {known})", lines.get(key_path)
+            )
+        values[key] = _convert(hints[key], fields[key], value, key_path, source, lines)
+    return cls(**values)
+
+
+def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source: str, lines: dict) -> Any:
+    dotted, line = ".".join(path), lines.get(path)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path, source, lines)
+    allowed = _allowed_types(hint)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(source, dotted, "must have a value", line)
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not any(isinstance(value, t) and not (t is not bool and isinstance(value, bool)) for t in allowed):
+        wanted = " or ".join(_type_label(t) for t in allowed if t is not type(None))
+        raise ConfigError(source, dotted, f"expected {wanted}, got {_type_name(value)} {value!r}", line)
+    bounds = fld.metadata
+    if bounds.get("choices") and value not in bounds["choices"]:
+        raise ConfigError(source, dotted, f"must be one of {', '.join(bounds['choices'])}; got {value!r}", line)
+    low, high = bounds.get("low"), bounds.get("high")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(source, dotted, f"must be between {low:g} and {high:g}; got {value!r}", line)
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(source, dotted, "must not be empty", line)
+    return value
+
+
+def _allowed_types(hint: Any) -> tuple:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _type_label(t: type) -> str:
+    return {str: "a string", float: "a number", int: "an integer", bool: "true or false"}.get(t, t.__name__)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "nothing"}.get(type(value), type(value).__name__)

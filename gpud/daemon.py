@@ -1,0 +1,83 @@
+"""The daemon: wires the NVML session, the inventory and the API together, and runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+from aiohttp import web
+
+from gpud import __version__
+from gpud.api.server import Api, SocketInUse, UnixSocketListener
+from gpud.config import Config
+from gpud.inventory import InventoryService
+from gpud.logs import get_logger
+from gpud.nvml.reader import NodeReader
+from gpud.nvml.session import NvmlSession, load_backend
+
+log = get_logger("daemon")
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        self.session = NvmlSession(load_backend(config.simulate, config.sim_state_path),
+                                   retry_initial_s=config.nvml.init_retry_initial_s,
+                                   retry_max_s=config.nvml.init_retry_max_s)
+        reader = NodeReader()
+        self.inventory = InventoryService(lambda previous: self.session.call(reader.read, previous),
+                                          config.inventory.refresh_interval_s)
+        node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
+                     "backend": self.session.backend_name, "simulated_preset": config.simulate}
+        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s)
+        self._listener = UnixSocketListener(config.socket_path)
+        self._runner: web.AppRunner | None = None
+        self._node_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
+        sock = self._listener.open()
+        self._runner = web.AppRunner(self.api.app(), handle_signals=False, access_log=None,
+                                     keepalive_timeout=self.config.api.idle_timeout_s,
+                                     shutdown_timeout=self.config.api.shutdown_timeout_s)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        cfg = self.config
+        log.info("listening", socket=str(cfg.socket_path), backend=self.session.backend_name,
+                 simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
+                 state_dir=str(cfg.state_path), version=__version__)
+        self._node_task = asyncio.create_task(self._run_node(), name="node")
+
+    async def _run_node(self) -> None:
+        await self.session.initialise()
+        await self.inventory.refresh("startup")
+        await self.inventory.run()
+
+    async def stop(self) -> None:
+        log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)
+        if self._node_task:
+            self._node_task.cancel()
+            await asyncio.gather(self._node_task, return_exceptions=True)
+        if self._runner:
+            await self._runner.cleanup()  # stops accepting, lets in-flight requests finish
+        self._listener.close()
+        await self.session.close()
+        log.info("stopped")
+
+
+async def serve(config: Config) -> int:
+    """Runs until SIGTERM or SIGINT. Returns the process exit code."""
+    daemon = Daemon(config)
+    try:
+        await daemon.start()
+    except (SocketInUse, OSError) as exc:
+        log.error("socket_unavailable", socket=str(config.socket_path), error=str(exc))
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await daemon.stop()
+    return 0

@@ -1,0 +1,45 @@
+"""Stages a simulated node through the NVML calls themselves, as an admin with nvidia-smi would.
+
+Tests and benchmarks use it to put MIG devices on the simulated GPUs before gpud looks at them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fill_with_gpu_instances(nvml: Any, profile_constant: int) -> int:
+    """Enables MIG on every MIG-capable GPU and fills it with as many instances of the profile as fit,
+    each with one compute instance spanning it. Returns the number of MIG devices created."""
+    created = 0
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError_NotSupported:
+            continue
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_ENABLE)
+            if nvml.nvmlDeviceGetMigMode(handle)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
+                nvml.sim_reset_gpu(index)  # Ampere: the new mode needs a GPU reset
+        profile = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile_constant)
+        while nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, profile.id) > 0:
+            gpu_instance = nvml.nvmlDeviceCreateGpuInstance(handle, profile.id)
+            ci_profile = _whole_compute_profile(nvml, gpu_instance)
+            nvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
+            created += 1
+    return created
+
+
+def _whole_compute_profile(nvml: Any, gpu_instance: Any) -> Any:
+    """The compute-instance profile that takes every compute slice of the GPU instance."""
+    best = None
+    for constant in range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+        try:
+            info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gpu_instance, constant, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            continue
+        if best is None or info.sliceCount > best.sliceCount:
+            best = info
+    return best
