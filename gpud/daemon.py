@@ -40,6 +40,8 @@ class Daemon:
         sock = self._listener.open()
         self._runner = web.AppRunner(self.api.app(), handle_signals=False, access_log=None,
                                      keepalive_timeout=self.config.api.idle_timeout_s,
+                                     # after an error, read the rest of an unwanted body for 1 s at most
+                                     lingering_time=1.0,
                                      shutdown_timeout=self.config.api.shutdown_timeout_s)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()

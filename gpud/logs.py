@@ -51,4 +51,5 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> No
 
 
 def get_logger(name: str):
-    return structlog.get_logger(name).bind(component=name)
+    # Stays lazy (unlike .bind()), so module-level loggers pick up the configuration made at start-up.
+    return structlog.get_logger(component=name)

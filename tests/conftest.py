@@ -61,7 +61,8 @@ class GpudProcess:
                              timeout, "healthz 200")
 
     def log_text(self) -> str:
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return self.log_path.read_text()
 
     def log_events(self) -> list[dict]:

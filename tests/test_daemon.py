@@ -66,8 +66,9 @@ def test_restart_keeps_the_simulated_gpu_state(run_gpud, short_tmp):
     after = second.client.get("/v1/gpus")["gpus"]
     mig_uuids = lambda gpus: [[d["uuid"] for d in g["mig"]["devices"]] for g in gpus]  # noqa: E731
     assert mig_uuids(after)[:6] == mig_uuids(before)[:6]
-    assert after[6]["lost"] is True
-    assert [g["uuid"] for g in after] == [g["uuid"] for g in before]
+    assert after[6]["lost"] is True and "GPU is lost" in after[6]["error"]
+    # NVML gives no handle for a lost GPU, so a freshly started gpud cannot name it; the others keep theirs
+    assert [g["uuid"] for g in after][:6] == [g["uuid"] for g in before][:6]
     assert second.stop() == 0
 
 
@@ -79,7 +80,7 @@ def test_a_second_gpud_refuses_the_socket(run_gpud, short_tmp):
     assert second.proc.wait(20) == 1
     refused = [e for e in second.log_events() if e.get("event") == "socket_unavailable"]
     assert refused and "another gpud" in refused[0]["error"]
-    assert first.client.get("/v1/gpus")["gpus"][0]["name"] == "NVIDIA T4"
+    assert first.client.get("/v1/gpus")["gpus"][0]["name"] == "Tesla T4"
     assert first.stop() == 0
 
 

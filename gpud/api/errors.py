@@ -19,7 +19,10 @@ class ApiError(Exception):
         self.status, self.code, self.message, self.details = status, code, message, details
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.code, self.message, **self.details)
+        response = error_response(self.status, self.code, self.message, **self.details)
+        if self.status == 408:
+            response.force_close()  # the rest of a stalled body is not worth waiting for
+        return response
 
 
 def error_response(status: int, code: str, message: str, **details: Any) -> web.Response:

@@ -5,7 +5,25 @@ Tests and benchmarks use it to put MIG devices on the simulated GPUs before gpud
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from .simulator import SimulatedNvml
+
+
+def started(preset: str, state_path: str | os.PathLike) -> SimulatedNvml:
+    """A simulator on `state_path`, already initialized."""
+    nvml = SimulatedNvml(preset, state_path)
+    nvml.nvmlInit()
+    return nvml
+
+
+def enable_mig(nvml: Any, index: int) -> Any:
+    """Turns MIG mode on for one GPU, resetting it when the change stays pending (Ampere)."""
+    device = nvml.nvmlDeviceGetHandleByIndex(index)
+    if nvml.nvmlDeviceSetMigMode(device, nvml.NVML_DEVICE_MIG_ENABLE) != nvml.NVML_SUCCESS:
+        nvml.sim_reset_gpu(index)
+    return device
 
 
 def fill_with_gpu_instances(nvml: Any, profile_constant: int) -> int:
@@ -15,13 +33,11 @@ def fill_with_gpu_instances(nvml: Any, profile_constant: int) -> int:
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         try:
-            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         except nvml.NVMLError_NotSupported:
             continue
         if current != nvml.NVML_DEVICE_MIG_ENABLE:
-            nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_ENABLE)
-            if nvml.nvmlDeviceGetMigMode(handle)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
-                nvml.sim_reset_gpu(index)  # Ampere: the new mode needs a GPU reset
+            enable_mig(nvml, index)
         profile = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile_constant)
         while nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, profile.id) > 0:
             gpu_instance = nvml.nvmlDeviceCreateGpuInstance(handle, profile.id)

@@ -1,0 +1,209 @@
+"""Shared machinery of the simulator: lifecycle, locking, persistence and handle resolution."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from pynvml import (
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_UNINITIALIZED,
+    NVMLError,
+)
+
+from .errors import SimError
+from .events import Event, EventSet, GpuLost
+from .handles import SERIAL_MASK, HandleRef, Kind, decode, make_handle
+from .presets import PresetError, canonical_preset, parse_preset
+from .state import (
+    ComputeInstance,
+    Gpu,
+    GpuInstance,
+    MigDevice,
+    dump_state,
+    new_gpus,
+    read_state_file,
+    restore_gpus,
+    write_state_file,
+)
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def _guarded(uninitialized: Callable[[], Exception]) -> Callable[[Method], Method]:
+    def decorate(method: Method) -> Method:
+        @functools.wraps(method)
+        def locked(self: SimCore, *args, **kwargs):
+            with self._lock:
+                if not self._init_count:
+                    raise uninitialized()
+                return method(self, *args, **kwargs)
+
+        return locked
+
+    return decorate
+
+
+# An NVML call: serialized under the simulator lock, Uninitialized before nvmlInit.
+nvml_call = _guarded(lambda: NVMLError(NVML_ERROR_UNINITIALIZED))
+# A sim_* control: the same, but the caller is a test harness, so say what is wrong.
+sim_control = _guarded(lambda: SimError("the simulator is not initialized: call nvmlInit() first"))
+
+
+class SimCore:
+    def __init__(self, preset: str, state_path: str | os.PathLike) -> None:
+        self._preset = canonical_preset(preset)
+        self._models = parse_preset(preset)
+        self._state_path = Path(state_path)
+        # One lock for everything; event waits release it through the condition.
+        self._lock = threading.RLock()
+        self._event_signal = threading.Condition(self._lock)
+        self._init_count = 0
+        self._gpus: list[Gpu] = []
+        self._event_sets: dict[int, EventSet] = {}
+        self._event_set_ids = itertools.count(1)
+        self._serials = itertools.count(1)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        # Init/shutdown nest like NVML's reference count; the state loads on the first init.
+        with self._lock:
+            if not self._init_count:
+                self._gpus = self._load_or_create()
+            self._init_count += 1
+
+    def nvmlShutdown(self) -> None:
+        with self._lock:
+            if not self._init_count:
+                raise NVMLError(NVML_ERROR_UNINITIALIZED)
+            self._init_count -= 1
+            if not self._init_count:
+                self._gpus = []
+                self._event_sets.clear()
+                self._event_signal.notify_all()  # waiters wake up to Uninitialized
+
+    def _load_or_create(self) -> list[Gpu]:
+        document = read_state_file(self._state_path)
+        if document is None:
+            gpus = new_gpus(self._preset, self._models)
+            write_state_file(self._state_path, dump_state(self._preset, gpus))
+            return gpus
+        saved_preset = document.get("preset")
+        if saved_preset != self._preset:
+            raise PresetError(
+                f"state file {self._state_path} was made for preset {saved_preset!r}, "
+                f"but this simulator runs preset {self._preset!r}: use that preset or another state file"
+            )
+        try:
+            return restore_gpus(document, self._preset, self._models, self._next_serial)
+        except (KeyError, ValueError, TypeError, AttributeError) as error:
+            raise SimError(
+                f"{self._state_path}: state does not fit preset {self._preset!r}: {error!r}"
+            ) from None
+
+    def _commit(self) -> None:
+        """Persist after a mutation, before the call returns."""
+        write_state_file(self._state_path, dump_state(self._preset, self._gpus))
+
+    def _next_serial(self) -> int:
+        return next(self._serials) & SERIAL_MASK
+
+    def _publish(self, item: Event | GpuLost) -> None:
+        for event_set in self._event_sets.values():
+            if event_set.accepts(item):
+                event_set.pending.append(item)
+        self._event_signal.notify_all()
+
+    # --- handles out ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _gpu_handle(gpu: Gpu):
+        return make_handle(HandleRef(Kind.GPU, gpu.index))
+
+    @staticmethod
+    def _mig_handle(gpu: Gpu, gi: GpuInstance, ci: ComputeInstance):
+        return make_handle(HandleRef(Kind.MIG_DEVICE, gpu.index, gi.id, ci.id, ci.serial))
+
+    @staticmethod
+    def _gpu_instance_handle(gpu: Gpu, gi: GpuInstance):
+        return make_handle(HandleRef(Kind.GPU_INSTANCE, gpu.index, gi.id, 0, gi.serial))
+
+    @staticmethod
+    def _compute_instance_handle(gpu: Gpu, gi: GpuInstance, ci: ComputeInstance):
+        return make_handle(HandleRef(Kind.COMPUTE_INSTANCE, gpu.index, gi.id, ci.id, ci.serial))
+
+    # --- handles in -----------------------------------------------------------------------------
+    # Not a simulator handle of the expected kind -> INVALID_ARGUMENT. A GI, CI or MIG device
+    # that has been destroyed since the handle was made -> NOT_FOUND (the code the *ById calls
+    # give for it too). Anything on a lost GPU -> GPU_IS_LOST.
+
+    def _ref(self, handle: object, *kinds: Kind) -> HandleRef:
+        ref = decode(handle)
+        if ref is None or ref.kind not in kinds or ref.gpu >= len(self._gpus):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return ref
+
+    def _reachable(self, gpu: Gpu) -> Gpu:
+        if gpu.lost:
+            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    def _gpu_at(self, index: int) -> Gpu:
+        if not isinstance(index, int) or not 0 <= index < len(self._gpus):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return self._reachable(self._gpus[index])
+
+    def _device(self, handle: object) -> tuple[Gpu, MigDevice | None]:
+        """The GPU of a GPU or MIG device handle, and the MIG device if it is one."""
+        ref = self._ref(handle, Kind.GPU, Kind.MIG_DEVICE)
+        gpu = self._reachable(self._gpus[ref.gpu])
+        if ref.kind is Kind.GPU:
+            return gpu, None
+        return gpu, self._live_mig_device(gpu, ref)
+
+    def _gpu(self, handle: object, on_mig_handle: int = NVML_ERROR_NOT_SUPPORTED) -> Gpu:
+        """The GPU of a whole-GPU handle; a MIG device handle raises `on_mig_handle`."""
+        gpu, mig_device = self._device(handle)
+        if mig_device is not None:
+            raise NVMLError(on_mig_handle)
+        return gpu
+
+    def _gpu_instance(self, handle: object) -> tuple[Gpu, GpuInstance]:
+        ref = self._ref(handle, Kind.GPU_INSTANCE)
+        gpu = self._reachable(self._gpus[ref.gpu])
+        gi = gpu.gpu_instances.get(ref.gpu_instance)
+        if gi is None or gi.serial != ref.serial:
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return gpu, gi
+
+    def _compute_instance(self, handle: object) -> tuple[Gpu, MigDevice]:
+        ref = self._ref(handle, Kind.COMPUTE_INSTANCE)
+        gpu = self._reachable(self._gpus[ref.gpu])
+        return gpu, self._live_mig_device(gpu, ref)
+
+    @staticmethod
+    def _live_mig_device(gpu: Gpu, ref: HandleRef) -> MigDevice:
+        gi = gpu.gpu_instances.get(ref.gpu_instance)
+        ci = gi.compute_instances.get(ref.compute_instance) if gi else None
+        if ci is None or ci.serial != ref.serial:
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return MigDevice(gi, ci)
+
+    def _event_set(self, handle: object) -> EventSet:
+        ref = decode(handle)
+        event_set = self._event_sets.get(ref.serial) if ref and ref.kind is Kind.EVENT_SET else None
+        if event_set is None:  # never created, or freed already
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return event_set

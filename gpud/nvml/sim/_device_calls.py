@@ -1,0 +1,223 @@
+"""NVML system and device queries (identity, health, processes)."""
+
+from __future__ import annotations
+
+import re
+
+import pynvml
+from pynvml import (
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVMLError,
+)
+
+from . import structs
+from ._core import SimCore, nvml_call
+from .identity import serial_number
+from .models import catalog
+from .state import Gpu
+
+_PCI_BUS_ID = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])$")
+_SETTABLE_COMPUTE_MODES = (
+    pynvml.NVML_COMPUTEMODE_DEFAULT,
+    pynvml.NVML_COMPUTEMODE_PROHIBITED,
+    pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _require(supported: bool) -> None:
+    if not supported:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+
+
+class DeviceCalls(SimCore):
+    # --- system ---------------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return catalog().driver.version
+
+    @nvml_call
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        return catalog().driver.nvml_version
+
+    @nvml_call
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return catalog().driver.cuda_version
+
+    nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
+
+    # --- finding devices ------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self._gpus)
+
+    @nvml_call
+    def nvmlDeviceGetHandleByIndex(self, index: int):
+        return self._gpu_handle(self._gpu_at(index))
+
+    @nvml_call
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes):
+        wanted = _text(uuid)
+        for gpu in self._gpus:
+            if gpu.uuid == wanted:
+                return self._gpu_handle(self._reachable(gpu))
+            for gi, ci in gpu.mig_devices():
+                if ci.uuid == wanted:
+                    return self._mig_handle(self._reachable(gpu), gi, ci)
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    @nvml_call
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes):
+        match = _PCI_BUS_ID.match(_text(pciBusId).strip().lower())
+        if match is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        domain, bus, device, function = (int(part or "0", 16) for part in match.groups())
+        for gpu in self._gpus:
+            if (domain, bus, device, function) == (0, gpu.bus, 0, 0):
+                return self._gpu_handle(self._reachable(gpu))
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    # --- identity -------------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlDeviceGetIndex(self, handle) -> int:
+        return self._gpu(handle).index
+
+    @nvml_call
+    def nvmlDeviceGetName(self, handle) -> str:
+        gpu, mig_device = self._device(handle)
+        if mig_device is None:
+            return gpu.model.name
+        return f"{gpu.model.name} MIG {mig_device.compute_instance.profile.name}"
+
+    @nvml_call
+    def nvmlDeviceGetUUID(self, handle) -> str:
+        gpu, mig_device = self._device(handle)
+        return gpu.uuid if mig_device is None else mig_device.compute_instance.uuid
+
+    @nvml_call
+    def nvmlDeviceGetSerial(self, handle) -> str:
+        gpu = self._gpu(handle)
+        _require(gpu.model.has_serial)
+        return serial_number(gpu.uuid)
+
+    @nvml_call
+    def nvmlDeviceGetMinorNumber(self, handle) -> int:
+        return self._gpu(handle).index
+
+    @nvml_call
+    def nvmlDeviceGetPciInfo_v3(self, handle) -> pynvml.nvmlPciInfo_t:
+        return structs.pci_info(self._gpu(handle))
+
+    nvmlDeviceGetPciInfo = nvmlDeviceGetPciInfo_v3
+
+    @nvml_call
+    def nvmlDeviceGetArchitecture(self, device) -> int:
+        return self._device(device)[0].model.architecture
+
+    @nvml_call
+    def nvmlDeviceGetCudaComputeCapability(self, handle) -> tuple[int, int]:
+        return self._device(handle)[0].model.compute_capability
+
+    @nvml_call
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        gpu, mig_device = self._device(handle)
+        if mig_device is None:
+            return structs.memory_info(gpu.model.memory_mib, len(gpu.running_processes()), version)
+        gi = mig_device.gpu_instance  # a MIG device sees its GI's memory, shared by the GI's CIs
+        return structs.memory_info(gi.profile.memory_mb, gi.process_count(), version)
+
+    # --- modes ----------------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlDeviceGetComputeMode(self, handle) -> int:
+        return self._gpu(handle).compute_mode
+
+    @nvml_call
+    def nvmlDeviceSetComputeMode(self, handle, mode: int) -> None:
+        gpu = self._gpu(handle)
+        if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:  # removed from the driver
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if mode not in _SETTABLE_COMPUTE_MODES:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        gpu.compute_mode = mode
+        self._commit()
+
+    @nvml_call
+    def nvmlDeviceGetPersistenceMode(self, handle) -> int:
+        self._gpu(handle)
+        return pynvml.NVML_FEATURE_ENABLED  # nvidia-persistenced runs on a managed node
+
+    # --- health ---------------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlDeviceGetTemperature(self, handle, sensor: int) -> int:
+        model = self._gpu(handle).model
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return model.idle_temperature_c
+
+    @nvml_call
+    def nvmlDeviceGetTemperatureThreshold(self, handle, threshold: int) -> int:
+        thresholds = self._gpu(handle).model.temperature_thresholds
+        _require(threshold in thresholds)
+        return thresholds[threshold]
+
+    @nvml_call
+    def nvmlDeviceGetPowerUsage(self, handle) -> int:
+        return self._gpu(handle).model.idle_power_mw
+
+    @nvml_call
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle) -> int:
+        return self._gpu(handle).model.power_limit_mw
+
+    @nvml_call
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle) -> int:
+        gpu = self._gpu(handle)
+        busy = bool(gpu.running_processes())
+        return pynvml.nvmlClocksEventReasonNone if busy else pynvml.nvmlClocksEventReasonGpuIdle
+
+    @nvml_call
+    def nvmlDeviceGetEccMode(self, handle) -> list[int]:
+        self._ecc_gpu(handle)
+        return [pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_ENABLED]
+
+    @nvml_call
+    def nvmlDeviceGetTotalEccErrors(self, handle, errorType: int, counterType: int) -> int:
+        gpu = self._ecc_gpu(handle)
+        if errorType not in (0, 1) or counterType not in (0, 1):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.ecc.count(errorType, counterType)
+
+    @nvml_call
+    def nvmlDeviceGetRemappedRows(self, device) -> tuple[int, int, int, int]:
+        gpu = self._gpu(device)
+        _require(gpu.model.row_remapping)
+        rows = gpu.remapped_rows
+        return (rows.correctable, rows.uncorrectable, int(rows.pending), int(rows.failure))
+
+    def _ecc_gpu(self, handle) -> Gpu:
+        gpu = self._gpu(handle)
+        _require(gpu.model.ecc)
+        return gpu
+
+    # --- processes ------------------------------------------------------------------------------
+
+    @nvml_call
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle) -> list:
+        """All processes of a GPU (with their GI/CI ids under MIG), or those of one MIG device."""
+        gpu, mig_device = self._device(handle)
+        if mig_device is None:
+            return [structs.process_info(*process) for process in gpu.running_processes()]
+        gi, ci = mig_device
+        return [structs.process_info(pid, gi.id, ci.id) for pid in ci.processes]
+
+    nvmlDeviceGetComputeRunningProcesses = nvmlDeviceGetComputeRunningProcesses_v3
+    nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses_v3

@@ -1,0 +1,188 @@
+"""GPU model catalogue: models.yaml turned into immutable, typed objects (loaded once)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import pynvml
+import yaml
+
+from .placement import Span
+
+
+@dataclass(frozen=True)
+class ComputeInstanceProfile:
+    id: int  # the NVML_COMPUTE_INSTANCE_PROFILE_* constant; NVML reports it as info.id too
+    name: str  # "1c.3g.20gb", or the GI profile name when the CI spans the whole GI (§4.4)
+    slice_count: int
+    multiprocessor_count: int
+    spans: tuple[Span, ...]
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.spans)
+
+
+@dataclass(frozen=True)
+class GpuInstanceProfile:
+    constant: int  # NVML_GPU_INSTANCE_PROFILE_*: only GetGpuInstanceProfileInfo takes this
+    id: int  # info.id: every other call takes this
+    name: str
+    instance_count: int
+    slice_count: int
+    memory_mb: int
+    multiprocessor_count: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpegs: int
+    ofas: int
+    spans: tuple[Span, ...]
+    compute_profiles: tuple[ComputeInstanceProfile, ...]
+
+    def compute_profile(self, profile_id: int) -> ComputeInstanceProfile | None:
+        return next((p for p in self.compute_profiles if p.id == profile_id), None)
+
+
+@dataclass(frozen=True)
+class MigSpec:
+    memory_slices: int
+    needs_reset: bool  # Ampere: a new MIG mode stays pending until the GPU is reset
+    gpu_instance_profiles: tuple[GpuInstanceProfile, ...]
+
+    def by_constant(self, constant: int) -> GpuInstanceProfile | None:
+        return next((p for p in self.gpu_instance_profiles if p.constant == constant), None)
+
+    def by_id(self, profile_id: int) -> GpuInstanceProfile | None:
+        return next((p for p in self.gpu_instance_profiles if p.id == profile_id), None)
+
+    @property
+    def max_devices(self) -> int:
+        """nvmlDeviceGetMaxMigDeviceCount with MIG on: as many as the smallest profile allows."""
+        return max(p.instance_count for p in self.gpu_instance_profiles)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    key: str
+    name: str
+    pci_device_id: int
+    pci_subsystem_id: int
+    memory_mib: int
+    architecture: int  # NVML_DEVICE_ARCH_*
+    compute_capability: tuple[int, int]
+    multiprocessor_count: int
+    ecc: bool
+    has_serial: bool
+    row_remapping: bool
+    idle_power_mw: int
+    power_limit_mw: int
+    idle_temperature_c: int
+    temperature_thresholds: Mapping[int, int]  # NVML_TEMPERATURE_THRESHOLD_* -> degrees C
+    mig: MigSpec | None
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    version: str
+    nvml_version: str
+    cuda_version: int
+
+
+@dataclass(frozen=True)
+class Catalog:
+    driver: DriverInfo
+    models: Mapping[str, GpuModel]
+
+
+@functools.cache
+def catalog() -> Catalog:
+    text = resources.files(__package__).joinpath("models.yaml").read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    ci_placements = data["compute_instance_placements"]
+    models = {key: _model(key, spec, ci_placements) for key, spec in data["models"].items()}
+    return Catalog(driver=DriverInfo(**data["driver"]), models=models)
+
+
+def _model(key: str, spec: dict[str, Any], ci_placements: dict) -> GpuModel:
+    temperatures = dict(spec["temperature_c"])
+    idle_temperature = temperatures.pop("idle")
+    return GpuModel(
+        key=key,
+        name=spec["name"],
+        pci_device_id=spec["pci_device_id"],
+        pci_subsystem_id=spec["pci_subsystem_id"],
+        memory_mib=spec["memory_mib"],
+        architecture=getattr(pynvml, "NVML_DEVICE_ARCH_" + spec["architecture"]),
+        compute_capability=tuple(spec["compute_capability"]),
+        multiprocessor_count=spec["sm_count"],
+        ecc=spec["ecc"],
+        has_serial=spec["serial"],
+        row_remapping=spec["row_remapping"],
+        idle_power_mw=spec["power_mw"]["idle"],
+        power_limit_mw=spec["power_mw"]["limit"],
+        idle_temperature_c=idle_temperature,
+        temperature_thresholds={
+            getattr(pynvml, "NVML_TEMPERATURE_THRESHOLD_" + name.upper()): value
+            for name, value in temperatures.items()
+        },
+        mig=_mig(spec["mig"], ci_placements) if "mig" in spec else None,
+    )
+
+
+def _mig(spec: dict[str, Any], ci_placements: dict) -> MigSpec:
+    return MigSpec(
+        memory_slices=spec["memory_slices"],
+        needs_reset=spec["mode_change"] == "reset",
+        gpu_instance_profiles=tuple(
+            _gpu_instance_profile(row, ci_placements) for row in spec["gpu_instance_profiles"]
+        ),
+    )
+
+
+def _gpu_instance_profile(row: dict[str, Any], ci_placements: dict) -> GpuInstanceProfile:
+    constant = getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_" + row["constant"])
+    return GpuInstanceProfile(
+        constant=constant,
+        id=row["id"],
+        name=row["name"],
+        instance_count=row["instances"],
+        slice_count=row["slices"],
+        memory_mb=row["memory_mb"],
+        multiprocessor_count=row["sm"],
+        copy_engines=row["ce"],
+        decoders=row["dec"],
+        encoders=row["enc"],
+        jpegs=row["jpeg"],
+        ofas=row["ofa"],
+        spans=tuple(Span(start, row["size"]) for start in row["starts"]),
+        compute_profiles=tuple(
+            _compute_profile(row, constant, ci_slices, starts)
+            for ci_slices, starts in ci_placements[row["slices"]].items()
+        ),
+    )
+
+
+def _compute_profile(
+    gi: dict[str, Any], gi_constant: int, slices: int, starts: list[int]
+) -> ComputeInstanceProfile:
+    whole_gi = slices == gi["slices"]
+    return ComputeInstanceProfile(
+        id=_compute_profile_constant(gi_constant, slices),
+        name=gi["name"] if whole_gi else f"{slices}c.{gi['name']}",
+        slice_count=slices,
+        # Partial CIs get an equal share of the GI's SMs (matches A100 §4.2; inferred elsewhere).
+        multiprocessor_count=gi["sm"] if whole_gi else gi["sm"] // gi["slices"] * slices,
+        spans=tuple(Span(start, slices) for start in starts),
+    )
+
+
+def _compute_profile_constant(gi_constant: int, slices: int) -> int:
+    # A double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1 (§4.2, S18).
+    if gi_constant == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2:
+        return pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
+    return getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE")

@@ -1,0 +1,253 @@
+"""The mutable machine state and its JSON state file.
+
+Everything that survives a restart lives here: MIG modes, GPU/compute instances, compute modes,
+processes, lost GPUs and error counters. Identities (UUIDs, bus ids) are derived from the preset,
+so the file repeats them only for people reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pynvml
+
+from .errors import SimError
+from .events import NOT_ATTRIBUTED
+from .identity import gpu_uuid, mig_uuid, pci_buses
+from .models import ComputeInstanceProfile, GpuInstanceProfile, GpuModel
+from .placement import Span
+
+FORMAT = 1
+
+
+@dataclass(eq=False)
+class ComputeInstance:
+    id: int
+    profile: ComputeInstanceProfile
+    span: Span
+    uuid: str  # of the MIG device this CI is
+    serial: int  # in-memory only: tells this CI from an earlier one with the same id
+    processes: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class GpuInstance:
+    id: int
+    profile: GpuInstanceProfile
+    span: Span
+    serial: int
+    compute_instances: dict[int, ComputeInstance] = field(default_factory=dict)
+
+    def process_count(self) -> int:
+        return sum(len(ci.processes) for ci in self.compute_instances.values())
+
+
+@dataclass
+class EccCounters:
+    volatile_corrected: int = 0
+    volatile_uncorrected: int = 0
+    aggregate_corrected: int = 0
+    aggregate_uncorrected: int = 0
+
+    def record(self, double_bit: bool) -> None:
+        kind = "uncorrected" if double_bit else "corrected"
+        for counter in ("volatile", "aggregate"):
+            name = f"{counter}_{kind}"
+            setattr(self, name, getattr(self, name) + 1)
+
+    def count(self, error_type: int, counter_type: int) -> int:
+        counter = "volatile" if counter_type == pynvml.NVML_VOLATILE_ECC else "aggregate"
+        kind = "uncorrected" if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else "corrected"
+        return getattr(self, f"{counter}_{kind}")
+
+    def clear_volatile(self) -> None:
+        self.volatile_corrected = self.volatile_uncorrected = 0
+
+
+@dataclass
+class RemappedRows:
+    correctable: int = 0
+    uncorrectable: int = 0
+    pending: bool = False
+    failure: bool = False
+
+
+class MigDevice(NamedTuple):
+    """What NVML exposes as a MIG device: a compute instance inside its GPU instance."""
+
+    gpu_instance: GpuInstance
+    compute_instance: ComputeInstance
+
+
+@dataclass(eq=False)
+class Gpu:
+    index: int
+    model: GpuModel
+    uuid: str
+    bus: int
+    mig_current: int = pynvml.NVML_DEVICE_MIG_DISABLE
+    mig_pending: int = pynvml.NVML_DEVICE_MIG_DISABLE
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
+    lost: bool = False
+    processes: list[int] = field(default_factory=list)  # while MIG is off; else on the CIs
+    ecc: EccCounters = field(default_factory=EccCounters)
+    remapped_rows: RemappedRows = field(default_factory=RemappedRows)
+    gpu_instances: dict[int, GpuInstance] = field(default_factory=dict)
+
+    @property
+    def mig_enabled(self) -> bool:
+        return self.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def mig_devices(self) -> list[MigDevice]:
+        """In NVML's MIG device index order: by GI id, then CI id (§4.4)."""
+        return [
+            MigDevice(gi, gi.compute_instances[ci_id])
+            for _, gi in sorted(self.gpu_instances.items())
+            for ci_id in sorted(gi.compute_instances)
+        ]
+
+    def running_processes(self) -> list[tuple[int, int, int]]:
+        """(pid, GI id, CI id) of every compute process; ids are 0xFFFFFFFF without MIG."""
+        unattributed = [(pid, NOT_ATTRIBUTED, NOT_ATTRIBUTED) for pid in self.processes]
+        return unattributed + [(pid, gi.id, ci.id) for gi, ci in self.mig_devices() for pid in ci.processes]
+
+
+def new_gpus(preset: str, models: list[GpuModel]) -> list[Gpu]:
+    buses = pci_buses(len(models))
+    return [
+        Gpu(index=index, model=model, uuid=gpu_uuid(preset, index, model.key), bus=buses[index])
+        for index, model in enumerate(models)
+    ]
+
+
+# --- state file -------------------------------------------------------------------------------
+
+
+def read_state_file(path: Path) -> dict[str, Any] | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SimError(f"{path}: not a simulator state file: {error}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise SimError(f"{path}: not a simulator state file of format {FORMAT}")
+    return document
+
+
+def write_state_file(path: Path, document: dict[str, Any]) -> None:
+    """Write, fsync, then rename over the old file: readers see the old or the new state, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            json.dump(document, file, indent=2)
+            file.write("\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dump_state(preset: str, gpus: list[Gpu]) -> dict[str, Any]:
+    return {"format": FORMAT, "preset": preset, "gpus": [_dump_gpu(gpu) for gpu in gpus]}
+
+
+def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
+    return {
+        "index": gpu.index,
+        "model": gpu.model.key,
+        "uuid": gpu.uuid,
+        "mig_mode": {"current": gpu.mig_current, "pending": gpu.mig_pending},
+        "compute_mode": gpu.compute_mode,
+        "lost": gpu.lost,
+        "processes": gpu.processes,
+        "ecc_errors": asdict(gpu.ecc),
+        "remapped_rows": asdict(gpu.remapped_rows),
+        "gpu_instances": [_dump_gpu_instance(gi) for _, gi in sorted(gpu.gpu_instances.items())],
+    }
+
+
+def _dump_gpu_instance(gi: GpuInstance) -> dict[str, Any]:
+    return {
+        "id": gi.id,
+        "profile_id": gi.profile.id,
+        "profile": gi.profile.name,
+        "placement": gi.span._asdict(),
+        "compute_instances": [
+            {
+                "id": ci.id,
+                "profile_id": ci.profile.id,
+                "placement": ci.span._asdict(),
+                "uuid": ci.uuid,
+                "processes": ci.processes,
+            }
+            for _, ci in sorted(gi.compute_instances.items())
+        ],
+    }
+
+
+def restore_gpus(
+    document: dict[str, Any], preset: str, models: list[GpuModel], next_serial: Callable[[], int]
+) -> list[Gpu]:
+    """The GPUs of a state file; raises ValueError (or a KeyError, TypeError...) when it does not fit."""
+    gpus = new_gpus(preset, models)
+    saved = document["gpus"]
+    if [record["model"] for record in saved] != [model.key for model in models]:
+        raise ValueError("its GPU models differ from the preset's")
+    for gpu, record in zip(gpus, saved, strict=True):
+        _restore_gpu(gpu, record, next_serial)
+    return gpus
+
+
+def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int]) -> None:
+    gpu.mig_current = record["mig_mode"]["current"]
+    gpu.mig_pending = record["mig_mode"]["pending"]
+    gpu.compute_mode = record["compute_mode"]
+    gpu.lost = record["lost"]
+    gpu.processes = list(record["processes"])
+    gpu.ecc = EccCounters(**record["ecc_errors"])
+    gpu.remapped_rows = RemappedRows(**record["remapped_rows"])
+    for gi_record in record["gpu_instances"]:
+        gi = GpuInstance(
+            id=gi_record["id"],
+            profile=_required(gpu.model.mig.by_id(gi_record["profile_id"])),
+            span=Span(**gi_record["placement"]),
+            serial=next_serial(),
+        )
+        for ci_record in gi_record["compute_instances"]:
+            gi.compute_instances[ci_record["id"]] = ComputeInstance(
+                id=ci_record["id"],
+                profile=_required(gi.profile.compute_profile(ci_record["profile_id"])),
+                span=Span(**ci_record["placement"]),
+                uuid=mig_uuid(gpu.uuid, gi.id, ci_record["id"]),
+                serial=next_serial(),
+                processes=list(ci_record["processes"]),
+            )
+        gpu.gpu_instances[gi.id] = gi
+
+
+def _required(profile: Any) -> Any:
+    if profile is None:
+        raise ValueError("unknown profile id")
+    return profile
