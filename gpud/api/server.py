@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from gpud.api.errors import MAX_BODY_BYTES, ApiError, error_middleware, read_json_object
+from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route, read_json_object
 from gpud.api.views import RenderedInventory, encode, node_view
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
@@ -51,7 +51,7 @@ class Api:
         self._node_body = encode(node_view(snapshot, self.node_base))
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/node", self.node)
         app.router.add_get("/v1/gpus", self.gpus)
@@ -60,6 +60,7 @@ class Api:
         app.router.add_post("/v1/sim/xid", self.sim_xid)
         app.router.add_post("/v1/sim/gpu-lost", self.sim_gpu_lost)
         app.router.add_post("/v1/sim/processes", self.sim_processes)
+        app.router.add_route("*", "/{path:.*}", no_such_route)  # last: only what nothing else matched
         return app
 
     # -- read routes ------------------------------------------------------------------------
@@ -79,9 +80,11 @@ class Api:
     async def node(self, request: web.Request) -> web.Response:
         return web.Response(body=self._node_body, content_type=JSON)
 
+    @json_errors
     async def gpus(self, request: web.Request) -> web.Response:
         return web.Response(body=self._require_inventory().gpus_body, content_type=JSON)
 
+    @json_errors
     async def gpu(self, request: web.Request) -> web.Response:
         ident = request.match_info["id"]
         body = self._require_inventory().gpu_body(ident)
@@ -101,6 +104,7 @@ class Api:
 
     # -- simulator faults ----------------------------------------------------------------------
 
+    @json_errors
     async def sim_xid(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str), "xid": (int,), "gi_id": (int, type(None)),
                                               "ci_id": (int, type(None))})
@@ -111,6 +115,7 @@ class Api:
                     ci_id=body.get("ci_id"))
         return _accepted({"injected": "xid", **body})
 
+    @json_errors
     async def sim_gpu_lost(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str)})
         await self._sim_call("sim_set_gpu_lost", body["gpu"])
@@ -118,6 +123,7 @@ class Api:
         await self.inventory.refresh("simulated GPU loss")
         return _accepted({"injected": "gpu-lost", **body})
 
+    @json_errors
     async def sim_processes(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str), "pids": (list,)})
         pids = body["pids"]
