@@ -40,6 +40,8 @@ def test_gpud_serves_503_and_retries_while_the_driver_is_not_loaded(run_gpud, tm
     assert node["backend"] == "nvml" and node["driver_version"] is None and node["gpu_count"] is None
     status, gpus = gpud.client.request("GET", "/v1/gpus", ok_statuses=(503,))
     assert status == 503 and gpus["error"]["code"] == "nvml-unavailable"
+    status, injected = gpud.client.request("POST", "/v1/sim/xid", {"gpu": 0, "xid": 79}, ok_statuses=(404,))
+    assert status == 404 and injected["error"]["code"] == "not-simulated"
 
     def retried():
         failures = [e for e in gpud.log_events() if e.get("event") == "nvml_init_failed"]
