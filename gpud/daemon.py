@@ -26,8 +26,9 @@ class Daemon:
                                    retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
         reader = NodeReader()
-        self.inventory = InventoryService(lambda previous: self.session.call(reader.read, previous),
-                                          config.inventory.refresh_interval_s)
+        self.inventory = InventoryService(lambda known: self.session.call(reader.read, known),
+                                          config.inventory.refresh_interval_s,
+                                          config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s)

@@ -7,11 +7,14 @@ made: a refresh builds a new one and swaps it in, so readers never see half an u
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Awaitable, Callable
 
 from gpud.logs import get_logger
+from gpud.persist import write_json_atomic
 
 log = get_logger("inventory")
 
@@ -70,20 +73,6 @@ class Inventory:
     read_at: float = field(default_factory=time.time)  # wall clock, for people
     read_duration_ms: float = 0.0
 
-    def find_gpu(self, ident: str) -> Gpu | None:
-        """A GPU by index ("3"), UUID ("GPU-…") or PCI bus id (either NVML's or the short form)."""
-        for gpu in self.gpus:
-            if ident in (str(gpu.index), gpu.uuid) or _same_bus_id(ident, gpu.pci_bus_id):
-                return gpu
-        return None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _same_bus_id(ident: str, bus_id: str) -> bool:
-    return ":" in ident and normal_bus_id(ident) == normal_bus_id(bus_id)
-
 
 def normal_bus_id(bus_id: str) -> str | None:
     """'0000:07:00.0', '00000000:07:00.0' and '07:00.0' name the same device; None if not a bus id."""
@@ -97,22 +86,36 @@ def normal_bus_id(bus_id: str) -> str | None:
     return f"{domain:08x}:{':'.join(parts[-2:])}"
 
 
-Reader = Callable[[Inventory | None], Awaitable[Inventory]]
+IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_mib", "architecture",
+                   "cuda_compute_capability", "serial")
+
+
+def unknown_gpu(index: int, **identity) -> Gpu:
+    """A GPU NVML cannot describe now (lost), with whatever identity gpud knew of it."""
+    fields = {name: "unknown" for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None}
+    fields.update(identity)
+    return Gpu(index=index, compute_mode="unknown", mig=MigInfo(capable=False, mode=None, pending_mode=None),
+               **fields)
+
+
+Reader = Callable[[dict[int, Gpu]], Awaitable[Inventory]]
 Listener = Callable[[Inventory], None]
 
 
 class InventoryService:
-    """Holds the current snapshot; re-reads the node on an interval and whenever asked."""
+    """Holds the current snapshot; re-reads the node on an interval and whenever a change is made."""
 
-    def __init__(self, read: Reader, interval_s: float):
+    def __init__(self, read: Reader, interval_s: float, known_gpus_path: Path):
         self._read = read
         self._interval_s = interval_s
         self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
         self._listeners: list[Listener] = []
         self.current: Inventory | None = None
         self.error: str | None = None
-        self.generation = 0
+        # The last good description of each GPU, kept on disk too: a GPU that falls off the bus
+        # while gpud is down is still named (UUID, bus id) when gpud comes back.
+        self._known_path = known_gpus_path
+        self.known: dict[int, Gpu] = _load_known(known_gpus_path)
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -122,7 +125,7 @@ class InventoryService:
         async with self._lock:
             started = time.perf_counter()
             try:
-                snapshot = await self._read(self.current)
+                snapshot = await self._read(self.known)
             except Exception as exc:
                 self.error = f"reading the node failed: {exc}"
                 log.error("inventory_read_failed", reason=reason, error=str(exc))
@@ -131,7 +134,7 @@ class InventoryService:
             snapshot = replace(snapshot, read_duration_ms=round(duration, 3))
             changed = self.current is None or _content(self.current) != _content(snapshot)
             self.current, self.error = snapshot, None
-            self.generation += 1
+            self._remember(snapshot)
             if changed:
                 log.info("inventory_changed", reason=reason, gpus=len(snapshot.gpus),
                          mig_devices=sum(len(g.mig.devices) for g in snapshot.gpus),
@@ -140,20 +143,37 @@ class InventoryService:
                 listener(snapshot)
             return snapshot
 
-    def poke(self) -> None:
-        """Asks the refresh loop for a re-read soon, without waiting for it."""
-        self._wake.set()
+    def _remember(self, snapshot: Inventory) -> None:
+        known = dict(self.known)
+        known.update({gpu.index: gpu for gpu in snapshot.gpus if not gpu.lost and not gpu.error})
+        if _identities(known) != _identities(self.known):
+            try:
+                write_json_atomic(self._known_path, _identities(known))
+            except OSError as exc:
+                log.warning("known_gpus_not_saved", path=str(self._known_path), error=str(exc))
+        self.known = known
 
     async def run(self) -> None:
         while True:
-            reason = "requested"
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._interval_s)
-            except asyncio.TimeoutError:
-                reason = "interval"
-            self._wake.clear()
-            await self.refresh(reason)
+            await asyncio.sleep(self._interval_s)
+            await self.refresh("interval")
 
 
 def _content(snapshot: Inventory) -> tuple:
     return (snapshot.driver_version, snapshot.gpus)
+
+
+def _identities(gpus: dict[int, Gpu]) -> dict[str, dict]:
+    return {str(index): {name: getattr(gpu, name) for name in IDENTITY_FIELDS} for index, gpu in gpus.items()}
+
+
+def _load_known(path: Path) -> dict[int, Gpu]:
+    try:
+        document = json.loads(path.read_text())
+        return {int(index): unknown_gpu(int(index), **{k: v for k, v in fields.items() if k in IDENTITY_FIELDS})
+                for index, fields in document.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("known_gpus_unreadable", path=str(path), error=str(exc))
+        return {}

@@ -35,7 +35,8 @@ class GpudProcess:
         self.workdir = workdir
         self.socket = workdir / "gpud.sock"
         self.log_path = workdir / f"gpud-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json", *args]
+        cmd = [sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json",
+               "--state-dir", str(workdir / "state"), *args]
         self._log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, cwd=REPO)

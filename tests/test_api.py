@@ -24,7 +24,7 @@ A100_1G5GB = {"memory_mib": 4864, "sms": 14}
 
 def make_config(tmp, preset="dgx-a100", **api) -> Config:
     config = Config().with_overrides(**{"api.socket": str(tmp / "g.sock"), "simulate": preset,
-                                        "sim_state": str(tmp / "sim.json"),
+                                        "sim_state": str(tmp / "sim.json"), "state_dir": str(tmp / "state"),
                                         "inventory.refresh_interval_s": 3600.0})
     for key, value in api.items():
         config = config.with_overrides(**{f"api.{key}": value})

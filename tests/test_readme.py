@@ -39,7 +39,10 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
         if IN_CI:
             pytest.fail("CI runs as root with sudo installed (scripts/test-all installs it)")
         pytest.skip("needs root (to create an ordinary user) and sudo")
-    subprocess.run(["useradd", "--create-home", USER], capture_output=True)  # may exist from an earlier run
+    system_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    runuser = shutil.which("runuser", path=system_path)
+    subprocess.run([shutil.which("useradd", path=system_path), "--create-home", USER],
+                   capture_output=True)  # may exist from an earlier run
     sudoers = Path(f"/etc/sudoers.d/{USER}")
     sudoers.write_text(f"{USER} ALL=(root) NOPASSWD: /usr/bin/apt-get\n")
     sudoers.chmod(0o440)
@@ -54,7 +57,7 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
     log = tmp_path / "readme.log"
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime),
            "LANG": "C.UTF-8"}
-    proc = subprocess.Popen(["runuser", "-u", USER, "--", "bash", "-c", setup_commands()[0]], cwd=clone,
+    proc = subprocess.Popen([runuser, "-u", USER, "--", "bash", "-c", setup_commands()[0]], cwd=clone,
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     socket_path = runtime / "gpud" / "gpud.sock"
     try:

@@ -18,6 +18,7 @@ from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route
 from gpud.api.views import RenderedInventory, encode, node_view
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
+from gpud.nvml.sim import SimError
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState, describe_error
 
 log = get_logger("api")
@@ -67,9 +68,11 @@ class Api:
 
     async def healthz(self, request: web.Request) -> web.Response:
         state = self.session.state
-        if state is SessionState.READY and self.rendered is not None:
+        if state is SessionState.READY and self.rendered is not None and not self.inventory.error:
             return web.Response(body=b'{"status":"ok"}', content_type=JSON)
-        if state is SessionState.READY or state is SessionState.STARTING:
+        if self.inventory.error:
+            status, code, message = "unavailable", "inventory-failed", self.inventory.error
+        elif state in (SessionState.READY, SessionState.STARTING):
             status, code, message = "starting", "starting", "gpud is starting: the first inventory is not read yet"
         else:
             status, code = "unavailable", "nvml-unavailable"
@@ -140,8 +143,6 @@ class Api:
         return await read_json_object(request, self.body_timeout_s, fields)
 
     async def _sim_call(self, method: str, *args: Any) -> None:
-        from gpud.nvml.sim import SimError
-
         try:
             await self.session.call(lambda nvml: getattr(nvml, method)(*args))
         except SimError as exc:

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, Placement
+from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, Placement, unknown_gpu
 
 MIB = 1 << 20
 _ARCHITECTURES = ("kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell")
@@ -51,8 +51,9 @@ class NodeReader:
     def __init__(self) -> None:
         self._profile_tables: dict[str, dict[int, tuple[str, Any]]] = {}
 
-    def read(self, nvml: Any, previous: Inventory | None) -> Inventory:
-        gpus = tuple(self._read_gpu(nvml, index, previous) for index in range(nvml.nvmlDeviceGetCount()))
+    def read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
+        """known: the last good description of each GPU, used for a GPU NVML cannot describe now."""
+        gpus = tuple(self._read_gpu(nvml, index, known) for index in range(nvml.nvmlDeviceGetCount()))
         return Inventory(
             driver_version=text(nvml.nvmlSystemGetDriverVersion()),
             cuda_version=_cuda_version(nvml.nvmlSystemGetCudaDriverVersion_v2()),
@@ -60,14 +61,13 @@ class NodeReader:
             gpus=gpus,
         )
 
-    def _read_gpu(self, nvml: Any, index: int, previous: Inventory | None) -> Gpu:
+    def _read_gpu(self, nvml: Any, index: int, known: dict[int, Gpu]) -> Gpu:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             return self._describe_gpu(nvml, index, handle)
         except nvml.NVMLError as exc:
-            last = _previous_gpu(previous, index)
-            lost = isinstance(exc, nvml.NVMLError_GpuIsLost)
-            return replace(last, lost=lost or last.lost, error=f"{exc} (NVML error {exc.value})")
+            last = known.get(index) or unknown_gpu(index)
+            return replace(last, lost=isinstance(exc, nvml.NVMLError_GpuIsLost), error=f"{exc} (NVML error {exc.value})")
 
     def _describe_gpu(self, nvml: Any, index: int, handle: Any) -> Gpu:
         pci = nvml.nvmlDeviceGetPciInfo_v3(handle)
@@ -142,16 +142,6 @@ class NodeReader:
                 memory_total_mib=attrs.memorySizeMB,
                 sm_count=attrs.multiprocessorCount,
             )
-
-
-def _previous_gpu(previous: Inventory | None, index: int) -> Gpu:
-    for gpu in previous.gpus if previous else ():
-        if gpu.index == index:
-            return gpu
-    unknown = "unknown"
-    return Gpu(index=index, uuid=unknown, name=unknown, pci_bus_id=unknown, pci_device_id=unknown,
-               memory_total_mib=0, compute_mode=unknown, architecture=unknown, cuda_compute_capability=unknown,
-               serial=None, mig=MigInfo(capable=False, mode=None, pending_mode=None))
 
 
 def _optional(nvml: Any, read):

@@ -55,7 +55,6 @@ class NvmlSession:
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-        self._ready = asyncio.Event()
 
     @property
     def backend_name(self) -> str:
@@ -66,9 +65,6 @@ class NvmlSession:
         if self.state is not SessionState.READY:
             raise NvmlUnavailable(self.error or f"NVML is {self.state.value}")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.nvml, *args)
-
-    async def wait_ready(self) -> None:
-        await self._ready.wait()
 
     async def initialise(self) -> None:
         """Tries nvmlInit until it succeeds, doubling the pause between attempts up to the maximum."""
@@ -90,7 +86,6 @@ class NvmlSession:
                 continue
             self.state, self.error = SessionState.READY, None
             log.info("nvml_ready", backend=self.backend_name, attempts=self.init_attempts)
-            self._ready.set()
             return
 
     async def close(self) -> None:

@@ -19,6 +19,8 @@ from pynvml import (
     NVMLError,
 )
 
+from gpud.persist import write_json_atomic
+
 from .errors import SimError
 from .events import Event, EventSet, GpuLost
 from .handles import SERIAL_MASK, HandleRef, Kind, decode, make_handle
@@ -32,7 +34,6 @@ from .state import (
     new_gpus,
     read_state_file,
     restore_gpus,
-    write_state_file,
 )
 
 Method = TypeVar("Method", bound=Callable)
@@ -98,7 +99,7 @@ class SimCore:
         document = read_state_file(self._state_path)
         if document is None:
             gpus = new_gpus(self._preset, self._models)
-            write_state_file(self._state_path, dump_state(self._preset, gpus))
+            write_json_atomic(self._state_path, dump_state(self._preset, gpus))
             return gpus
         saved_preset = document.get("preset")
         if saved_preset != self._preset:
@@ -115,7 +116,7 @@ class SimCore:
 
     def _commit(self) -> None:
         """Persist after a mutation, before the call returns."""
-        write_state_file(self._state_path, dump_state(self._preset, self._gpus))
+        write_json_atomic(self._state_path, dump_state(self._preset, self._gpus))
 
     def _next_serial(self) -> int:
         return next(self._serials) & SERIAL_MASK

@@ -8,8 +8,6 @@ so the file repeats them only for people reading it.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,32 +139,6 @@ def read_state_file(path: Path) -> dict[str, Any] | None:
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise SimError(f"{path}: not a simulator state file of format {FORMAT}")
     return document
-
-
-def write_state_file(path: Path, document: dict[str, Any]) -> None:
-    """Write, fsync, then rename over the old file: readers see the old or the new state, whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            json.dump(document, file, indent=2)
-            file.write("\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dump_state(preset: str, gpus: list[Gpu]) -> dict[str, Any]:
