@@ -49,6 +49,27 @@ def _parser() -> argparse.ArgumentParser:
         client.add_argument("--json", action="store_true", help="print the API's JSON")
         client.set_defaults(run=run)
 
+    mig = commands.add_parser("mig", help="MIG layouts: status, layouts, apply, export, validate")
+    mig_commands = mig.add_subparsers(title="mig commands", metavar="COMMAND")
+    for name, run, text in (("status", _mig_status, "the desired layout and each GPU's state"),
+                            ("layouts", _mig_layouts, "the named layouts and whether each fits this node"),
+                            ("export", _mig_export, "this node's MIG layout as a mig-parted file")):
+        command = mig_commands.add_parser(name, help=text)
+        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+        command.add_argument("--json", action="store_true", help="print the API's JSON")
+        command.set_defaults(run=run)
+    apply = mig_commands.add_parser("apply", help="apply a named layout")
+    apply.add_argument("layout")
+    apply.add_argument("--dry-run", action="store_true", help="show the plan; touch nothing")
+    apply.add_argument("--force", action="store_true", help="destroy MIG devices even if processes run on them")
+    apply.add_argument("--no-wait", action="store_true", help="return once the apply has started")
+    apply.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+    apply.add_argument("--json", action="store_true", help="print the API's JSON")
+    apply.set_defaults(run=_mig_apply)
+    mig_validate = mig_commands.add_parser("validate", help="check a layouts file (exit 0 valid, 2 invalid)")
+    mig_validate.add_argument("path", type=Path)
+    mig_validate.set_defaults(run=_mig_validate)
+
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
     validate = config_commands.add_parser("validate", help="check a config file without starting anything")
@@ -138,6 +159,112 @@ def _gpus(args: argparse.Namespace) -> int:
     return _client_call(args, fetch)
 
 
+def _mig_validate(args: argparse.Namespace) -> int:
+    from gpud.mig.layouts import LayoutError, load_layouts
+
+    try:
+        layouts = load_layouts(args.path)
+    except LayoutError as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"gpud: {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.path}: valid, {len(layouts)} layouts: {', '.join(layouts)}")
+    return EXIT_OK
+
+
+def _mig_status(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        view = client.get("/v1/mig")
+        if args.json:
+            _print_json(view)
+            return EXIT_OK
+        print(f"layout: {view['layout'] or '(none)'}  state: {view['state']}  in sync: "
+              f"{'yes' if view['in_sync'] else 'no'}" + (f"\nerror: {view['error']}" if view["error"] else ""))
+        rows = [("GPU", "IN SYNC", "STATE", "DESIRED", "ACTUAL")]
+        for gpu in view["gpus"]:
+            rows.append((str(gpu["index"]), "yes" if gpu["in_sync"] else "no", gpu["state"] or "-",
+                         _devices_text(gpu["desired"]), _devices_text(gpu["actual"])))
+        print(_table(rows))
+        return EXIT_OK if view["in_sync"] else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _mig_layouts(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        view = client.get("/v1/mig/layouts")
+        if args.json:
+            _print_json(view)
+            return EXIT_OK
+        rows = [("LAYOUT", "FITS", "GPUS TO CHANGE", "")]
+        for layout in view["layouts"]:
+            rows.append((layout["name"] + (" *" if layout["active"] else ""), "yes" if layout["fits"] else "no",
+                         "-" if layout["gpus_changed"] is None else str(layout["gpus_changed"]),
+                         layout["reason"] or ""))
+        print(f"from {view['source']} (* = current)")
+        print(_table(rows))
+        return EXIT_OK
+
+    return _client_call(args, fetch)
+
+
+def _mig_export(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        status, text = client.request_text("GET", "/v1/mig/export")
+        print(text, end="")
+        return EXIT_OK
+
+    return _client_call(args, fetch)
+
+
+def _mig_apply(args: argparse.Namespace) -> int:
+    import time
+
+    def fetch(client) -> int:
+        body = {"layout": args.layout, "force": args.force, "dry_run": args.dry_run}
+        _status, started = client.request("PUT", "/v1/mig", body)
+        if args.json and (args.dry_run or args.no_wait):
+            _print_json(started)
+            return EXIT_OK
+        for gpu in started["plan"]:
+            print(f"GPU {gpu['index']}: keep {gpu['keep']}, destroy {len(gpu['destroy'])}, "
+                  f"create {', '.join(c['profile'] for c in gpu['create']) or 'nothing'} "
+                  f"({gpu['mutations']} changes)")
+        if args.dry_run or args.no_wait:
+            return EXIT_OK
+        shown: dict[int, str] = {}
+        while True:
+            view = client.get("/v1/mig")
+            for gpu in view["gpus"]:
+                if gpu["state"] and shown.get(gpu["index"]) != gpu["state"]:
+                    shown[gpu["index"]] = gpu["state"]
+                    print(f"GPU {gpu['index']}: {gpu['state']}" + (f" — {gpu['error']}" if gpu["error"] else ""))
+            if view["state"] != "applying":
+                break
+            time.sleep(0.2)
+        if args.json:
+            _print_json(view)
+        print(f"layout {view['layout']}: {view['state']}" + (f" — {view['error']}" if view["error"] else ""))
+        return EXIT_OK if view["state"] == "success" else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _devices_text(side: dict | None) -> str:
+    if side is None:
+        return "(left alone)"
+    if not side["mig_enabled"]:
+        return "MIG off"
+    return ", ".join(f"{count}× {name}" for name, count in side["devices"].items()) or "MIG on, no devices"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
 def format_gpu_table(gpus: list[dict]) -> str:
     rows = [("IDX", "NAME", "UUID", "PCI BUS ID", "MEMORY", "MIG", "STATE")]
     for gpu in gpus:
@@ -152,8 +279,7 @@ def format_gpu_table(gpus: list[dict]) -> str:
             rows.append(("", f"└ MIG {dev['profile']}", dev["uuid"],
                          f"gi {dev['gi_id']} ci {dev['ci_id']} @{place['start']}:{place['size']}",
                          f"{dev['memory_total_mib']} MiB", f"{dev['sm_count']} SMs", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return _table(rows)
 
 
 def _print_json(document: Any) -> None:

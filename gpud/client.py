@@ -53,6 +53,23 @@ class Client:
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None, ok_statuses: tuple = ()) -> tuple[int, Any]:
+        status, raw = self._exchange(method, path, body)
+        try:
+            document = json.loads(raw) if raw else None
+        except ValueError:
+            document = {"error": {"message": raw.decode(errors="replace")[:200]}}
+        if status >= 400 and status not in ok_statuses:
+            raise ApiFailure(status, document)
+        return status, document
+
+    def request_text(self, method: str, path: str) -> tuple[int, str]:
+        """For the routes that answer with text (YAML) rather than JSON."""
+        status, raw = self._exchange(method, path, None)
+        if status >= 400:
+            raise ApiFailure(status, json.loads(raw))
+        return status, raw.decode()
+
+    def _exchange(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
         conn = _UnixConnection(self.socket_path, self.timeout)
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if payload is not None else {}
@@ -71,13 +88,7 @@ class Client:
             raise DaemonUnreachable(f"talking to gpud on {self.socket_path} failed: {exc}") from None
         finally:
             conn.close()
-        try:
-            document = json.loads(raw) if raw else None
-        except ValueError:
-            document = {"error": {"message": raw.decode(errors="replace")[:200]}}
-        if response.status >= 400 and response.status not in ok_statuses:
-            raise ApiFailure(response.status, document)
-        return response.status, document
+        return response.status, raw
 
     def get(self, path: str, ok_statuses: tuple = ()) -> Any:
         return self.request("GET", path, ok_statuses=ok_statuses)[1]

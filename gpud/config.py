@@ -72,11 +72,33 @@ class NvmlConfig:
 
 
 @dataclass(frozen=True)
+class MigHooksConfig:
+    # Shell commands run (in order, by /bin/sh) before and after a MIG change, only when a GPU changes:
+    # e.g. stopping and starting services that hold the GPUs. $GPUD_MIG_LAYOUT and $GPUD_MIG_GPUS
+    # (comma-separated indices) say what changes. A failing pre_apply command cancels the apply.
+    pre_apply: tuple[str, ...] = ()
+    post_apply: tuple[str, ...] = ()
+    timeout_s: float = field(default=300.0, metadata=_bounded(1, 3600))
+
+
+@dataclass(frozen=True)
+class MigConfig:
+    # Named layouts in mig-parted's v1 format; when the file is absent, the layouts shipped with gpud.
+    layouts_file: str = "/etc/gpud/mig-layouts.yaml"
+    # A layout applied at start, as mig-manager applies its selected config at boot.
+    default_layout: str | None = None
+    # An Ampere GPU needs a reset for a MIG mode change; false reports "reset-required" instead.
+    allow_gpu_reset: bool = True
+    hooks: MigHooksConfig = MigHooksConfig()
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
     inventory: InventoryConfig = InventoryConfig()
     nvml: NvmlConfig = NvmlConfig()
+    mig: MigConfig = MigConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -205,6 +227,8 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
     dotted, line = ".".join(path), lines.get(path)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path, source, lines)
+    if typing.get_origin(hint) is tuple:
+        return _convert_list(typing.get_args(hint)[0], value, dotted, source, line)
     allowed = _allowed_types(hint)
     if value is None:
         if type(None) in allowed:
@@ -224,6 +248,18 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
     if isinstance(value, str) and not value.strip():
         raise ConfigError(source, dotted, "must not be empty", line)
     return value
+
+
+def _convert_list(item_type: type, value: Any, dotted: str, source: str, line: int | None) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(source, dotted, f"expected a list, got {_type_name(value)}", line)
+    for position, item in enumerate(value):
+        if not isinstance(item, item_type) or (item_type is str and not item.strip()):
+            raise ConfigError(source, f"{dotted}[{position}]",
+                              f"expected {_type_label(item_type)}, got {_type_name(item)} {item!r}", line)
+    return tuple(value)
 
 
 def _allowed_types(hint: Any) -> tuple:

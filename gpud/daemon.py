@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from pathlib import Path
 
 from aiohttp import web
 
 from gpud import __version__
+from gpud.api.errors import ApiError
+from gpud.api.mig import MigRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.config import Config
 from gpud.inventory import InventoryService
 from gpud.logs import get_logger
+from gpud.mig.reconciler import ApplyRefused, MigReconciler
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 
@@ -31,7 +35,14 @@ class Daemon:
                                           config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
-        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s)
+        hooks = config.mig.hooks
+        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json",
+                                 allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
+                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s)
+        mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
+        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s,
+                       more_routes=(mig_routes.register,))
+        self._mig_routes = mig_routes
         self._listener = UnixSocketListener(config.socket_path)
         self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
@@ -55,7 +66,22 @@ class Daemon:
     async def _run_node(self) -> None:
         await self.session.initialise()
         await self.inventory.refresh("startup")
+        await self._converge_mig()
         await self.inventory.run()
+
+    async def _converge_mig(self) -> None:
+        """Finishes what a crash interrupted, or applies mig.default_layout when it is new."""
+        default = self.config.mig.default_layout
+        chosen_by_api = self.mig.desired_source == "api"
+        if default and not chosen_by_api and self.mig.status.layout != default:
+            try:
+                layout = self._mig_routes.layout(default)
+                await self.mig.apply(layout, source="default_layout")
+                await self.mig.wait()
+            except (ApiError, ApplyRefused) as exc:
+                log.error("mig_default_layout_failed", layout=default, error=getattr(exc, "message", str(exc)))
+            return
+        await self.mig.reconcile("startup")
 
     async def stop(self) -> None:
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)

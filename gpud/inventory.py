@@ -14,15 +14,10 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from gpud.logs import get_logger
+from gpud.mig.model import GpuInstanceState, MigCapabilities, Placement
 from gpud.persist import write_json_atomic
 
 log = get_logger("inventory")
-
-
-@dataclass(frozen=True)
-class Placement:
-    start: int
-    size: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +32,7 @@ class MigDevice:
     placement: Placement
     memory_total_mib: int
     sm_count: int
+    pids: tuple[int, ...] = ()  # compute processes running on it
 
 
 @dataclass(frozen=True)
@@ -45,6 +41,9 @@ class MigInfo:
     mode: str | None  # "enabled" | "disabled"; None when not capable
     pending_mode: str | None
     devices: tuple[MigDevice, ...] = ()
+    # For the MIG planner, not the GPU views: the GPU's profile table and its GPU/compute-instance tree.
+    capabilities: MigCapabilities | None = field(default=None, compare=False)
+    instances: tuple[GpuInstanceState, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpud.nvml.reader import mig_memory_gb, mig_profile_name
+from gpud.nvml.mig import mig_memory_gb, mig_profile_name
 
 # (device MiB, GI slices, GI memory MiB, published name) from shared/reference/mig-profiles.md §2-§3.
 PUBLISHED = [

@@ -9,7 +9,7 @@ import os
 import socket
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from aiohttp import web
@@ -37,8 +37,10 @@ class SocketInUse(RuntimeError):
 class Api:
     """The routes, and the rendered snapshot they answer from."""
 
-    def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict, body_timeout_s: float):
+    def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict, body_timeout_s: float,
+                 more_routes: tuple[Callable[[web.Application], None], ...] = ()):
         self.session = session
+        self.more_routes = more_routes
         self.inventory = inventory
         self.node_base = node_base
         self.body_timeout_s = body_timeout_s
@@ -61,6 +63,8 @@ class Api:
         app.router.add_post("/v1/sim/xid", self.sim_xid)
         app.router.add_post("/v1/sim/gpu-lost", self.sim_gpu_lost)
         app.router.add_post("/v1/sim/processes", self.sim_processes)
+        for register in self.more_routes:
+            register(app)
         app.router.add_route("*", "/{path:.*}", no_such_route)  # last: only what nothing else matched
         return app
 

@@ -21,6 +21,7 @@ def gpu_view(gpu: Gpu) -> dict:
     view = asdict(gpu)
     if not gpu.error:
         del view["error"]
+    del view["mig"]["capabilities"], view["mig"]["instances"]  # planner data, served by /v1/mig
     return view
 
 

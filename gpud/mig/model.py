@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpud.inventory import Placement
+
+@dataclass(frozen=True)
+class Placement:
+    start: int
+    size: int
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,8 @@ from .state import (
 )
 
 Method = TypeVar("Method", bound=Callable)
+# Crash tests set this to N: the process is killed right after the N-th change to the simulated GPUs.
+CRASH_AFTER_COMMITS_ENV = "GPUD_SIM_CRASH_AFTER_COMMITS"
 
 
 def _guarded(uninitialized: Callable[[], Exception]) -> Callable[[Method], Method]:
@@ -72,6 +75,8 @@ class SimCore:
         self._event_sets: dict[int, EventSet] = {}
         self._event_set_ids = itertools.count(1)
         self._serials = itertools.count(1)
+        self._commits = 0
+        self._crash_after_commits = int(os.environ.get(CRASH_AFTER_COMMITS_ENV, "0") or 0)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -117,6 +122,11 @@ class SimCore:
     def _commit(self) -> None:
         """Persist after a mutation, before the call returns."""
         write_json_atomic(self._state_path, dump_state(self._preset, self._gpus))
+        self._commits += 1
+        if self._commits == self._crash_after_commits:
+            # Fault injection for crash tests: the process dies right after the GPU changed,
+            # before the caller learns of it (a kill -9 or power loss at the worst moment).
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _next_serial(self) -> int:
         return next(self._serials) & SERIAL_MASK

@@ -1,0 +1,87 @@
+"""Benchmark: gpud's MIG planner against mig-parted's full recreate, on 8× A100-SXM4-40GB.
+
+Usage: python bench/mig_plan.py [--rounds N]
+
+For every ordered pair of mig-parted's standard A100-40GB layouts (config-default.yaml), the 8 GPUs
+start in the first layout (all-disabled: MIG off, no instances) and are planned to the second. Prints
+the planning time of plan_gpu (median and worst µs per GPU over all rounds; the worst includes the
+first, cold call) and the NVML mutations (creates + destroys) over the 8 GPUs of plan_gpu beside
+plan_full_recreate, then totals and the ratio. Nothing is run on a GPU: plans only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpud.mig.capabilities import reference_capabilities  # noqa: E402
+from gpud.mig.model import GpuMigState  # noqa: E402
+from gpud.mig.planner import plan_full_recreate, plan_gpu, state_after  # noqa: E402
+
+GPUS = 8
+LAYOUTS = {
+    "all-disabled": {},
+    "all-enabled": {},
+    "all-1g.5gb": {"1g.5gb": 7},
+    "all-1g.5gb.me": {"1g.5gb+me": 1},
+    "all-2g.10gb": {"2g.10gb": 3},
+    "all-3g.20gb": {"3g.20gb": 2},
+    "all-4g.20gb": {"4g.20gb": 1},
+    "all-7g.40gb": {"7g.40gb": 1},
+    "all-balanced": {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1},
+}
+
+
+def node_in(layout: str) -> list[GpuMigState]:
+    """8 GPUs carrying `layout`, as gpud would have built it from an empty GPU."""
+    capabilities = reference_capabilities("A100-SXM4-40GB")
+    gpus = []
+    for index in range(GPUS):
+        empty = GpuMigState(index=index, uuid=f"GPU-bench-{index}", pci_device_id="0x20B010DE", capable=True,
+                            mode_enabled=layout != "all-disabled", pending_enabled=False, capabilities=capabilities)
+        gpus.append(state_after(empty, plan_gpu(empty, LAYOUTS[layout])) if empty.mode_enabled else empty)
+    return gpus
+
+
+def measure(source: str, target: str, rounds: int) -> dict:
+    gpus, desired = node_in(source), LAYOUTS[target]
+    times = []
+    for _ in range(rounds):
+        for gpu in gpus:
+            started = time.perf_counter()
+            plan_gpu(gpu, desired)
+            times.append((time.perf_counter() - started) * 1e6)
+    plans = [plan_gpu(gpu, desired) for gpu in gpus]
+    return {"median_us": statistics.median(times), "worst_us": max(times), "times": times,
+            "gpud": sum(plan.mutations for plan in plans), "kept": sum(plan.kept for plan in plans),
+            "recreate": sum(plan_full_recreate(gpu, desired).mutations for gpu in gpus)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=50)
+    args = parser.parse_args()
+    print(f"{GPUS}× A100-SXM4-40GB, {len(LAYOUTS) ** 2} layout transitions, {args.rounds} rounds")
+    print(f"{'from':<15}{'to':<15}{'median µs':>10}{'worst µs':>10}{'gpud':>6}{'recreate':>10}{'kept':>6}")
+    results = []
+    for source in LAYOUTS:
+        for target in LAYOUTS:
+            row = measure(source, target, args.rounds)
+            results.append(row)
+            print(f"{source:<15}{target:<15}{row['median_us']:>10.0f}{row['worst_us']:>10.0f}"
+                  f"{row['gpud']:>6}{row['recreate']:>10}{row['kept']:>6}")
+    gpud, recreate = sum(r["gpud"] for r in results), sum(r["recreate"] for r in results)
+    every_time = [t for r in results for t in r["times"]]
+    print(f"planning per GPU: median {statistics.median(every_time):.0f} µs, worst {max(every_time):.0f} µs")
+    print(f"NVML mutations: gpud {gpud}, full recreate {recreate}, ratio recreate/gpud {recreate / gpud:.2f}; "
+          f"MIG devices kept by gpud {sum(r['kept'] for r in results)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""MIG device profile names as users write them: `3g.20gb`, `1c.3g.20gb`, `1g.5gb+me`.
+
+`<G>g` is the GPU instance's compute slices, `<GB>gb` its memory rounded the way NVIDIA's tools
+round it, and an optional `<C>c.` prefix names a compute instance smaller than its GPU instance.
+A trailing attribute says which media engines the GPU instance has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# "+me": media extensions; "+me.all": all media engines; "+gfx": graphics; "-me": no media engine.
+SUFFIXES = ("", "+me", "+me.all", "+gfx", "-me")
+
+_EXPECTED_FORMS = "expected <G>g.<GB>gb or <C>c.<G>g.<GB>gb (C < G), optionally followed by +me, +me.all, +gfx or -me"
+
+# Numbers without leading zeros, so that every accepted name formats back to itself (bar "<G>c.<G>g").
+_NUMBER = r"(?:0|[1-9][0-9]*)"
+_PATTERN = re.compile(rf"(?:(?P<ci>{_NUMBER})c\.)?(?P<gi>{_NUMBER})g\.(?P<gb>{_NUMBER})gb(?P<suffix>[+-][a-z.]+)?")
+
+
+@dataclass(frozen=True)
+class MigProfileName:
+    ci_slices: int  # compute slices of the compute instance; equals gi_slices when it takes the whole GPU instance
+    gi_slices: int
+    memory_gb: int
+    suffix: str = ""  # one of SUFFIXES
+
+    def __post_init__(self) -> None:
+        if min(self.ci_slices, self.gi_slices, self.memory_gb) < 1:
+            raise ValueError("slice counts and memory size must be at least 1")
+        if self.ci_slices > self.gi_slices:
+            raise ValueError(f"a compute instance ({self.ci_slices}c) cannot be larger than its GPU instance ({self.gi_slices}g)")
+        if self.suffix not in SUFFIXES:
+            raise ValueError(f"unknown attribute {self.suffix!r} (known: {', '.join(SUFFIXES[1:])})")
+
+    @classmethod
+    def parse(cls, text: str) -> MigProfileName:
+        match = _PATTERN.fullmatch(text)
+        if match is None:
+            raise ValueError(f"invalid MIG profile name {text!r}: {_EXPECTED_FORMS}")
+        gi_slices = int(match["gi"])
+        try:
+            return cls(ci_slices=int(match["ci"] or gi_slices), gi_slices=gi_slices,
+                       memory_gb=int(match["gb"]), suffix=match["suffix"] or "")
+        except ValueError as error:
+            raise ValueError(f"invalid MIG profile name {text!r}: {error}") from None
+
+    @property
+    def gi_name(self) -> str:
+        """The GPU-instance profile this device lives in, e.g. "3g.20gb+me"."""
+        return f"{self.gi_slices}g.{self.memory_gb}gb{self.suffix}"
+
+    def __str__(self) -> str:
+        if self.ci_slices == self.gi_slices:
+            return self.gi_name
+        return f"{self.ci_slices}c.{self.gi_name}"

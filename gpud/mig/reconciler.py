@@ -1,0 +1,425 @@
+"""Brings the GPUs to the desired MIG layout, crash-safely, one GPU at a time.
+
+The desired layout is persisted before the first NVML change; at start gpud reconciles the GPUs
+to it, so a crash at any point of an apply converges on the next start. Per GPU an apply is a
+transaction: when a step fails, that GPU is put back to the instances it had, and the other GPUs
+are left as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.logs import get_logger
+from gpud.mig.layouts import Layout, LayoutEntry, LayoutError
+from gpud.mig.model import CiTarget, GiTarget, GpuInstanceState, GpuMigState, GpuPlan, PlanError
+from gpud.mig.planner import plan_gpu
+from gpud.nvml import mig as nvml_mig
+from gpud.nvml.session import NvmlSession, describe_error
+from gpud.persist import write_json_atomic
+
+log = get_logger("mig")
+
+
+class ApplyRefused(Exception):
+    """An apply gpud will not start: nothing was touched. status is the HTTP status that fits."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any):
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+@dataclass(frozen=True)
+class GpuDesired:
+    mig_enabled: bool
+    devices: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {"mig_enabled": self.mig_enabled, "devices": dict(sorted(self.devices.items()))}
+
+
+@dataclass
+class GpuProgress:
+    index: int
+    uuid: str
+    state: str = "pending"  # pending | applying | done | unchanged | failed | reset-required
+    error: str | None = None
+    mutations: int = 0
+
+
+@dataclass
+class ApplyStatus:
+    layout: str | None = None
+    state: str = "success"  # success | pending | applying | failed | reset-required
+    error: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    gpus: dict[str, GpuProgress] = field(default_factory=dict)
+
+
+def mig_state_of(gpu: Gpu) -> GpuMigState:
+    return GpuMigState(index=gpu.index, uuid=gpu.uuid, pci_device_id=gpu.pci_device_id, capable=gpu.mig.capable,
+                       mode_enabled=gpu.mig.mode == "enabled", pending_enabled=gpu.mig.pending_mode == "enabled",
+                       capabilities=gpu.mig.capabilities, instances=gpu.mig.instances)
+
+
+def actual_of(gpu: Gpu) -> dict:
+    return {"mig_enabled": gpu.mig.mode == "enabled",
+            "devices": dict(sorted(Counter(d.profile for d in gpu.mig.devices).items()))}
+
+
+def in_sync(gpu: Gpu, desired: GpuDesired) -> bool:
+    """Mode, pending mode and device counts as desired, and no GPU instance left without a compute instance."""
+    leftovers = any(not gi.compute_instances for gi in gpu.mig.instances)
+    pending_ok = gpu.mig.pending_mode == gpu.mig.mode
+    return actual_of(gpu) == desired.as_dict() and not leftovers and pending_ok
+
+
+def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired]:
+    """GPU UUID -> what the layout wants of it; GPUs the layout does not select are absent (left alone)."""
+    desired = {}
+    for gpu in inventory.gpus:
+        entry: LayoutEntry | None = layout.for_gpu(gpu.index, gpu.pci_device_id, gpu.mig.capable)
+        if entry is not None:
+            desired[gpu.uuid] = GpuDesired(entry.mig_enabled, dict(entry.mig_devices) if entry.mig_enabled else {})
+    return desired
+
+
+class MigReconciler:
+    def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, *,
+                 allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
+                 hook_timeout_s: float = 300.0):
+        self.session = session
+        self.inventory = inventory
+        self._state_path = state_path
+        self._allow_reset = allow_reset
+        self._hooks = {"pre_apply": pre_apply, "post_apply": post_apply}
+        self._hook_timeout_s = hook_timeout_s
+        self._lock = asyncio.Lock()
+        self.status = ApplyStatus()
+        self.desired: dict[str, GpuDesired] = {}
+        self.desired_source: str | None = None  # "api" | "default_layout"
+        self._force = False
+        self._load_desired()
+
+    # -- persisted desired state ------------------------------------------------------------
+
+    def _load_desired(self) -> None:
+        try:
+            document = json.loads(self._state_path.read_text())
+            self.desired = {uuid: GpuDesired(bool(d["mig_enabled"]), {str(k): int(v) for k, v in d["devices"].items()})
+                            for uuid, d in document["gpus"].items()}
+            self.status.layout = document.get("layout")
+            self.desired_source = document.get("source")
+            self._force = bool(document.get("force", False))
+            self.status.state = "pending"
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error("mig_desired_unreadable", path=str(self._state_path), error=str(exc))
+
+    def _persist_desired(self, layout: str, desired: dict[str, GpuDesired], force: bool, source: str) -> None:
+        write_json_atomic(self._state_path, {
+            "layout": layout, "source": source, "force": force, "requested_at": time.time(),
+            "gpus": {uuid: d.as_dict() for uuid, d in desired.items()},
+        })
+        self.desired, self.desired_source, self._force = desired, source, force
+
+    # -- planning (pure: nothing is touched) ------------------------------------------------
+
+    def plan(self, layout: Layout, inventory: Inventory, force: bool = False) -> tuple[dict, dict[str, GpuPlan]]:
+        """desired per GPU and plans per GPU whose instances change. Raises ApplyRefused if it cannot apply."""
+        try:
+            desired = resolve_layout(layout, inventory)
+        except LayoutError as exc:
+            raise ApplyRefused(422, "layout-invalid", str(exc)) from None
+        plans = {}
+        for gpu in inventory.gpus:
+            wanted = desired.get(gpu.uuid)
+            if wanted is None or in_sync(gpu, wanted):
+                continue
+            if gpu.lost:
+                raise ApplyRefused(409, "gpu-lost", f"GPU {gpu.index} ({gpu.uuid}) is lost; it cannot be changed")
+            state = mig_state_of(gpu)
+            if not wanted.mig_enabled or not state.mode_enabled:
+                state = replace(state, mode_enabled=True, instances=())  # mode changes clear the GPU
+            try:
+                plans[gpu.uuid] = plan_gpu(state, wanted.devices)
+            except PlanError as exc:
+                raise ApplyRefused(422, "layout-does-not-fit", f"layout '{layout.name}': {exc}",
+                                   gpu=gpu.index) from None
+        if not force:
+            self._refuse_busy_instances(inventory, desired, plans)
+        return desired, plans
+
+    def _refuse_busy_instances(self, inventory: Inventory, desired: dict, plans: dict) -> None:
+        busy = []
+        for gpu in inventory.gpus:
+            wanted = desired.get(gpu.uuid)
+            if wanted is None or in_sync(gpu, wanted):
+                continue
+            doomed = _doomed_compute_instances(gpu, wanted, plans.get(gpu.uuid))
+            busy += [{"gpu": gpu.index, "uuid": ci.uuid, "gi_id": gi.gi_id, "ci_id": ci.ci_id, "pids": list(ci.pids)}
+                     for gi in gpu.mig.instances for ci in gi.compute_instances
+                     if (gi.gi_id, ci.ci_id) in doomed and ci.pids]
+        if busy:
+            where = "; ".join(f"GPU {b['gpu']} instance {b['uuid']} (GI {b['gi_id']}, CI {b['ci_id']}) runs PIDs "
+                              f"{', '.join(map(str, b['pids']))}" for b in busy)
+            raise ApplyRefused(409, "instances-in-use", f"refusing to destroy MIG devices with running processes: "
+                                                        f"{where}; stop them or apply with force", busy=busy)
+
+    # -- applying ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def apply(self, layout: Layout, *, force: bool = False, source: str = "api") -> dict[str, GpuPlan]:
+        """Plans, persists the desired layout and starts applying it in the background. Returns the plans."""
+        if self._lock.locked():
+            raise ApplyRefused(409, "apply-in-progress", f"a MIG apply of '{self.status.layout}' is in progress")
+        inventory = await self.inventory.refresh("mig apply requested")
+        if inventory is None:
+            raise ApplyRefused(503, "nvml-unavailable", self.session.error or "no inventory yet")
+        desired, plans = self.plan(layout, inventory, force)
+        self._persist_desired(layout.name, desired, force, source)
+        self.status = ApplyStatus(layout=layout.name, state="applying", started_at=time.time(),
+                                  gpus={g.uuid: GpuProgress(g.index, g.uuid) for g in inventory.gpus
+                                        if g.uuid in desired})
+        self._task = asyncio.create_task(self._run_locked())
+        return plans
+
+    async def wait(self) -> ApplyStatus:
+        task = getattr(self, "_task", None)
+        if task is not None:
+            await asyncio.shield(task)
+        return self.status
+
+    async def reconcile(self, reason: str) -> None:
+        """Converges the GPUs on the persisted desired layout (after a crash, or at start)."""
+        if not self.desired or self._lock.locked():
+            return
+        inventory = await self.inventory.refresh(reason)
+        if inventory is None:
+            return
+        if all(in_sync(g, self.desired[g.uuid]) for g in inventory.gpus if g.uuid in self.desired):
+            self.status.state = "success"
+            return
+        log.warning("mig_out_of_sync", layout=self.status.layout, reason=reason)
+        self.status = ApplyStatus(layout=self.status.layout, state="applying", started_at=time.time(),
+                                  gpus={g.uuid: GpuProgress(g.index, g.uuid) for g in inventory.gpus
+                                        if g.uuid in self.desired})
+        self._task = asyncio.create_task(self._run_locked())
+        await self.wait()
+
+    async def _run_locked(self) -> None:
+        async with self._lock:
+            try:
+                await self._run()
+            except Exception as exc:  # never leave the status at "applying"
+                log.exception("mig_apply_crashed", error=str(exc))
+                self.status.state, self.status.error = "failed", f"internal error: {exc}"
+            self.status.finished_at = time.time()
+
+    async def _run(self) -> None:
+        inventory = await self.inventory.refresh("mig apply")
+        changing = [g for g in inventory.gpus if g.uuid in self.desired and not in_sync(g, self.desired[g.uuid])]
+        for gpu in inventory.gpus:
+            if gpu.uuid in self.status.gpus and gpu not in changing:
+                self.status.gpus[gpu.uuid].state = "unchanged"
+        if changing and not await self._run_hook("pre_apply", changing):
+            return
+        for gpu in changing:
+            await self._apply_gpu(gpu, self.desired[gpu.uuid])
+        final = await self.inventory.refresh("mig apply finished")
+        if changing:
+            await self._run_hook("post_apply", changing)
+        states = {p.state for p in self.status.gpus.values()}
+        self.status.state = ("failed" if "failed" in states else "reset-required" if "reset-required" in states
+                             else "success")
+        errors = [f"GPU {p.index}: {p.error}" for p in self.status.gpus.values() if p.error]
+        self.status.error = "; ".join(errors) or self.status.error
+        log.info("mig_apply_finished", layout=self.status.layout, state=self.status.state,
+                 mutations=sum(p.mutations for p in self.status.gpus.values()),
+                 in_sync=all(in_sync(g, self.desired[g.uuid]) for g in final.gpus if g.uuid in self.desired))
+
+    async def _apply_gpu(self, gpu: Gpu, desired: GpuDesired) -> None:
+        progress = self.status.gpus[gpu.uuid]
+        progress.state = "applying"
+        bound = log.bind(gpu=gpu.index, uuid=gpu.uuid, layout=self.status.layout)
+        original = gpu.mig.instances
+        try:
+            gpu = await self._set_mode(gpu, desired.mig_enabled, progress, bound)
+            if gpu is None:
+                return
+            if desired.mig_enabled:
+                plan = plan_gpu(mig_state_of(gpu), desired.devices)
+                bound.info("mig_gpu_plan", destroy=len(plan.destroy_cis) + len(plan.destroy_gis),
+                           create=len(plan.create_cis) + sum(1 + len(g.compute_instances) for g in plan.create_gis),
+                           keep=plan.kept)
+                await self._execute(gpu, plan, progress)
+            progress.state = "done"
+            bound.info("mig_gpu_applied", mutations=progress.mutations)
+        except Exception as exc:
+            progress.state, progress.error = "failed", describe_error(exc)
+            bound.error("mig_gpu_failed", error=progress.error, mutations=progress.mutations)
+            await self._roll_back(gpu.index, gpu.uuid, original, progress, bound)
+
+    async def _set_mode(self, gpu: Gpu, enabled: bool, progress: GpuProgress, bound) -> Gpu | None:
+        """Clears the GPU and switches its MIG mode when it must change; returns its fresh state."""
+        if gpu.mig.mode == ("enabled" if enabled else "disabled") and gpu.mig.pending_mode == gpu.mig.mode:
+            return gpu
+        if gpu.mig.mode == "enabled":
+            await self._execute(gpu, GpuPlan(gpu.index, gpu.uuid, target=(),
+                                             destroy_cis=_all_cis(gpu.mig.instances),
+                                             destroy_gis=tuple(gi.gi_id for gi in gpu.mig.instances)), progress)
+        active = await self._mutate(progress, nvml_mig.set_mig_mode, gpu.index, enabled)
+        bound.info("mig_mode_set", enabled=enabled, active=active)
+        if not active:
+            if not self._allow_reset:
+                progress.state = "reset-required"
+                progress.error = "the MIG mode change waits for a GPU reset (mig.allow_gpu_reset is false)"
+                bound.warning("mig_reset_required")
+                return None
+            bound.warning("gpu_reset", why="MIG mode change pending (Ampere needs a reset)")
+            await self._mutate(progress, nvml_mig.reset_gpu, gpu.index)
+        return await self._fresh(gpu.uuid)
+
+    async def _execute(self, gpu: Gpu, plan: GpuPlan, progress: GpuProgress) -> None:
+        index = gpu.index
+        if self._force:
+            await self._end_processes(gpu, plan)
+        for gi_id, ci_id in plan.destroy_cis:
+            await self._mutate(progress, nvml_mig.destroy_compute_instance, index, gi_id, ci_id)
+        for gi_id in plan.destroy_gis:
+            await self._mutate(progress, nvml_mig.destroy_gpu_instance, index, gi_id)
+        for gi_id, ci in plan.create_cis:
+            await self._mutate(progress, nvml_mig.create_compute_instance, index, gi_id, ci.constant, ci.start,
+                               ci.slices)
+        for gi in plan.create_gis:
+            gi_id = await self._mutate(progress, nvml_mig.create_gpu_instance, index, gi.profile_id, gi.placement)
+            for ci in gi.compute_instances:
+                await self._mutate(progress, nvml_mig.create_compute_instance, index, gi_id, ci.constant, ci.start,
+                                   ci.slices)
+
+    async def _end_processes(self, gpu: Gpu, plan: GpuPlan) -> None:
+        doomed = set(plan.destroy_cis)
+        for gi in gpu.mig.instances:
+            for ci in gi.compute_instances:
+                if (gi.gi_id, ci.ci_id) in doomed and ci.pids:
+                    log.warning("mig_forced_processes_ended", gpu=gpu.index, uuid=ci.uuid, pids=list(ci.pids))
+                    await self.session.call(nvml_mig.end_processes, ci.uuid, ci.pids)
+
+    async def _mutate(self, progress: GpuProgress, fn, *args):
+        result = await self.session.call(fn, *args)
+        progress.mutations += 1
+        return result
+
+    async def _fresh(self, uuid: str) -> Gpu:
+        inventory = await self.inventory.refresh("mig step")
+        return next(g for g in inventory.gpus if g.uuid == uuid)
+
+    async def _roll_back(self, index: int, uuid: str, original: tuple[GpuInstanceState, ...],
+                         progress: GpuProgress, bound) -> None:
+        try:
+            gpu = await self._fresh(uuid)
+            if gpu.mig.mode != "enabled":
+                return  # the failure came before or during the mode change: nothing was created
+            plan = exact_plan(gpu, original)
+            await self._execute(gpu, plan, GpuProgress(index, uuid))
+            bound.warning("mig_gpu_rolled_back", restored=len(original))
+        except Exception as exc:
+            progress.error = f"{progress.error}; rollback failed: {describe_error(exc)}"
+            bound.error("mig_gpu_rollback_failed", error=describe_error(exc))
+
+    async def _run_hook(self, name: str, gpus: list[Gpu]) -> bool:
+        ok = True
+        env = {**os.environ, "GPUD_MIG_LAYOUT": self.status.layout or "",
+               "GPUD_MIG_GPUS": ",".join(str(g.index) for g in gpus)}
+        for command in self._hooks[name]:
+            try:
+                proc = await asyncio.create_subprocess_shell(command, env=env, stdout=asyncio.subprocess.PIPE,
+                                                             stderr=asyncio.subprocess.STDOUT)
+                output, _ = await asyncio.wait_for(proc.communicate(), self._hook_timeout_s)
+                failure = None if proc.returncode == 0 else f"exit status {proc.returncode}: {output.decode()[-500:]}"
+            except (OSError, asyncio.TimeoutError) as exc:
+                failure = str(exc) or "timed out"
+            log.info("mig_hook", hook=name, command=command, ok=failure is None, error=failure)
+            if failure:
+                ok = False
+                self.status.error = f"{name} hook '{command}' failed: {failure}"
+                if name == "pre_apply":
+                    self.status.state = "failed"
+                    for progress in self.status.gpus.values():
+                        if progress.state == "pending":
+                            progress.state = "unchanged"
+                    return False
+        return ok
+
+    # -- status -------------------------------------------------------------------------------
+
+    def view(self, inventory: Inventory | None) -> dict:
+        gpus = []
+        for gpu in inventory.gpus if inventory else ():
+            desired = self.desired.get(gpu.uuid)
+            progress = self.status.gpus.get(gpu.uuid)
+            gpus.append({"index": gpu.index, "uuid": gpu.uuid,
+                         "desired": desired.as_dict() if desired else None, "actual": actual_of(gpu),
+                         "in_sync": desired is None or in_sync(gpu, desired),
+                         "state": progress.state if progress else None,
+                         "error": progress.error if progress else None})
+        all_in_sync = bool(gpus) and all(g["in_sync"] for g in gpus)
+        state = self.status.state
+        if state == "success" and not all_in_sync and self.desired:
+            state = "pending"
+        return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync, "error": self.status.error,
+                "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
+
+
+def _all_cis(instances: tuple[GpuInstanceState, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((gi.gi_id, ci.ci_id) for gi in instances for ci in gi.compute_instances)
+
+
+def _doomed_compute_instances(gpu: Gpu, desired: GpuDesired, plan: GpuPlan | None) -> set[tuple[int, int]]:
+    mode_change = (gpu.mig.mode == "enabled") != desired.mig_enabled or gpu.mig.mode != "enabled"
+    if mode_change:
+        return set(_all_cis(gpu.mig.instances))
+    return set(plan.destroy_cis) if plan else set()
+
+
+def exact_plan(gpu: Gpu, original: tuple[GpuInstanceState, ...]) -> GpuPlan:
+    """The changes that put back exactly the given instances (same profiles, placements and starts),
+    keeping whatever already matches, so restored MIG devices get back their UUIDs."""
+    current = {(gi.profile_id, gi.placement): gi for gi in gpu.mig.instances}
+    capabilities = gpu.mig.capabilities
+    destroy_cis, destroy_gis, create_cis, create_gis, target = [], [], [], [], []
+    wanted_keys = {(gi.profile_id, gi.placement) for gi in original}
+    for key, gi in current.items():
+        if key not in wanted_keys:
+            destroy_cis += [(gi.gi_id, ci.ci_id) for ci in gi.compute_instances]
+            destroy_gis.append(gi.gi_id)
+    for want in original:
+        profile = capabilities.gi_profile_by_id(want.profile_id)
+        cis = tuple(CiTarget(name=profile.name, constant=ci.profile_id, slices=ci.slices, start=ci.start)
+                    for ci in want.compute_instances)
+        have = current.get((want.profile_id, want.placement))
+        if have is None:
+            gi_target = GiTarget(want.profile_id, profile.name, want.placement, cis)
+            create_gis.append(gi_target)
+        else:
+            have_cis = {(ci.profile_id, ci.start): ci for ci in have.compute_instances}
+            wanted_cis = {(ci.constant, ci.start) for ci in cis}
+            destroy_cis += [(have.gi_id, ci.ci_id) for key, ci in have_cis.items() if key not in wanted_cis]
+            create_cis += [(have.gi_id, ci) for ci in cis if (ci.constant, ci.start) not in have_cis]
+            gi_target = GiTarget(want.profile_id, profile.name, want.placement, cis, keep_gi_id=have.gi_id)
+        target.append(gi_target)
+    return GpuPlan(gpu.index, gpu.uuid, tuple(target), tuple(destroy_cis), tuple(destroy_gis), tuple(create_cis),
+                   tuple(create_gis))
