@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud import __version__
-from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
+from gpud.config import LOG_FORMATS, LOG_LEVELS, ConfigError, load_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -9,13 +9,12 @@ import socket
 import aiohttp
 import pynvml
 import pytest
+from openapi_check import assert_matches_openapi
 
 from gpud.config import Config
 from gpud.daemon import Daemon
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances
-
-from openapi_check import assert_matches_openapi
 
 # From shared/reference/mig-profiles.md §2 / §3.1 (A100-SXM4-40GB).
 A100_40GB_PCI_ID = "0x20B010DE"

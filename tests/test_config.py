@@ -4,11 +4,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import REPO
 
 from gpud.config import Config, ConfigError, load_config, parse_config
-
-from conftest import REPO
 
 SHIPPED = REPO / "etc" / "gpud" / "gpud.yaml"
 

@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 
+from conftest import REPO
+
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances
-
-from conftest import REPO
 
 
 def cli(*args: str, socket=None) -> subprocess.CompletedProcess:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
-import yaml
+from test_api import start_daemon, stop_daemon
 
 from gpud.config import Config, MigHooksConfig
 from gpud.mig.layouts import parse_layouts
-
-from test_api import start_daemon, stop_daemon
 
 # Per model, what NVIDIA's tables give (shared/reference/mig-profiles.md §3): layout -> {profile: (count, MiB)}.
 A100_40GB = {

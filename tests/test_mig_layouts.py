@@ -10,7 +10,13 @@ import pytest
 import yaml
 
 from gpud.mig.layouts import (
-    Layout, LayoutEntry, LayoutError, default_layouts, export_layout, load_layouts, parse_layouts,
+    Layout,
+    LayoutEntry,
+    LayoutError,
+    default_layouts,
+    export_layout,
+    load_layouts,
+    parse_layouts,
 )
 from gpud.mig.profile_names import MigProfileName
 
@@ -148,7 +154,9 @@ def test_mig_parted_dgx_station_config_keeps_the_display_gpu_out():
 
 
 @needs_peer_configs
-@pytest.mark.parametrize("file_name", ["deployments_systemd_hooks-default.yaml", "deployments_systemd_hooks-minimal.yaml"])
+@pytest.mark.parametrize("file_name", [
+    "deployments_systemd_hooks-default.yaml", "deployments_systemd_hooks-minimal.yaml",
+])
 def test_mig_parted_hooks_files_are_not_layout_files(file_name):
     path = PEER_CONFIGS / file_name
     with pytest.raises(LayoutError, match="not a MIG layout file") as error:
@@ -199,26 +207,28 @@ BALANCED = {
 MODEL_GPUS = [(model, pci_id) for model, (pci_ids, *_) in MODELS.items() for pci_id in pci_ids]
 
 
-def test_shipped_file_has_the_standard_layouts_in_order():
-    assert list(load_layouts(SHIPPED_FILE)) == [
-        "all-disabled", "all-enabled", *SINGLE_PROFILE_LAYOUTS[:12], "all-1g.6gb", "all-2g.12gb", "all-4g.24gb",
-        *SINGLE_PROFILE_LAYOUTS[15:], "all-balanced"]
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, Layout]:
+    return load_layouts(SHIPPED_FILE)
 
 
-def test_default_layouts_are_the_shipped_file():
-    assert default_layouts() == load_layouts(SHIPPED_FILE)
+def test_shipped_file_has_the_standard_layouts_in_order(shipped):
+    assert list(shipped) == ["all-disabled", "all-enabled", *SINGLE_PROFILE_LAYOUTS, "all-balanced"]
+
+
+def test_default_layouts_are_the_shipped_file(shipped):
+    assert default_layouts() == shipped
 
 
 @pytest.mark.parametrize("model, pci_id", MODEL_GPUS)
-def test_shipped_on_off_layouts(model, pci_id):
-    layouts = load_layouts(SHIPPED_FILE)
-    assert layouts["all-disabled"].for_gpu(0, pci_id, True) == LayoutEntry(None, (), False, {})
-    assert layouts["all-enabled"].for_gpu(0, pci_id, True) == LayoutEntry(None, (), True, {})
+def test_shipped_on_off_layouts(shipped, model, pci_id):
+    assert shipped["all-disabled"].for_gpu(0, pci_id, True) == LayoutEntry(None, (), False, {})
+    assert shipped["all-enabled"].for_gpu(0, pci_id, True) == LayoutEntry(None, (), True, {})
 
 
 @pytest.mark.parametrize("layout_name", SINGLE_PROFILE_LAYOUTS)
-def test_shipped_single_profile_layouts_fill_the_gpus_that_have_the_profile(layout_name):
-    layout = load_layouts(SHIPPED_FILE)[layout_name]
+def test_shipped_single_profile_layouts_fill_the_gpus_that_have_the_profile(shipped, layout_name):
+    layout = shipped[layout_name]
     profile = layout_name.removeprefix("all-").replace(".me", "+me")  # mig-parted writes "+" as "." in names
     fitted = []
     for model, pci_id in MODEL_GPUS:
@@ -233,9 +243,9 @@ def test_shipped_single_profile_layouts_fill_the_gpus_that_have_the_profile(layo
 
 
 @pytest.mark.parametrize("model, pci_id", MODEL_GPUS)
-def test_shipped_balanced_layout_per_model(model, pci_id):
+def test_shipped_balanced_layout_per_model(shipped, model, pci_id):
     _, compute_slices, memory_slices, capacities = MODELS[model]
-    counts = load_layouts(SHIPPED_FILE)["all-balanced"].for_gpu(0, pci_id, True).mig_devices
+    counts = shipped["all-balanced"].for_gpu(0, pci_id, True).mig_devices
     assert counts == BALANCED[model]
     assert all(count <= capacities[profile][0] for profile, count in counts.items())
     assert sum(MigProfileName.parse(p).gi_slices * n for p, n in counts.items()) == compute_slices

@@ -13,8 +13,8 @@ from functools import cache
 from itertools import combinations, permutations
 
 import pytest
-
 from conftest import REPO
+
 from gpud.mig.capabilities import CI_CONSTANTS_BY_SLICES, derive_ci_profiles, reference_capabilities
 from gpud.mig.model import ComputeInstanceState, GpuInstanceState, GpuMigState, GpuPlan, Placement, PlanError
 from gpud.mig.planner import plan_full_recreate, plan_gpu, state_after

@@ -7,7 +7,6 @@ as on a GPU host whose kernel module is missing. .ci/run installs it; elsewhere 
 import ctypes
 
 import pytest
-
 from conftest import IN_CI
 
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import IN_CI, REPO
 
 README = (REPO / "README.md").read_text()

@@ -18,8 +18,8 @@ from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route
 from gpud.api.views import RenderedInventory, encode, node_view
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
-from gpud.nvml.sim import SimError
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState, describe_error
+from gpud.nvml.sim import SimError
 
 log = get_logger("api")
 JSON = "application/json"

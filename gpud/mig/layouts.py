@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,19 +117,23 @@ def export_layout(name: str, per_gpu: list[tuple[int, bool, dict[str, int]]]) ->
     GPUs with the same settings share one entry. The document is validated like a loaded file,
     so what comes out always loads back.
     """
-    indices = [index for index, _, _ in per_gpu]
-    repeated = sorted({index for index in indices if indices.count(index) > 1})
+    repeated = [index for index, times in Counter(index for index, _, _ in per_gpu).items() if times > 1]
     if repeated:
         raise LayoutError(f"layout {name!r}: GPU {repeated[0]} given more than once")
-    groups: dict[tuple[bool, frozenset], tuple[bool, dict[str, int], list[int]]] = {}
-    for index, mig_enabled, counts in per_gpu:
-        nonzero = {profile: count for profile, count in counts.items() if count != 0}
-        key = (mig_enabled, frozenset(nonzero.items()))
-        groups.setdefault(key, (mig_enabled, nonzero, []))[2].append(index)
-    entries = [_exported_entry(sorted(devices), mig_enabled, counts) for mig_enabled, counts, devices in groups.values()]
+    entries = [_exported_entry(devices, mig_enabled, counts)
+               for devices, mig_enabled, counts in _same_settings(per_gpu)]
     document = {"version": FORMAT_VERSION, "mig-configs": {name: entries}}
     _build_layouts(document, _Where("<export>"))
     return yaml.safe_dump(document, sort_keys=False, default_flow_style=None)
+
+
+def _same_settings(per_gpu: list[tuple[int, bool, dict[str, int]]]) -> list[tuple[list[int], bool, dict[str, int]]]:
+    """(sorted GPU indices, mig_enabled, non-zero counts) per distinct setting, in order of first appearance."""
+    groups: dict[tuple[bool, frozenset], tuple[list[int], bool, dict[str, int]]] = {}
+    for index, mig_enabled, counts in per_gpu:
+        nonzero = {profile: count for profile, count in counts.items() if count != 0}
+        groups.setdefault((mig_enabled, frozenset(nonzero.items())), ([], mig_enabled, nonzero))[0].append(index)
+    return [(sorted(devices), mig_enabled, counts) for devices, mig_enabled, counts in groups.values()]
 
 
 def _exported_entry(devices: list[int], mig_enabled: bool, counts: dict[str, int]) -> dict[str, Any]:

@@ -31,7 +31,8 @@ class MigProfileName:
         if min(self.ci_slices, self.gi_slices, self.memory_gb) < 1:
             raise ValueError("slice counts and memory size must be at least 1")
         if self.ci_slices > self.gi_slices:
-            raise ValueError(f"a compute instance ({self.ci_slices}c) cannot be larger than its GPU instance ({self.gi_slices}g)")
+            raise ValueError(f"a compute instance ({self.ci_slices}c) cannot be larger than "
+                             f"its GPU instance ({self.gi_slices}g)")
         if self.suffix not in SUFFIXES:
             raise ValueError(f"unknown attribute {self.suffix!r} (known: {', '.join(SUFFIXES[1:])})")
 

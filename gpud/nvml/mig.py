@@ -7,12 +7,12 @@ simulator) as its first argument.
 from __future__ import annotations
 
 import ctypes
-import os
-import signal
-import time
 import math
+import os
 import shutil
+import signal
 import subprocess
+import time
 from typing import Any
 
 from gpud.mig.capabilities import derive_ci_profiles
