@@ -88,6 +88,7 @@ class Daemon:
         if self._node_task:
             self._node_task.cancel()
             await asyncio.gather(self._node_task, return_exceptions=True)
+        await self.mig.stop()
         if self._runner:
             await self._runner.cleanup()  # stops accepting, lets in-flight requests finish
         self._listener.close()

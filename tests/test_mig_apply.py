@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
+from openapi_check import assert_matches_openapi
 from test_api import start_daemon, stop_daemon
 
 from gpud.config import Config, MigHooksConfig
@@ -13,6 +15,7 @@ from gpud.mig.layouts import parse_layouts
 # Per model, what NVIDIA's tables give (shared/reference/mig-profiles.md §3): layout -> {profile: (count, MiB)}.
 A100_40GB = {
     "all-1g.5gb": {"1g.5gb": (7, 4864)},
+    "all-1g.5gb.me": {"1g.5gb+me": (1, 4864)},
     "all-1g.10gb": {"1g.10gb": (4, 9856)},
     "all-2g.10gb": {"2g.10gb": (3, 9856)},
     "all-3g.20gb": {"3g.20gb": (2, 19968)},
@@ -56,6 +59,16 @@ async def put_layout(node, layout, **options):
         return response.status, await response.json()
 
 
+async def settled_mig(node) -> dict:
+    """/v1/mig once no apply is running (gpud answers before its start-up apply is done)."""
+    for _ in range(500):
+        _, mig = await node.get("/v1/mig")
+        if mig["state"] not in ("applying", "pending"):
+            return mig
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"MIG never settled: {mig}")
+
+
 def device_summary(gpu) -> dict:
     counts = Counter(d["profile"] for d in gpu["mig"]["devices"])
     memory = {d["profile"]: d["memory_total_mib"] for d in gpu["mig"]["devices"]}
@@ -71,6 +84,7 @@ async def test_standard_layouts_give_nvidias_counts_and_sizes(short_tmp, preset,
             status, body = await put_layout(node, layout)
             assert status == 200, body
             assert body["state"] == "success" and body["in_sync"] is True
+            assert_matches_openapi("PUT", "/v1/mig", 200, body)
             _, listing = await node.get("/v1/gpus")
             assert len(listing["gpus"]) == gpus
             for gpu in listing["gpus"]:
@@ -138,6 +152,7 @@ async def test_a_layout_that_does_not_fit_is_refused_with_no_change(short_tmp):
         before = state_file.read_bytes(), state_file.stat().st_mtime_ns
         status, body = await put_layout(node, "too-much")
         assert status == 422 and body["error"]["code"] == "layout-does-not-fit"
+        assert_matches_openapi("PUT", "/v1/mig", 422, body)
         assert "GPU 3" in body["error"]["message"] and "4g.20gb" in body["error"]["message"]
         status, body = await put_layout(node, "gpu7-changed", dry_run=True)
         assert status == 200 and body["dry_run"] is True and body["plan"][0]["index"] == 7
@@ -210,6 +225,7 @@ async def test_layouts_listing_export_and_status(short_tmp):
     node = await start_daemon(mig_config(short_tmp, "dgx-a100"))
     try:
         _, listing = await node.get("/v1/mig/layouts")
+        assert_matches_openapi("GET", "/v1/mig/layouts", 200, listing)
         fits = {entry["name"]: entry["fits"] for entry in listing["layouts"]}
         assert listing["source"] == "builtin"
         assert fits["all-balanced"] and fits["all-1g.5gb"] and fits["all-disabled"]
@@ -220,6 +236,7 @@ async def test_layouts_listing_export_and_status(short_tmp):
         (entry,) = layout.entries
         assert entry.mig_enabled and entry.mig_devices == {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
         _, status = await node.get("/v1/mig")
+        assert_matches_openapi("GET", "/v1/mig", 200, status)
         assert status["layout"] == "all-balanced" and status["state"] == "success" and status["in_sync"]
         assert all(g["desired"] == g["actual"] for g in status["gpus"])
     finally:
@@ -249,5 +266,44 @@ async def test_a_broken_layouts_file_is_a_clear_error(short_tmp):
         status, body = await node.get("/v1/mig/layouts")
         assert status == 422 and body["error"]["code"] == "layouts-file-invalid"
         assert "layouts.yaml" in body["error"]["message"]
+    finally:
+        await stop_daemon(node)
+
+
+async def test_a_failure_midway_rolls_that_gpu_back_and_is_reported(short_tmp):
+    node = await start_daemon(mig_config(short_tmp, "dgx-a100", TWO_LAYOUTS))
+    try:
+        assert (await put_layout(node, "base"))[0] == 200
+        _, before = await node.get("/v1/gpus")
+        status, dry = await put_layout(node, "gpu7-changed", dry_run=True)
+        steps = dry["plan"][0]["mutations"]
+        assert steps == 6  # destroy 2 CIs and 2 GIs, create one 2g.10gb GI and its CI
+        node.daemon.session.nvml.sim_fail_mig_call(after=steps - 1)  # the GI create fails
+        status, body = await put_layout(node, "gpu7-changed")
+        assert status == 409 and body["error"]["code"] == "apply-failed"
+        assert "GPU 7" in body["error"]["message"] and "Unknown" in body["error"]["message"]
+        assert_matches_openapi("GET", "/v1/mig", 200, body["error"]["mig"])
+        _, after = await node.get("/v1/gpus")
+        assert uuids(after) == uuids(before)  # GPU 7 back as it was, same MIG UUIDs; the others untouched
+        _, mig = await node.get("/v1/mig")
+        assert mig["state"] == "failed" and not mig["in_sync"]
+        assert [g["state"] for g in mig["gpus"]] == ["unchanged"] * 7 + ["failed"]
+    finally:
+        await stop_daemon(node)
+
+
+async def test_default_layout_is_applied_at_start_and_an_api_choice_outlives_restarts(short_tmp):
+    config = mig_config(short_tmp, "A100-SXM4-40GB:2", default_layout="all-3g.20gb")
+    node = await start_daemon(config)
+    try:
+        mig = await settled_mig(node)
+        assert mig["layout"] == "all-3g.20gb" and mig["state"] == "success" and mig["in_sync"]
+        assert (await put_layout(node, "all-balanced"))[0] == 200
+    finally:
+        await stop_daemon(node)
+    node = await start_daemon(config)  # the operator's API choice stands; the default does not return
+    try:
+        mig = await settled_mig(node)
+        assert mig["layout"] == "all-balanced" and mig["in_sync"]
     finally:
         await stop_daemon(node)

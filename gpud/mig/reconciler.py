@@ -203,6 +203,15 @@ class MigReconciler:
             await asyncio.shield(task)
         return self.status
 
+    async def stop(self) -> None:
+        """Abandons an apply in progress (gpud is stopping): the persisted desired layout lets the next
+        start finish it, exactly as after a crash."""
+        task = getattr(self, "_task", None)
+        if task is not None and not task.done():
+            log.warning("mig_apply_interrupted", layout=self.status.layout, why="gpud is stopping")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     async def reconcile(self, reason: str) -> None:
         """Converges the GPUs on the persisted desired layout (after a crash, or at start)."""
         if not self.desired or self._lock.locked():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pynvml import (
+    NVML_ERROR_UNKNOWN,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
@@ -40,6 +41,8 @@ from .state import (
 Method = TypeVar("Method", bound=Callable)
 # Crash tests set this to N: the process is killed right after the N-th change to the simulated GPUs.
 CRASH_AFTER_COMMITS_ENV = "GPUD_SIM_CRASH_AFTER_COMMITS"
+# Failure tests set this to N: the N-th MIG-changing call fails with NVML_ERROR_UNKNOWN, changing nothing.
+FAIL_MIG_CALL_ENV = "GPUD_SIM_FAIL_MIG_CALL"
 
 
 def _guarded(uninitialized: Callable[[], Exception]) -> Callable[[Method], Method]:
@@ -77,6 +80,8 @@ class SimCore:
         self._serials = itertools.count(1)
         self._commits = 0
         self._crash_after_commits = int(os.environ.get(CRASH_AFTER_COMMITS_ENV, "0") or 0)
+        self._mig_calls = 0
+        self.fail_mig_call = int(os.environ.get(FAIL_MIG_CALL_ENV, "0") or 0)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -127,6 +132,16 @@ class SimCore:
             # Fault injection for crash tests: the process dies right after the GPU changed,
             # before the caller learns of it (a kill -9 or power loss at the worst moment).
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def sim_fail_mig_call(self, after: int) -> None:
+        """Fault injection: the after-th MIG-changing call from now fails with NVML_ERROR_UNKNOWN."""
+        self.fail_mig_call = self._mig_calls + after
+
+    def _fault_point(self) -> None:
+        """Called first by every MIG-changing call: fails the one a failure test chose."""
+        self._mig_calls += 1
+        if self._mig_calls == self.fail_mig_call:
+            raise NVMLError(NVML_ERROR_UNKNOWN)
 
     def _next_serial(self) -> int:
         return next(self._serials) & SERIAL_MASK

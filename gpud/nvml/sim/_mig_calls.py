@@ -42,6 +42,7 @@ class MigCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceSetMigMode(self, device, mode: int) -> int:
+        self._fault_point()
         """Request a MIG mode; returns the activation status, as pynvml does.
 
         Hopper and later switch at once (activation status SUCCESS). On Ampere (A100, A30) the
@@ -137,6 +138,7 @@ class MigCalls(SimCore):
 
     @nvml_call
     def nvmlGpuInstanceDestroy(self, gpuInstance) -> int:
+        self._fault_point()
         gpu, gi = self._gpu_instance(gpuInstance)
         if gi.compute_instances:  # CIs go first; processes live in CIs
             raise NVMLError(NVML_ERROR_IN_USE)
@@ -212,6 +214,7 @@ class MigCalls(SimCore):
 
     @nvml_call
     def nvmlComputeInstanceDestroy(self, computeInstance) -> int:
+        self._fault_point()
         _, (gi, ci) = self._compute_instance(computeInstance)
         if ci.processes:
             raise NVMLError(NVML_ERROR_IN_USE)
@@ -298,6 +301,7 @@ class MigCalls(SimCore):
         return profile
 
     def _create_gpu_instance(self, device, profile_id: int, requested: Span | None):
+        self._fault_point()
         gpu = self._mig_enabled(device)
         mig = gpu.model.mig
         profile = self._gpu_instance_profile(gpu, profile_id)
@@ -313,6 +317,7 @@ class MigCalls(SimCore):
         return self._gpu_instance_handle(gpu, gi)
 
     def _create_compute_instance(self, gpu_instance, profile_id: int, requested: Span | None):
+        self._fault_point()
         gpu, gi = self._gpu_instance(gpu_instance)
         profile = self._compute_instance_profile(gi, profile_id)
         existing = list(gi.compute_instances.values())

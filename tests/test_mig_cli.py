@@ -1,0 +1,57 @@
+"""`gpud mig …` as an operator types it."""
+
+from __future__ import annotations
+
+import yaml
+
+from gpud.mig.layouts import parse_layouts
+
+from conftest import REPO
+from test_daemon import cli
+
+
+def test_mig_validate(tmp_path):
+    good = cli("mig", "validate", str(REPO / "etc" / "gpud" / "mig-layouts.yaml"))
+    assert good.returncode == 0 and "all-balanced" in good.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nmig-configs:\n  broken:\n    - devices: all\n      mig-enabled: yes please\n")
+    result = cli("mig", "validate", str(bad))
+    assert result.returncode == 2
+    assert "bad.yaml" in result.stderr and "broken" in result.stderr and "mig-enabled" in result.stderr
+    missing = cli("mig", "validate", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2 and "absent.yaml" in missing.stderr
+
+
+def test_mig_apply_status_layouts_export(run_gpud, short_tmp):
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
+                    "--config", str(config))
+    gpud.wait_healthy()
+
+    layouts = cli("mig", "layouts", socket=gpud.socket)
+    assert layouts.returncode == 0 and "from builtin" in layouts.stdout
+    assert any(line.split()[:2] == ["all-balanced", "yes"] for line in layouts.stdout.splitlines())
+
+    dry = cli("mig", "apply", "all-balanced", "--dry-run", socket=gpud.socket)
+    assert dry.returncode == 0 and "GPU 0: keep 0" in dry.stdout and "GPU 1" in dry.stdout
+    assert cli("mig", "status", socket=gpud.socket).returncode == 0  # nothing asked yet: nothing out of sync
+
+    applied = cli("mig", "apply", "all-balanced", socket=gpud.socket)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "GPU 0: done" in applied.stdout and "GPU 1: done" in applied.stdout
+    assert "layout all-balanced: success" in applied.stdout
+
+    status = cli("mig", "status", socket=gpud.socket)
+    assert status.returncode == 0 and "in sync: yes" in status.stdout
+    assert "2× 1g.5gb, 1× 2g.10gb, 1× 3g.20gb" in status.stdout
+
+    exported = cli("mig", "export", socket=gpud.socket)
+    assert exported.returncode == 0
+    (entry,) = parse_layouts(exported.stdout)["current"].entries
+    assert entry.mig_devices == {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
+    assert yaml.safe_load(exported.stdout)["version"] == "v1"
+
+    unknown = cli("mig", "apply", "all-nothing", socket=gpud.socket)
+    assert unknown.returncode == 1 and "no layout 'all-nothing'" in unknown.stderr
+    assert gpud.stop() == 0
