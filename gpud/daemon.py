@@ -73,15 +73,18 @@ class Daemon:
         """Finishes what a crash interrupted, or applies mig.default_layout when it is new."""
         default = self.config.mig.default_layout
         chosen_by_api = self.mig.desired_source == "api"
-        if default and not chosen_by_api and self.mig.status.layout != default:
-            try:
-                layout = self._mig_routes.layout(default)
-                await self.mig.apply(layout, source="default_layout")
+        try:
+            if default and not chosen_by_api and self.mig.status.layout != default:
+                await self.mig.apply(self._mig_routes.layout(default), source="default_layout")
+                self.mig.started = True
                 await self.mig.wait()
-            except (ApiError, ApplyRefused) as exc:
-                log.error("mig_default_layout_failed", layout=default, error=getattr(exc, "message", str(exc)))
-            return
-        await self.mig.reconcile("startup")
+            else:
+                self.mig.started = True
+                await self.mig.reconcile("startup")
+        except (ApiError, ApplyRefused) as exc:
+            self.mig.started = True
+            self.mig.status.state, self.mig.status.error = "failed", f"mig.default_layout '{default}': {exc}"
+            log.error("mig_default_layout_failed", layout=default, error=str(exc))
 
     async def stop(self) -> None:
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)

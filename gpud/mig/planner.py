@@ -87,6 +87,21 @@ def plan_full_recreate(gpu: GpuMigState, desired: Mapping[str, int]) -> GpuPlan:
                    destroy_gis=tuple(gi.gi_id for gi in current), create_gis=fresh)
 
 
+def plan_restore(gpu: GpuMigState, original: tuple[GpuInstanceState, ...]) -> GpuPlan:
+    """The changes that put back exactly the given instances (same profiles, placements and starts),
+    keeping whatever already matches: restored MIG devices get their UUIDs back. Used for rollback."""
+    current = _current_instances(gpu)
+    gis_by_place = {(gi.profile_id, gi.placement): gi for gi in current}
+    target = []
+    for wanted in _as_targets(_capabilities(gpu), original):
+        have = gis_by_place.get((wanted.profile_id, wanted.placement))
+        cis_by_start = {(ci.profile_id, ci.start, ci.slices): ci.ci_id for ci in have.compute_instances} if have else {}
+        cis = tuple(replace(ci, keep_ci_id=cis_by_start.get((ci.constant, ci.start, ci.slices)))
+                    for ci in wanted.compute_instances)
+        target.append(replace(wanted, keep_gi_id=have.gi_id if have else None, compute_instances=cis))
+    return _diff(gpu, current, tuple(target))
+
+
 def state_after(gpu: GpuMigState, plan: GpuPlan) -> GpuMigState:
     """The GPU as it is once `plan` is carried out, for tests and benchmarks.
 

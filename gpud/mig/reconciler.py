@@ -20,8 +20,8 @@ from typing import Any
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.mig.layouts import Layout, LayoutEntry, LayoutError
-from gpud.mig.model import CiTarget, GiTarget, GpuInstanceState, GpuMigState, GpuPlan, PlanError
-from gpud.mig.planner import plan_gpu
+from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
+from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.session import NvmlSession, describe_error
 from gpud.persist import write_json_atomic
@@ -108,6 +108,7 @@ class MigReconciler:
         self.desired: dict[str, GpuDesired] = {}
         self.desired_source: str | None = None  # "api" | "default_layout"
         self._force = False
+        self.started = False  # set once gpud has converged (or begun converging) the GPUs at start-up
         self._load_desired()
 
     # -- persisted desired state ------------------------------------------------------------
@@ -342,7 +343,7 @@ class MigReconciler:
             gpu = await self._fresh(uuid)
             if gpu.mig.mode != "enabled":
                 return  # the failure came before or during the mode change: nothing was created
-            plan = exact_plan(gpu, original)
+            plan = plan_restore(mig_state_of(gpu), original)
             await self._execute(gpu, plan, GpuProgress(index, uuid))
             bound.warning("mig_gpu_rolled_back", restored=len(original))
         except Exception as exc:
@@ -387,7 +388,7 @@ class MigReconciler:
                          "error": progress.error if progress else None})
         all_in_sync = bool(gpus) and all(g["in_sync"] for g in gpus)
         state = self.status.state
-        if state == "success" and not all_in_sync and self.desired:
+        if (state == "success" and not all_in_sync and self.desired) or not self.started:
             state = "pending"
         return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync, "error": self.status.error,
                 "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
@@ -402,33 +403,3 @@ def _doomed_compute_instances(gpu: Gpu, desired: GpuDesired, plan: GpuPlan | Non
     if mode_change:
         return set(_all_cis(gpu.mig.instances))
     return set(plan.destroy_cis) if plan else set()
-
-
-def exact_plan(gpu: Gpu, original: tuple[GpuInstanceState, ...]) -> GpuPlan:
-    """The changes that put back exactly the given instances (same profiles, placements and starts),
-    keeping whatever already matches, so restored MIG devices get back their UUIDs."""
-    current = {(gi.profile_id, gi.placement): gi for gi in gpu.mig.instances}
-    capabilities = gpu.mig.capabilities
-    destroy_cis, destroy_gis, create_cis, create_gis, target = [], [], [], [], []
-    wanted_keys = {(gi.profile_id, gi.placement) for gi in original}
-    for key, gi in current.items():
-        if key not in wanted_keys:
-            destroy_cis += [(gi.gi_id, ci.ci_id) for ci in gi.compute_instances]
-            destroy_gis.append(gi.gi_id)
-    for want in original:
-        profile = capabilities.gi_profile_by_id(want.profile_id)
-        cis = tuple(CiTarget(name=profile.name, constant=ci.profile_id, slices=ci.slices, start=ci.start)
-                    for ci in want.compute_instances)
-        have = current.get((want.profile_id, want.placement))
-        if have is None:
-            gi_target = GiTarget(want.profile_id, profile.name, want.placement, cis)
-            create_gis.append(gi_target)
-        else:
-            have_cis = {(ci.profile_id, ci.start): ci for ci in have.compute_instances}
-            wanted_cis = {(ci.constant, ci.start) for ci in cis}
-            destroy_cis += [(have.gi_id, ci.ci_id) for key, ci in have_cis.items() if key not in wanted_cis]
-            create_cis += [(have.gi_id, ci) for ci in cis if (ci.constant, ci.start) not in have_cis]
-            gi_target = GiTarget(want.profile_id, profile.name, want.placement, cis, keep_gi_id=have.gi_id)
-        target.append(gi_target)
-    return GpuPlan(gpu.index, gpu.uuid, tuple(target), tuple(destroy_cis), tuple(destroy_gis), tuple(create_cis),
-                   tuple(create_gis))
