@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud import __version__
-from gpud.config import LOG_FORMATS, LOG_LEVELS, ConfigError, load_config
+from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     mig_validate.add_argument("path", type=Path)
     mig_validate.set_defaults(run=_mig_validate)
 
+    mps = commands.add_parser("mps", help="MPS control daemons: status, restart")
+    mps_commands = mps.add_subparsers(title="mps commands", metavar="COMMAND")
+    mps_status = mps_commands.add_parser("status", help="the MPS daemons and their limits")
+    mps_restart = mps_commands.add_parser("restart", help="restart one MPS daemon")
+    mps_restart.add_argument("name")
+    for command, run in ((mps_status, _mps_status), (mps_restart, _mps_restart)):
+        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+        command.add_argument("--json", action="store_true", help="print the API's JSON")
+        command.set_defaults(run=run)
+
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
     validate = config_commands.add_parser("validate", help="check a config file without starting anything")
@@ -86,17 +96,21 @@ def _serve(args: argparse.Namespace) -> int:
     from gpud.logs import configure_logging
     from gpud.nvml.sim import PresetError, parse_preset
 
+    overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
+                 "sim_state": args.sim_state, "log.level": args.log_level, "log.format": args.log_format}
     try:
-        config = load_config(args.config).with_overrides(
-            **{"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
-               "sim_state": args.sim_state, "log.level": args.log_level, "log.format": args.log_format})
+        config = load_config(args.config).with_overrides(**overrides)
         if config.simulate:
             parse_preset(config.simulate)
     except (ConfigError, PresetError) as exc:
         print(f"gpud: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(config.log.level, config.log.format)
-    return asyncio.run(daemon.serve(config))
+
+    def reread() -> Config:
+        return load_config(args.config).with_overrides(**overrides)
+
+    return asyncio.run(daemon.serve(config, reread))
 
 
 def _config_validate(args: argparse.Namespace) -> int:
@@ -248,6 +262,42 @@ def _mig_apply(args: argparse.Namespace) -> int:
             _print_json(view)
         print(f"layout {view['layout']}: {view['state']}" + (f" — {view['error']}" if view["error"] else ""))
         return EXIT_OK if view["state"] == "success" else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _mps_status(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        view = client.get("/v1/mps")
+        if args.json:
+            _print_json(view)
+            return EXIT_OK
+        if not view["enabled"]:
+            print("MPS is not enabled (mps.enabled in gpud.yaml)")
+            return EXIT_OK
+        if view["error"]:
+            print(f"error: {view['error']}")
+        rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", "DEVICES")]
+        for daemon in view["daemons"]:
+            threads = daemon["active_thread_percentage"]
+            rows.append((daemon["name"], daemon["state"], str(daemon["pid"] or "-"), str(daemon["restarts"]),
+                         "-" if threads is None else f"{threads:g}",
+                         ",".join("-" if m is None else str(m) for m in daemon["pinned_memory_limit_mib"]),
+                         ",".join(daemon["devices"])))
+        print(_table(rows))
+        return EXIT_OK if all(d["state"] == "running" for d in view["daemons"]) else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _mps_restart(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        _status, daemon = client.request("POST", f"/v1/mps/{args.name}/restart", {})
+        if args.json:
+            _print_json(daemon)
+        else:
+            print(f"{daemon['name']}: {daemon['state']}, pid {daemon['pid']}, restarts {daemon['restarts']}")
+        return EXIT_OK
 
     return _client_call(args, fetch)
 

@@ -93,12 +93,39 @@ class MigConfig:
 
 
 @dataclass(frozen=True)
+class MpsConfig:
+    # Run NVIDIA's MPS control daemon (nvidia-cuda-mps-control) for the devices below.
+    enabled: bool = False
+    # "all": one daemon per GPU, or per MIG device on a GPU in MIG mode. Or a list of GPU indices,
+    # GPU UUIDs (a GPU in MIG mode: one daemon per MIG device) and MIG device UUIDs.
+    devices: tuple[str | int, ...] = ("all",)
+    # Default share of SMs a client may use, in percent (1 to 100). Unset: MPS's own default (100).
+    active_thread_percentage: float | None = field(default=None, metadata=_bounded(1, 100))
+    # Default device memory a client may pin, per device: in MiB, or as a percent of the device's
+    # memory. At most one of the two. Unset: no limit.
+    pinned_memory_limit_mib: int | None = field(default=None, metadata=_bounded(1, 1 << 30))
+    pinned_memory_limit_percent: float | None = field(default=None, metadata=_bounded(1, 100))
+    # The control binary: a name looked up on PATH, or a path.
+    control_binary: str = "nvidia-cuda-mps-control"
+    # Each daemon gets <pipe_root>/<name>/pipe (CUDA_MPS_PIPE_DIRECTORY) and <log_root>/<name>.
+    # Unset: mps/ in the runtime directory (/run/gpud/mps as root); /var/log/gpud/mps as root,
+    # mps-logs/ in the state directory otherwise.
+    pipe_root: str | None = None
+    log_root: str | None = None
+    # The user the MPS control daemon (and so its servers) runs as. Unset: gpud's own user.
+    user: str | None = None
+    # Seconds between liveness checks of each daemon; a dead one is restarted with back-off.
+    check_interval_s: float = field(default=1.0, metadata=_bounded(0.1, 60))
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
     inventory: InventoryConfig = InventoryConfig()
     nvml: NvmlConfig = NvmlConfig()
     mig: MigConfig = MigConfig()
+    mps: MpsConfig = MpsConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -140,6 +167,16 @@ class Config:
             return SYSTEM_STATE_DIR
         base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         return Path(base) / "gpud"
+
+    @property
+    def mps_pipe_root(self) -> Path:
+        return Path(self.mps.pipe_root) if self.mps.pipe_root else self.runtime_dir / "mps"
+
+    @property
+    def mps_log_root(self) -> Path:
+        if self.mps.log_root:
+            return Path(self.mps.log_root)
+        return Path("/var/log/gpud/mps") if os.geteuid() == 0 else self.state_path / "mps-logs"
 
     @property
     def sim_state_path(self) -> Path | None:
@@ -191,7 +228,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     if data is None:
         return Config()
     lines = _key_lines(node)
-    return _build(Config, data, (), source, lines)
+    return _check_consistency(_build(Config, data, (), source, lines), source)
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
@@ -250,15 +287,26 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
     return value
 
 
-def _convert_list(item_type: type, value: Any, dotted: str, source: str, line: int | None) -> tuple:
+def _check_consistency(config: Config, source: str) -> Config:
+    if config.mps.pinned_memory_limit_mib is not None and config.mps.pinned_memory_limit_percent is not None:
+        raise ConfigError(source, "mps.pinned_memory_limit_percent",
+                          "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
+    if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
+        raise ConfigError(source, "nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
+    return config
+
+
+def _convert_list(item_hint: Any, value: Any, dotted: str, source: str, line: int | None) -> tuple:
     if value is None:
         return ()
     if not isinstance(value, list):
         raise ConfigError(source, dotted, f"expected a list, got {_type_name(value)}", line)
+    allowed = _allowed_types(item_hint)
     for position, item in enumerate(value):
-        if not isinstance(item, item_type) or (item_type is str and not item.strip()):
-            raise ConfigError(source, f"{dotted}[{position}]",
-                              f"expected {_type_label(item_type)}, got {_type_name(item)} {item!r}", line)
+        if isinstance(item, bool) or not isinstance(item, allowed) or (isinstance(item, str) and not item.strip()):
+            wanted = " or ".join(_type_label(t) for t in allowed)
+            raise ConfigError(source, f"{dotted}[{position}]", f"expected {wanted}, got {_type_name(item)} {item!r}",
+                              line)
     return tuple(value)
 
 

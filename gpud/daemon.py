@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import web
 
 from gpud import __version__
 from gpud.api.errors import ApiError
 from gpud.api.mig import MigRoutes
+from gpud.api.mps import MpsRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
-from gpud.config import Config
+from gpud.config import Config, ConfigError
 from gpud.inventory import InventoryService
-from gpud.logs import get_logger
+from gpud.logs import configure_log_level, get_logger
 from gpud.mig.reconciler import ApplyRefused, MigReconciler
+from gpud.mps.manager import MpsManager
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 
@@ -35,17 +39,20 @@ class Daemon:
                                           config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
+        self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root)
         hooks = config.mig.hooks
         self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json",
                                  allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
-                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s)
+                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
+                                 around_gpu_change=(self.mps.before_mig_change, self.mps.after_mig_change))
         mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s,
-                       more_routes=(mig_routes.register,))
+                       more_routes=(mig_routes.register, MpsRoutes(self.mps).register))
         self._mig_routes = mig_routes
         self._listener = UnixSocketListener(config.socket_path)
         self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
+        self._mps_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
@@ -67,6 +74,8 @@ class Daemon:
         await self.session.initialise()
         await self.inventory.refresh("startup")
         await self._converge_mig()
+        await self.mps.converge("startup")
+        self._mps_task = asyncio.create_task(self.mps.supervise(), name="mps")
         await self.inventory.run()
 
     async def _converge_mig(self) -> None:
@@ -88,10 +97,11 @@ class Daemon:
 
     async def stop(self) -> None:
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)
-        if self._node_task:
-            self._node_task.cancel()
-            await asyncio.gather(self._node_task, return_exceptions=True)
-        await self.mig.stop()
+        for task in (self._node_task, self._mps_task):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await self.mig.stop()  # MPS daemons are left running on purpose: their clients keep working
         if self._runner:
             await self._runner.cleanup()  # stops accepting, lets in-flight requests finish
         self._listener.close()
@@ -99,8 +109,19 @@ class Daemon:
         log.info("stopped")
 
 
-async def serve(config: Config) -> int:
-    """Runs until SIGTERM or SIGINT. Returns the process exit code."""
+    async def reload(self, config: Config) -> None:
+        """Applies a re-read config without dropping connections or MPS clients: MPS daemons whose
+        limits alone changed get them live; other keys take effect at the next start."""
+        log.info("reloading")
+        configure_log_level(config.log.level)
+        self.mps.config = config.mps
+        await self.mps.converge("reload")
+        self.config = replace(self.config, mps=config.mps, log=config.log)
+        log.info("reloaded")
+
+
+async def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
+    """Runs until SIGTERM or SIGINT; SIGHUP re-reads the config (reread). Returns the exit code."""
     daemon = Daemon(config)
     try:
         await daemon.start()
@@ -111,6 +132,24 @@ async def serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task] = set()
+    if reread is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(reloads, _reload(daemon, reread)))
     await stop.wait()
     await daemon.stop()
     return 0
+
+
+def _spawn(tasks: set, coroutine) -> None:
+    task = asyncio.create_task(coroutine)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _reload(daemon: Daemon, reread: Callable[[], Config]) -> None:
+    try:
+        config = reread()
+    except (ConfigError, OSError) as exc:
+        log.error("reload_refused", error=str(exc), why="the config file is invalid; the running config stays")
+        return
+    await daemon.reload(config)

@@ -53,3 +53,8 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> No
 def get_logger(name: str):
     # Stays lazy (unlike .bind()), so module-level loggers pick up the configuration made at start-up.
     return structlog.get_logger(component=name)
+
+
+def configure_log_level(level: str) -> None:
+    """Changes the level of a running gpud (on reload), keeping everything else."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]))

@@ -96,13 +96,15 @@ def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired
 class MigReconciler:
     def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, *,
                  allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
-                 hook_timeout_s: float = 300.0):
+                 hook_timeout_s: float = 300.0, around_gpu_change: tuple | None = None):
         self.session = session
         self.inventory = inventory
         self._state_path = state_path
         self._allow_reset = allow_reset
         self._hooks = {"pre_apply": pre_apply, "post_apply": post_apply}
         self._hook_timeout_s = hook_timeout_s
+        # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
+        self._around_gpu_change = around_gpu_change
         self._lock = asyncio.Lock()
         self.status = ApplyStatus()
         self.desired: dict[str, GpuDesired] = {}
@@ -266,6 +268,16 @@ class MigReconciler:
         progress.state = "applying"
         bound = log.bind(gpu=gpu.index, uuid=gpu.uuid, layout=self.status.layout)
         original = gpu.mig.instances
+        if self._around_gpu_change:
+            await self._around_gpu_change[0](gpu.uuid)
+        try:
+            await self._change_gpu(gpu, desired, progress, bound, original)
+        finally:
+            if self._around_gpu_change:
+                await self._around_gpu_change[1](gpu.uuid)
+
+    async def _change_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress, bound,
+                          original: tuple[GpuInstanceState, ...]) -> None:
         try:
             gpu = await self._set_mode(gpu, desired.mig_enabled, progress, bound)
             if gpu is None:

@@ -1,0 +1,80 @@
+"""The MPS routes: daemons, what a client container needs, and start/stop/restart."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gpud.api.errors import ApiError, json_errors
+from gpud.api.views import encode
+from gpud.mps.manager import DaemonState, MpsManager
+
+JSON = "application/json"
+
+
+class MpsRoutes:
+    def __init__(self, manager: MpsManager):
+        self.manager = manager
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_get("/v1/mps", self.status)
+        app.router.add_get("/v1/mps/{name}/client-env", self.client_env)
+        for action in ("start", "stop", "restart"):
+            app.router.add_post(f"/v1/mps/{{name}}/{action}", self.control)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.Response(body=encode(self.manager.view()), content_type=JSON)
+
+    def _daemon(self, request: web.Request) -> DaemonState:
+        name = request.match_info["name"]
+        daemon = self.manager.daemons.get(name)
+        if daemon is None:
+            known = ", ".join(self.manager.daemons) or "none (is mps.enabled true?)"
+            raise ApiError(404, "mps-daemon-not-found", f"no MPS daemon '{name}'; daemons: {known}")
+        return daemon
+
+    @json_errors
+    async def client_env(self, request: web.Request) -> web.Response:
+        daemon = self._daemon(request)
+        spec = daemon.spec
+        memory = _query_number(request, "memory_mib", int)
+        threads = _query_number(request, "threads_percent", float)
+        if memory is not None and not 0 < memory <= min(spec.device_memory_mib):
+            raise ApiError(422, "limit-beyond-device", f"memory_mib must be between 1 and {min(spec.device_memory_mib)} "
+                                                       f"(the memory of the daemon's devices), got {memory}")
+        if threads is not None and not 0 < threads <= 100:
+            raise ApiError(422, "limit-beyond-device", f"threads_percent must be above 0 and at most 100, got {threads:g}")
+        env = {"CUDA_MPS_PIPE_DIRECTORY": str(daemon.control.directories.pipe),
+               "CUDA_VISIBLE_DEVICES": ",".join(spec.devices)}
+        pinned = [memory if memory is not None else default for default in spec.pinned_mib]
+        if any(mib is not None for mib in pinned):
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i, mib in enumerate(pinned)
+                                                              if mib is not None)
+        thread_share = threads if threads is not None else spec.active_thread_percentage
+        if thread_share is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{thread_share:g}"
+        pipe = str(daemon.control.directories.pipe)
+        return web.Response(body=encode({
+            "daemon": spec.name, "state": daemon.state, "env": env,
+            "mounts": [{"source": pipe, "target": pipe, "read_only": False}],
+            "host_ipc": True,  # MPS clients and the server share memory through /dev/shm
+        }), content_type=JSON)
+
+    @json_errors
+    async def control(self, request: web.Request) -> web.Response:
+        daemon = self._daemon(request)
+        action = request.path.rsplit("/", 1)[1]
+        await getattr(self.manager, action)(daemon.spec.name)
+        view = self.manager.daemon_view(daemon)
+        if action != "stop" and daemon.state != "running":
+            raise ApiError(502, "mps-start-failed", daemon.last_error or "the MPS daemon did not start", daemon=view)
+        return web.Response(body=encode(view), content_type=JSON)
+
+
+def _query_number(request: web.Request, name: str, kind: type):
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ApiError(400, "invalid-query", f"query '{name}' must be a number, got {raw!r}") from None

@@ -1,0 +1,153 @@
+"""One NVIDIA MPS control daemon (`nvidia-cuda-mps-control`), driven through its own client mode.
+
+The control daemon is started with `-d`, so it daemonizes and outlives gpud: a gpud restart,
+reload or crash never takes MPS away from running clients. Commands go the way NVIDIA documents
+them: the same binary without arguments, the command on its stdin, in the daemon's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class MpsError(Exception):
+    """Something the MPS control daemon, or starting it, did not do."""
+
+
+class MpsBinaryMissing(MpsError):
+    pass
+
+
+@dataclass(frozen=True)
+class MpsDirectories:
+    pipe: Path  # CUDA_MPS_PIPE_DIRECTORY: the control socket clients connect through
+    log: Path  # CUDA_MPS_LOG_DIRECTORY: control.log and server.log
+
+
+class MpsControl:
+    def __init__(self, binary: str, directories: MpsDirectories, visible_devices: tuple[str, ...],
+                 user: str | None = None, command_timeout_s: float = 5.0):
+        self.binary = binary
+        self.directories = directories
+        self.visible_devices = visible_devices
+        self.user = user
+        self.command_timeout_s = command_timeout_s
+
+    def resolve_binary(self) -> str:
+        path = shutil.which(self.binary)
+        if path is None:
+            raise MpsBinaryMissing(f"the MPS control binary '{self.binary}' is not installed or not on PATH "
+                                   "(Debian: apt-get install nvidia-cuda-mps; or set mps.control_binary)")
+        return path
+
+    def environment(self) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("CUDA_")}
+        env.update(CUDA_MPS_PIPE_DIRECTORY=str(self.directories.pipe), CUDA_MPS_LOG_DIRECTORY=str(self.directories.log),
+                   CUDA_VISIBLE_DEVICES=",".join(self.visible_devices))
+        return env
+
+    async def start(self, wait_s: float = 10.0) -> int:
+        """Starts the daemon and waits until its control socket answers. Returns its PID."""
+        binary = self.resolve_binary()
+        for directory in (self.directories.pipe, self.directories.log):
+            directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+            if self.user:
+                entry = pwd.getpwnam(self.user)
+                os.chown(directory, entry.pw_uid, entry.pw_gid)
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-d", env=self.environment(), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, user=self.user,
+            start_new_session=True)  # its own session: no signal meant for gpud reaches it
+        output, _ = await asyncio.wait_for(proc.communicate(), wait_s)
+        if proc.returncode != 0:
+            raise MpsError(f"{binary} -d exited with status {proc.returncode}: {output.decode().strip()}")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            pid = self.find_pid()
+            if pid is not None and await self.answers():
+                return pid
+            await asyncio.sleep(0.05)
+        raise MpsError(f"the MPS control daemon for {self.directories.pipe} did not answer within {wait_s:g} s")
+
+    async def command(self, text: str) -> str:
+        """Sends one control command; returns the daemon's answer."""
+        binary = self.resolve_binary()
+        proc = await asyncio.create_subprocess_exec(
+            binary, env=self.environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, user=self.user)
+        try:
+            output, _ = await asyncio.wait_for(proc.communicate(text.encode() + b"\n"), self.command_timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise MpsError(f"MPS command '{text}' got no answer within {self.command_timeout_s:g} s") from None
+        answer = output.decode().strip()
+        if proc.returncode != 0:
+            raise MpsError(f"MPS command '{text}' failed (exit status {proc.returncode}): {answer}")
+        return answer
+
+    async def answers(self) -> bool:
+        if not (self.directories.pipe / "control").exists():
+            return False
+        try:
+            await self.command("get_server_list")
+        except MpsError:
+            return False
+        return True
+
+    async def server_pids(self) -> list[int]:
+        return [int(word) for word in (await self.command("get_server_list")).split() if word.isdigit()]
+
+    async def set_limits(self, active_thread_percentage: float | None, pinned_mib: dict[int, int]) -> None:
+        """Limits for clients that set none of their own. Devices go by the index the daemon sees."""
+        if active_thread_percentage is not None:
+            await self.command(f"set_default_active_thread_percentage {active_thread_percentage:g}")
+        for device, mib in sorted(pinned_mib.items()):
+            await self.command(f"set_default_device_pinned_mem_limit {device} {mib}M")
+
+    async def limits(self) -> tuple[float, dict[int, str]]:
+        """The daemon's own view of its default limits: thread percentage, pinned memory per device."""
+        threads = float(await self.command("get_default_active_thread_percentage"))
+        pinned = {index: await self.command(f"get_default_device_pinned_mem_limit {index}")
+                  for index in range(len(self.visible_devices))}
+        return threads, pinned
+
+    async def quit(self, wait_s: float = 10.0) -> None:
+        pid = self.find_pid()
+        await self.command("quit")
+        deadline = time.monotonic() + wait_s
+        while pid is not None and process_alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def find_pid(self) -> int | None:
+        """The running control daemon that serves this pipe directory, found through /proc, so gpud
+        finds (adopts) a daemon it started before a restart as well as one it just started."""
+        wanted = f"CUDA_MPS_PIPE_DIRECTORY={self.directories.pipe}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "comm").read_text().strip() != "nvidia-cuda-mps" and \
+                        not (entry / "cmdline").read_bytes().startswith(b"nvidia-cuda-mps-control"):
+                    continue
+                if b"-d\x00" not in (entry / "cmdline").read_bytes() + b"\x00":
+                    continue
+                if wanted in (entry / "environ").read_bytes().split(b"\x00") and process_alive(int(entry.name)):
+                    return int(entry.name)
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has quit already
+    except (OSError, IndexError):
+        return False

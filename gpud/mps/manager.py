@@ -1,0 +1,278 @@
+"""gpud's MPS control daemons: which devices get one, starting or adopting them, supervision,
+live limit changes, and pausing them around a MIG change of their GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpud.config import MpsConfig
+from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.logs import get_logger
+from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
+from gpud.nvml import device as nvml_device
+from gpud.nvml.session import NvmlSession
+
+log = get_logger("mps")
+HEALTH_PROBE_EVERY = 10  # liveness checks between two full health probes (get_server_list)
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """What one daemon should be: its devices and limits. Two equal specs need no change."""
+
+    name: str
+    devices: tuple[str, ...]  # UUIDs, in the order the daemon sees them (its device indices)
+    device_memory_mib: tuple[int, ...]
+    gpu_indices: tuple[int, ...]  # whole GPUs whose compute mode MPS owns; empty for a MIG device
+    parent_uuids: tuple[str, ...]  # the GPUs the devices live on (for MIG changes)
+    active_thread_percentage: float | None
+    pinned_mib: tuple[int | None, ...]
+
+    @property
+    def limits(self) -> tuple:
+        return self.active_thread_percentage, self.pinned_mib
+
+
+@dataclass
+class DaemonState:
+    spec: DaemonSpec
+    control: MpsControl
+    state: str = "stopped"  # running | starting | stopped | failed
+    pid: int | None = None
+    restarts: int = 0
+    started_at: float | None = None
+    last_error: str | None = None
+    server_pids: list[int] = field(default_factory=list)
+    next_attempt: float = 0.0
+    backoff_s: float = 1.0
+    paused: bool = False  # stopped on purpose (API stop, MIG change): not restarted by supervision
+
+
+def desired_specs(config: MpsConfig, inventory: Inventory) -> dict[str, DaemonSpec]:
+    """The daemons the config asks for on this node, by name."""
+    if not config.enabled:
+        return {}
+    wanted = {str(d) for d in config.devices}
+    specs = {}
+    for gpu in inventory.gpus:
+        if gpu.lost:
+            continue
+        whole = "all" in wanted or str(gpu.index) in wanted or gpu.uuid in wanted
+        if gpu.mig.mode == "enabled":
+            for dev in gpu.mig.devices:
+                if whole or dev.uuid in wanted:
+                    name = f"gpu{gpu.index}-gi{dev.gi_id}-ci{dev.ci_id}"
+                    specs[name] = _spec(config, name, gpu, (dev.uuid,), (dev.memory_total_mib,), ())
+        elif whole:
+            name = f"gpu{gpu.index}"
+            specs[name] = _spec(config, name, gpu, (gpu.uuid,), (gpu.memory_total_mib,), (gpu.index,))
+    return specs
+
+
+def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memory: tuple[int, ...],
+          gpu_indices: tuple[int, ...]) -> DaemonSpec:
+    if config.pinned_memory_limit_mib is not None:
+        pinned = tuple(min(config.pinned_memory_limit_mib, m) for m in memory)
+    elif config.pinned_memory_limit_percent is not None:
+        pinned = tuple(int(m * config.pinned_memory_limit_percent / 100) for m in memory)
+    else:
+        pinned = tuple(None for _ in memory)
+    return DaemonSpec(name=name, devices=devices, device_memory_mib=memory, gpu_indices=gpu_indices,
+                      parent_uuids=(gpu.uuid,), active_thread_percentage=config.active_thread_percentage,
+                      pinned_mib=pinned)
+
+
+class MpsManager:
+    def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
+                 pipe_root: Path, log_root: Path):
+        self.session = session
+        self.inventory = inventory
+        self.config = config
+        self.pipe_root = pipe_root
+        self.log_root = log_root
+        self.daemons: dict[str, DaemonState] = {}
+        self.error: str | None = None  # node-wide problem, e.g. the binary is missing
+        self._lock = asyncio.Lock()
+        self._checks = 0
+
+    def _control(self, spec: DaemonSpec) -> MpsControl:
+        directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
+        return MpsControl(self.config.control_binary, directories, spec.devices, user=self.config.user)
+
+    # -- converging on the config -----------------------------------------------------------
+
+    async def converge(self, reason: str) -> None:
+        """Starts, adopts, updates and stops daemons so they match the config and the node."""
+        async with self._lock:
+            inventory = self.inventory.current
+            if inventory is None:
+                return
+            wanted = desired_specs(self.config, inventory)
+            for name in [n for n in self.daemons if n not in wanted]:
+                await self._stop(self.daemons.pop(name), f"no longer configured ({reason})")
+            for name, spec in wanted.items():
+                daemon = self.daemons.get(name)
+                if daemon is None:
+                    daemon = self.daemons[name] = DaemonState(spec, self._control(spec))
+                    await self._adopt_or_start(daemon)
+                elif daemon.spec != spec:
+                    await self._update(daemon, spec)
+
+    async def _adopt_or_start(self, daemon: DaemonState) -> None:
+        pid = daemon.control.find_pid()
+        if pid is not None and await daemon.control.answers():
+            daemon.pid, daemon.state, daemon.started_at = pid, "running", _process_start_time(pid)
+            log.info("mps_daemon_adopted", daemon=daemon.spec.name, pid=pid, devices=list(daemon.spec.devices))
+            await self._apply_limits(daemon)
+            return
+        await self._start(daemon)
+
+    async def _start(self, daemon: DaemonState) -> None:
+        spec = daemon.spec
+        daemon.state, daemon.paused = "starting", False
+        try:
+            for index in spec.gpu_indices:
+                await self.session.call(nvml_device.set_compute_mode, index, "exclusive_process")
+            daemon.pid = await daemon.control.start()
+            await self._apply_limits(daemon)
+        except MpsBinaryMissing as exc:
+            self.error = str(exc)
+            self._failed(daemon, str(exc))
+            return
+        except Exception as exc:  # MPS, OS and NVML errors alike: reported, retried with back-off
+            self._failed(daemon, str(exc) or type(exc).__name__)
+            return
+        self.error = None
+        daemon.state, daemon.started_at, daemon.last_error = "running", time.time(), None
+        daemon.backoff_s = 1.0
+        log.info("mps_daemon_started", daemon=spec.name, pid=daemon.pid, devices=list(spec.devices),
+                 pipe=str(daemon.control.directories.pipe), restarts=daemon.restarts)
+
+    def _failed(self, daemon: DaemonState, error: str) -> None:
+        daemon.state, daemon.last_error, daemon.pid = "failed", error, None
+        daemon.next_attempt = time.monotonic() + daemon.backoff_s
+        log.error("mps_daemon_failed", daemon=daemon.spec.name, error=error, retry_in_s=daemon.backoff_s)
+        daemon.backoff_s = min(daemon.backoff_s * 2, MAX_BACKOFF_S)
+
+    async def _apply_limits(self, daemon: DaemonState) -> None:
+        spec = daemon.spec
+        await daemon.control.set_limits(spec.active_thread_percentage,
+                                        {i: mib for i, mib in enumerate(spec.pinned_mib) if mib is not None})
+
+    async def _update(self, daemon: DaemonState, spec: DaemonSpec) -> None:
+        if (daemon.spec.devices, daemon.spec.gpu_indices) == (spec.devices, spec.gpu_indices):
+            daemon.spec = spec
+            if daemon.state == "running":
+                await self._apply_limits(daemon)  # live: clients started from now on get the new limits
+                log.info("mps_limits_updated", daemon=spec.name, active_thread_percentage=spec.active_thread_percentage,
+                         pinned_mib=list(spec.pinned_mib))
+            return
+        await self._stop(daemon, "its devices changed")
+        daemon.spec, daemon.control = spec, self._control(spec)
+        await self._start(daemon)
+
+    async def _stop(self, daemon: DaemonState, why: str) -> None:
+        try:
+            if daemon.control.find_pid() is not None:
+                await daemon.control.quit()
+            for index in daemon.spec.gpu_indices:
+                await self.session.call(nvml_device.set_compute_mode, index, "default")
+        except Exception as exc:
+            daemon.last_error = f"stopping: {exc}"
+            log.error("mps_daemon_stop_failed", daemon=daemon.spec.name, error=str(exc))
+        daemon.state, daemon.pid, daemon.server_pids = "stopped", None, []
+        log.info("mps_daemon_stopped", daemon=daemon.spec.name, why=why)
+
+    # -- supervision ------------------------------------------------------------------------
+
+    async def supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.check_interval_s)
+            self._checks += 1
+            async with self._lock:
+                for daemon in list(self.daemons.values()):
+                    await self._check(daemon, full=self._checks % HEALTH_PROBE_EVERY == 0)
+
+    async def _check(self, daemon: DaemonState, full: bool) -> None:
+        if daemon.paused or daemon.state == "stopped":
+            return
+        if daemon.state == "failed":
+            if time.monotonic() >= daemon.next_attempt:
+                daemon.restarts += 1
+                await self._start(daemon)
+            return
+        healthy = daemon.pid is not None and process_alive(daemon.pid)
+        if healthy and full:
+            try:
+                daemon.server_pids = await daemon.control.server_pids()
+            except MpsError as exc:
+                healthy, daemon.last_error = False, str(exc)
+        if not healthy:
+            log.error("mps_daemon_died", daemon=daemon.spec.name, pid=daemon.pid, error=daemon.last_error)
+            daemon.restarts += 1
+            await self._start(daemon)
+
+    # -- explicit control and MIG changes ---------------------------------------------------
+
+    async def stop(self, name: str) -> None:
+        async with self._lock:
+            daemon = self.daemons[name]
+            daemon.paused = True
+            await self._stop(daemon, "asked through the API")
+
+    async def start(self, name: str) -> None:
+        async with self._lock:
+            daemon = self.daemons[name]
+            if daemon.state != "running":
+                await self._start(daemon)
+
+    async def restart(self, name: str) -> None:
+        async with self._lock:
+            daemon = self.daemons[name]
+            await self._stop(daemon, "restart asked through the API")
+            daemon.restarts += 1
+            await self._start(daemon)
+
+    async def before_mig_change(self, gpu_uuid: str) -> None:
+        """Stops the daemons on a GPU whose MIG layout is about to change."""
+        async with self._lock:
+            for name, daemon in list(self.daemons.items()):
+                if gpu_uuid in daemon.spec.parent_uuids and daemon.state in ("running", "starting", "failed"):
+                    await self._stop(daemon, "MIG layout of its GPU changes")
+                    del self.daemons[name]
+
+    async def after_mig_change(self, gpu_uuid: str) -> None:
+        await self.converge(f"MIG layout of {gpu_uuid} changed")
+
+    # -- views -------------------------------------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        return {"enabled": self.config.enabled, "control_binary": self.config.control_binary, "error": self.error,
+                "daemons": [self.daemon_view(d) for d in self.daemons.values()]}
+
+    def daemon_view(self, daemon: DaemonState) -> dict[str, Any]:
+        spec = daemon.spec
+        return {"name": spec.name, "devices": list(spec.devices), "pid": daemon.pid, "state": daemon.state,
+                "pipe_directory": str(daemon.control.directories.pipe),
+                "log_directory": str(daemon.control.directories.log),
+                "active_thread_percentage": spec.active_thread_percentage,
+                "pinned_memory_limit_mib": list(spec.pinned_mib), "device_memory_mib": list(spec.device_memory_mib),
+                "server_pids": daemon.server_pids, "restarts": daemon.restarts, "started_at": daemon.started_at,
+                "last_error": daemon.last_error}
+
+
+def _process_start_time(pid: int) -> float | None:
+    """When an adopted daemon started (wall clock), from /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
