@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import yaml
-
-from gpud.mig.layouts import parse_layouts
-
 from conftest import REPO
 from test_daemon import cli
+
+from gpud.mig.layouts import parse_layouts
 
 
 def test_mig_validate(tmp_path):

@@ -4,7 +4,6 @@ Expected counts come from the profile tables in shared/reference/mig-profiles.md
 mig-parted files are NVIDIA's own (shared/peer-configs/mig-parted), loaded unchanged.
 """
 
-import os
 from pathlib import Path
 
 import pytest

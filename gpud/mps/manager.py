@@ -137,8 +137,7 @@ class MpsManager:
         spec = daemon.spec
         daemon.state, daemon.paused = "starting", False
         try:
-            for index in spec.gpu_indices:
-                await self.session.call(nvml_device.set_compute_mode, index, "exclusive_process")
+            await self._set_compute_mode(spec, "exclusive_process")
             daemon.pid = await daemon.control.start()
             await self._apply_limits(daemon)
         except MpsBinaryMissing as exc:
@@ -153,6 +152,12 @@ class MpsManager:
         daemon.backoff_s = 1.0
         log.info("mps_daemon_started", daemon=spec.name, pid=daemon.pid, devices=list(spec.devices),
                  pipe=str(daemon.control.directories.pipe), restarts=daemon.restarts)
+
+    async def _set_compute_mode(self, spec: DaemonSpec, mode: str) -> None:
+        if spec.gpu_indices:
+            for index in spec.gpu_indices:
+                await self.session.call(nvml_device.set_compute_mode, index, mode)
+            await self.inventory.refresh(f"compute mode {mode} for MPS daemon {spec.name}")
 
     def _failed(self, daemon: DaemonState, error: str) -> None:
         daemon.state, daemon.last_error, daemon.pid = "failed", error, None
@@ -181,8 +186,7 @@ class MpsManager:
         try:
             if daemon.control.find_pid() is not None:
                 await daemon.control.quit()
-            for index in daemon.spec.gpu_indices:
-                await self.session.call(nvml_device.set_compute_mode, index, "default")
+            await self._set_compute_mode(daemon.spec, "default")
         except Exception as exc:
             daemon.last_error = f"stopping: {exc}"
             log.error("mps_daemon_stop_failed", daemon=daemon.spec.name, error=str(exc))
@@ -248,6 +252,8 @@ class MpsManager:
                     del self.daemons[name]
 
     async def after_mig_change(self, gpu_uuid: str) -> None:
+        """Starts the daemons the GPU's new MIG devices call for."""
+        await self.inventory.refresh("MIG change, for MPS")
         await self.converge(f"MIG layout of {gpu_uuid} changed")
 
     # -- views -------------------------------------------------------------------------------

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from pynvml import (
-    NVML_ERROR_UNKNOWN,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_UNINITIALIZED,
+    NVML_ERROR_UNKNOWN,
     NVMLError,
 )
 
