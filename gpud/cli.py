@@ -80,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--json", action="store_true", help="print the API's JSON")
         command.set_defaults(run=run)
 
+    sharing = commands.add_parser("sharing", help="shared resources (time-slicing, MPS replicas)")
+    sharing.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+    sharing.add_argument("--json", action="store_true", help="print the API's JSON")
+    sharing.set_defaults(run=_sharing)
+    sharing_commands = sharing.add_subparsers(title="sharing commands", metavar="COMMAND")
+    sharing_validate = sharing_commands.add_parser("validate", help="check a sharing file (exit 0 valid, 2 invalid)")
+    sharing_validate.add_argument("path", type=Path)
+    sharing_validate.set_defaults(run=_sharing_validate)
+
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
     validate = config_commands.add_parser("validate", help="check a config file without starting anything")
@@ -300,6 +309,41 @@ def _mps_restart(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     return _client_call(args, fetch)
+
+
+def _sharing(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        view = client.get("/v1/sharing")
+        if args.json:
+            _print_json(view)
+            return EXIT_OK
+        print(f"strategy: {view['strategy']}  MIG strategy: {view['mig_strategy']}  from: {view['source'] or '(none)'}")
+        if view["error"]:
+            print(f"error: {view['error']}")
+        rows = [("RESOURCE", "STRATEGY", "REPLICAS", "COUNT", "HEALTHY")]
+        for resource in view["resources"]:
+            healthy = sum(d["healthy"] for d in resource["devices"])
+            replicas = "mixed" if resource["replicas"] is None else str(resource["replicas"])
+            rows.append((resource["name"], resource["strategy"], replicas, str(resource["count"]), str(healthy)))
+        print(_table(rows))
+        return EXIT_FAILURE if view["error"] else EXIT_OK
+
+    return _client_call(args, fetch)
+
+
+def _sharing_validate(args: argparse.Namespace) -> int:
+    from gpud.sharing.config import SharingConfigError, load_sharing
+
+    try:
+        config = load_sharing(args.path)
+    except SharingConfigError as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"gpud: {args.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.path}: valid, strategy {config.strategy}, MIG strategy {config.mig_strategy}")
+    return EXIT_OK
 
 
 def _devices_text(side: dict | None) -> str:

@@ -119,6 +119,12 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class SharingFileConfig:
+    # Time-slicing and MPS replicas in the k8s-device-plugin config format. A missing file: no sharing.
+    file: str = "/etc/gpud/sharing.yaml"
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
@@ -126,6 +132,7 @@ class Config:
     nvml: NvmlConfig = NvmlConfig()
     mig: MigConfig = MigConfig()
     mps: MpsConfig = MpsConfig()
+    sharing: SharingFileConfig = SharingFileConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None

@@ -16,6 +16,7 @@ from gpud.api.errors import ApiError
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
+from gpud.api.sharing import SharingView, read_sharing_file
 from gpud.config import Config, ConfigError
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
@@ -23,6 +24,8 @@ from gpud.mig.reconciler import ApplyRefused, MigReconciler
 from gpud.mps.manager import MpsManager
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
+from gpud.sharing.config import SharingConfigError
+from gpud.sharing.resources import mps_replicas
 
 log = get_logger("daemon")
 
@@ -39,7 +42,11 @@ class Daemon:
                                           config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
-        self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root)
+        sharing_path = Path(config.sharing.file)
+        self.sharing = SharingView(read_sharing_file(sharing_path), sharing_path)
+        self.inventory.subscribe(self.sharing.update)
+        self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
+                              replicas=lambda inventory: mps_replicas(self.sharing.config, inventory))
         hooks = config.mig.hooks
         self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json",
                                  allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
@@ -47,7 +54,7 @@ class Daemon:
                                  around_gpu_change=(self.mps.before_mig_change, self.mps.after_mig_change))
         mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s,
-                       more_routes=(mig_routes.register, MpsRoutes(self.mps).register))
+                       more_routes=(mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register))
         self._mig_routes = mig_routes
         self._listener = UnixSocketListener(config.socket_path)
         self._runner: web.AppRunner | None = None
@@ -114,15 +121,20 @@ class Daemon:
         limits alone changed get them live; other keys take effect at the next start."""
         log.info("reloading")
         configure_log_level(config.log.level)
+        self.sharing.update(self.inventory.current, read_sharing_file(Path(config.sharing.file)), "reload")
         self.mps.config = config.mps
         await self.mps.converge("reload")
-        self.config = replace(self.config, mps=config.mps, log=config.log)
+        self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)
         log.info("reloaded")
 
 
 async def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
     """Runs until SIGTERM or SIGINT; SIGHUP re-reads the config (reread). Returns the exit code."""
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except SharingConfigError as exc:
+        log.error("sharing_config_invalid", error=str(exc))
+        return 2
     try:
         await daemon.start()
     except (SocketInUse, OSError) as exc:
@@ -148,8 +160,6 @@ def _spawn(tasks: set, coroutine) -> None:
 
 async def _reload(daemon: Daemon, reread: Callable[[], Config]) -> None:
     try:
-        config = reread()
-    except (ConfigError, OSError) as exc:
-        log.error("reload_refused", error=str(exc), why="the config file is invalid; the running config stays")
-        return
-    await daemon.reload(config)
+        await daemon.reload(reread())
+    except (ConfigError, SharingConfigError, OSError) as exc:
+        log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")

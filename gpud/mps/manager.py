@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gpud.config import MpsConfig
 from gpud.inventory import Gpu, Inventory, InventoryService
@@ -54,8 +54,12 @@ class DaemonState:
     paused: bool = False  # stopped on purpose (API stop, MIG change): not restarted by supervision
 
 
-def desired_specs(config: MpsConfig, inventory: Inventory) -> dict[str, DaemonSpec]:
-    """The daemons the config asks for on this node, by name."""
+def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None
+                  ) -> dict[str, DaemonSpec]:
+    """The daemons the config asks for on this node, by name. replicas (device UUID -> MPS replicas
+    from the sharing config) set the limits the mps section leaves unset: each replica gets
+    100/replicas of the SMs and total/replicas of the memory, as the device plugin splits them."""
+    replicas = replicas or {}
     if not config.enabled:
         return {}
     wanted = {str(d) for d in config.devices}
@@ -68,29 +72,35 @@ def desired_specs(config: MpsConfig, inventory: Inventory) -> dict[str, DaemonSp
             for dev in gpu.mig.devices:
                 if whole or dev.uuid in wanted:
                     name = f"gpu{gpu.index}-gi{dev.gi_id}-ci{dev.ci_id}"
-                    specs[name] = _spec(config, name, gpu, (dev.uuid,), (dev.memory_total_mib,), ())
+                    specs[name] = _spec(config, name, gpu, (dev.uuid,), (dev.memory_total_mib,), (),
+                                        replicas.get(dev.uuid))
         elif whole:
             name = f"gpu{gpu.index}"
-            specs[name] = _spec(config, name, gpu, (gpu.uuid,), (gpu.memory_total_mib,), (gpu.index,))
+            specs[name] = _spec(config, name, gpu, (gpu.uuid,), (gpu.memory_total_mib,), (gpu.index,),
+                                replicas.get(gpu.uuid))
     return specs
 
 
 def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memory: tuple[int, ...],
-          gpu_indices: tuple[int, ...]) -> DaemonSpec:
+          gpu_indices: tuple[int, ...], replicas: int | None) -> DaemonSpec:
     if config.pinned_memory_limit_mib is not None:
         pinned = tuple(min(config.pinned_memory_limit_mib, m) for m in memory)
     elif config.pinned_memory_limit_percent is not None:
         pinned = tuple(int(m * config.pinned_memory_limit_percent / 100) for m in memory)
+    elif replicas:
+        pinned = tuple(m // replicas for m in memory)
     else:
         pinned = tuple(None for _ in memory)
+    threads = config.active_thread_percentage
+    if threads is None and replicas:
+        threads = float(100 // replicas)  # integer division, as the device plugin does (3 replicas: 33)
     return DaemonSpec(name=name, devices=devices, device_memory_mib=memory, gpu_indices=gpu_indices,
-                      parent_uuids=(gpu.uuid,), active_thread_percentage=config.active_thread_percentage,
-                      pinned_mib=pinned)
+                      parent_uuids=(gpu.uuid,), active_thread_percentage=threads, pinned_mib=pinned)
 
 
 class MpsManager:
     def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
-                 pipe_root: Path, log_root: Path):
+                 pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None):
         self.session = session
         self.inventory = inventory
         self.config = config
@@ -100,6 +110,7 @@ class MpsManager:
         self.error: str | None = None  # node-wide problem, e.g. the binary is missing
         self._lock = asyncio.Lock()
         self._checks = 0
+        self._replicas = replicas or (lambda inventory: {})
 
     def _control(self, spec: DaemonSpec) -> MpsControl:
         directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
@@ -113,7 +124,7 @@ class MpsManager:
             inventory = self.inventory.current
             if inventory is None:
                 return
-            wanted = desired_specs(self.config, inventory)
+            wanted = desired_specs(self.config, inventory, self._replicas(inventory))
             for name in [n for n in self.daemons if n not in wanted]:
                 await self._stop(self.daemons.pop(name), f"no longer configured ({reason})")
             for name, spec in wanted.items():

@@ -1,0 +1,61 @@
+"""GET /v1/sharing: what each shared resource looks like on this node, rendered once per change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import web
+
+from gpud.api.views import encode
+from gpud.inventory import Inventory
+from gpud.logs import get_logger
+from gpud.sharing.config import SharingConfig, load_sharing
+from gpud.sharing.resources import SharingError, compute_sharing
+
+log = get_logger("sharing")
+
+
+def read_sharing_file(path: Path) -> SharingConfig | None:
+    """The sharing config, or None when the file does not exist. Raises SharingConfigError."""
+    try:
+        return load_sharing(path)
+    except FileNotFoundError:
+        return None
+
+
+class SharingView:
+    """Recomputes the sharing document whenever the inventory or the sharing config changes."""
+
+    def __init__(self, config: SharingConfig | None, source: Path):
+        self.config = config
+        self.source = source
+        self.document: dict | None = None
+        self._body = encode(self._empty())
+
+    def _empty(self) -> dict:
+        return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
+                "error": "no inventory yet"}
+
+    def update(self, inventory: Inventory | None, config: SharingConfig | None = None, reason: str = "") -> None:
+        if config is not None or reason == "reload":
+            self.config = config
+        if inventory is None:
+            return
+        try:
+            computed = compute_sharing(self.config, inventory)
+        except SharingError as exc:  # e.g. a `devices` selector that matches nothing on this node
+            computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
+                        "error": str(exc)}
+        document = {**computed, "source": str(self.source) if self.config else None}
+        if document != self.document:
+            if self.document is not None:
+                log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
+                         resources={r["name"]: r["count"] for r in document["resources"]}, error=document["error"])
+            self.document = document
+            self._body = encode(document)
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_get("/v1/sharing", self.get)
+
+    async def get(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._body, content_type="application/json")
