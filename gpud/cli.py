@@ -185,15 +185,21 @@ def _gpus(args: argparse.Namespace) -> int:
 def _mig_validate(args: argparse.Namespace) -> int:
     from gpud.mig.layouts import LayoutError, load_layouts
 
+    return _validate_file(args.path, load_layouts, LayoutError,
+                          lambda layouts: f"{len(layouts)} layouts: {', '.join(layouts)}")
+
+
+def _validate_file(path: Path, load, error_type: type, summary) -> int:
+    """`gpud … validate FILE`: exit 0 with a one-line summary, or 2 with the error."""
     try:
-        layouts = load_layouts(args.path)
-    except LayoutError as exc:
+        loaded = load(path)
+    except error_type as exc:
         print(f"gpud: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"gpud: {args.path}: {exc.strerror}", file=sys.stderr)
+        print(f"gpud: {path}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"{args.path}: valid, {len(layouts)} layouts: {', '.join(layouts)}")
+    print(f"{path}: valid, {summary(loaded)}")
     return EXIT_OK
 
 
@@ -334,16 +340,8 @@ def _sharing(args: argparse.Namespace) -> int:
 def _sharing_validate(args: argparse.Namespace) -> int:
     from gpud.sharing.config import SharingConfigError, load_sharing
 
-    try:
-        config = load_sharing(args.path)
-    except SharingConfigError as exc:
-        print(f"gpud: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"gpud: {args.path}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"{args.path}: valid, strategy {config.strategy}, MIG strategy {config.mig_strategy}")
-    return EXIT_OK
+    return _validate_file(args.path, load_sharing, SharingConfigError,
+                          lambda config: f"strategy {config.strategy}, MIG strategy {config.mig_strategy}")
 
 
 def _devices_text(side: dict | None) -> str:

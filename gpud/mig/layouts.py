@@ -20,6 +20,8 @@ from typing import Any
 import yaml
 
 from gpud.mig.profile_names import MigProfileName
+from gpud.yamlfile import at_line as _at_line
+from gpud.yamlfile import load_yaml
 
 FORMAT_VERSION = "v1"
 _TOP_LEVEL_KEYS = ("version", "mig-configs")
@@ -84,14 +86,7 @@ class Layout:
 
 def parse_layouts(text: str, source: str = "<layouts>") -> dict[str, Layout]:
     """The layouts of a v1 file's text, in file order; `source` names the file in errors."""
-    try:
-        document = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        line = f"line {mark.line + 1}: " if mark else ""
-        raise LayoutError(f"{source}: {line}invalid YAML: {error.problem or error.context}") from None
-    except yaml.YAMLError as error:
-        raise LayoutError(f"{source}: invalid YAML: {error}") from None
+    document = load_yaml(text, lambda reason, line: LayoutError(_at_line(source, line, reason)))
     return _build_layouts(document, _Where(source))
 
 
@@ -144,21 +139,6 @@ def _exported_entry(devices: list[int], mig_enabled: bool, counts: dict[str, int
 
 
 # -- reading ---------------------------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key_node.value!r} given twice", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
+from gpud.yamlfile import at_line, load_yaml
 
 FORMAT_VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com/"
@@ -85,14 +85,7 @@ def _replicates(sharing: ReplicatedResources | None) -> bool:
 
 def parse_sharing(text: str, source: str = "<sharing>") -> SharingConfig:
     """The config in a file's text; `source` names the file in errors."""
-    try:
-        document = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        line = f"line {mark.line + 1}: " if mark else ""
-        raise SharingConfigError(f"{source}: {line}invalid YAML: {error.problem or error.context}") from None
-    except yaml.YAMLError as error:
-        raise SharingConfigError(f"{source}: invalid YAML: {error}") from None
+    document = load_yaml(text, lambda reason, line: SharingConfigError(at_line(source, line, reason)))
     try:
         return _config(document)
     except _Invalid as invalid:
