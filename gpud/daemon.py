@@ -81,6 +81,7 @@ class Daemon:
         await self.session.initialise()
         await self.inventory.refresh("startup")
         await self._converge_mig()
+        await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.converge("startup")
         self._mps_task = asyncio.create_task(self.mps.supervise(), name="mps")
         await self.inventory.run()
@@ -122,6 +123,7 @@ class Daemon:
         log.info("reloading")
         configure_log_level(config.log.level)
         self.sharing.update(self.inventory.current, read_sharing_file(Path(config.sharing.file)), "reload")
+        await self.sharing.apply_time_slice(self.inventory.current)
         self.mps.config = config.mps
         await self.mps.converge("reload")
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)

@@ -124,3 +124,32 @@ def test_mps_replicas_set_the_daemons_limits(run_gpud, short_tmp):
     view = gpud.client.get("/v1/sharing")
     assert view["strategy"] == "mps" and view["labels"]["nvidia.com/mps.capable"] == "true"
     assert gpud.stop() == 0
+
+
+def test_time_slice_interval_is_applied_with_nvidia_smi_or_reported(run_gpud, short_tmp):
+    sharing = short_tmp / "sharing.yaml"
+    sharing.write_text(TIME_SLICED_GPU.format(replicas=2).replace("  timeSlicing:\n", "  timeSlicing:\n    interval: long\n"))
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"sharing:\n  file: {sharing}\n")
+    args = ("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"), "--config", str(config))
+
+    bare_path = "/usr/bin:/bin"  # no nvidia-smi on this machine: gpud says so
+    gpud = run_gpud(*args, env={"PATH": bare_path})
+    gpud.wait_healthy()
+    view = gpud.wait_for(lambda: gpud.client.get("/v1/sharing")["time_slice"], what="a time-slice report")
+    assert view == {"interval": "long", "applied": False, "reason": "nvidia-smi is not installed", "gpus": []}
+    assert gpud.stop() == 0
+
+    # A stand-in for nvidia-smi (none exists here) that records what gpud asks of it.
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    record = short_tmp / "smi.log"
+    (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    gpud = run_gpud(*args, env={"PATH": f"{bin_dir}:{bare_path}"})
+    gpud.wait_healthy()
+    view = gpud.wait_for(lambda: gpud.client.get("/v1/sharing")["time_slice"], what="a time-slice report")
+    assert view["applied"] is True and [g["index"] for g in view["gpus"]] == [0, 1]
+    assert record.read_text().splitlines() == ["compute-policy -i 0 --set-timeslice 3",
+                                               "compute-policy -i 1 --set-timeslice 3"]
+    assert gpud.stop() == 0

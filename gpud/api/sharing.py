@@ -11,6 +11,7 @@ from gpud.inventory import Inventory
 from gpud.logs import get_logger
 from gpud.sharing.config import SharingConfig, load_sharing
 from gpud.sharing.resources import SharingError, compute_sharing
+from gpud.sharing.timeslice import apply_time_slice
 
 log = get_logger("sharing")
 
@@ -30,6 +31,7 @@ class SharingView:
         self.config = config
         self.source = source
         self.document: dict | None = None
+        self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
         self._body = encode(self._empty())
 
     def _empty(self) -> dict:
@@ -37,7 +39,7 @@ class SharingView:
                 "error": "no inventory yet"}
 
     def update(self, inventory: Inventory | None, config: SharingConfig | None = None, reason: str = "") -> None:
-        if config is not None or reason == "reload":
+        if reason == "reload":
             self.config = config
         if inventory is None:
             return
@@ -46,13 +48,21 @@ class SharingView:
         except SharingError as exc:  # e.g. a `devices` selector that matches nothing on this node
             computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
                         "error": str(exc)}
-        document = {**computed, "source": str(self.source) if self.config else None}
+        document = {**computed, "source": str(self.source) if self.config else None, "time_slice": self.time_slice}
         if document != self.document:
             if self.document is not None:
                 log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
                          resources={r["name"]: r["count"] for r in document["resources"]}, error=document["error"])
             self.document = document
             self._body = encode(document)
+
+    async def apply_time_slice(self, inventory: Inventory | None) -> None:
+        """Sets the configured time-slice length on the GPUs (at start and after a reload)."""
+        interval = self.config.interval if self.config else None
+        if inventory is not None and (interval is not None or self.time_slice is not None):
+            self.time_slice = await apply_time_slice(interval, inventory)
+            self.document = None
+            self.update(inventory, reason="time slice")
 
     def register(self, app: web.Application) -> None:
         app.router.add_get("/v1/sharing", self.get)

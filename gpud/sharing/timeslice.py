@@ -1,0 +1,35 @@
+"""The CUDA time-slice length per GPU (`sharing.timeSlicing.interval`), set with nvidia-smi."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+from gpud.inventory import Inventory
+from gpud.logs import get_logger
+
+log = get_logger("sharing")
+# nvidia-smi compute-policy --set-timeslice takes these numbers.
+INTERVALS = {"default": 0, "short": 1, "medium": 2, "long": 3}
+
+
+async def apply_time_slice(interval: str | None, inventory: Inventory) -> dict | None:
+    """Sets the interval on every GPU; returns what happened, for /v1/sharing. None: nothing asked."""
+    if interval is None:
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        log.warning("time_slice_not_applied", interval=interval, why="nvidia-smi is not installed")
+        return {"interval": interval, "applied": False, "reason": "nvidia-smi is not installed", "gpus": []}
+    results = []
+    for gpu in inventory.gpus:
+        if gpu.lost:
+            continue
+        proc = await asyncio.create_subprocess_exec(
+            smi, "compute-policy", "-i", str(gpu.index), "--set-timeslice", str(INTERVALS[interval]),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output, _ = await proc.communicate()
+        ok = proc.returncode == 0
+        results.append({"index": gpu.index, "applied": ok, "reason": None if ok else output.decode().strip()[-300:]})
+        log.info("time_slice_set", gpu=gpu.index, interval=interval, ok=ok)
+    return {"interval": interval, "applied": all(r["applied"] for r in results), "reason": None, "gpus": results}
