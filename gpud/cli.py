@@ -89,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     sharing_validate.add_argument("path", type=Path)
     sharing_validate.set_defaults(run=_sharing_validate)
 
+    health = commands.add_parser("health", help="the health of each GPU and MIG device, with reasons")
+    watch = commands.add_parser("watch", help="follow the event stream, one line per event")
+    watch.add_argument("--since", type=int, help="replay events after this sequence number first")
+    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory")
+    for command, run in ((health, _health), (watch, _watch)):
+        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+        command.add_argument("--json", action="store_true", help="print the API's JSON")
+        command.set_defaults(run=run)
+
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
     validate = config_commands.add_parser("validate", help="check a config file without starting anything")
@@ -342,6 +351,50 @@ def _sharing_validate(args: argparse.Namespace) -> int:
 
     return _validate_file(args.path, load_sharing, SharingConfigError,
                           lambda config: f"strategy {config.strategy}, MIG strategy {config.mig_strategy}")
+
+
+def _health(args: argparse.Namespace) -> int:
+    def fetch(client) -> int:
+        view = client.get("/v1/health")
+        if args.json:
+            _print_json(view)
+            return EXIT_OK
+        print(f"node: {view['status']}")
+        rows = [("DEVICE", "STATE", "REASONS")]
+        for gpu in view["gpus"]:
+            rows.append((f"GPU {gpu['index']}", gpu["state"], _reasons_text(gpu["reasons"])))
+            for dev in gpu["mig_devices"]:
+                rows.append((f"  └ {dev['profile']} gi {dev['gi_id']} ci {dev['ci_id']}", dev["state"],
+                             _reasons_text(dev["reasons"])))
+        print(_table(rows))
+        return EXIT_OK if view["status"] == "healthy" else EXIT_FAILURE
+
+    return _client_call(args, fetch)
+
+
+def _reasons_text(reasons: list[dict]) -> str:
+    return "; ".join(f"{r['kind']} {r['code']}: {r['message']} (×{r['count']}, action: {r['action']})"
+                     for r in reasons)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    query = "&".join(part for part in (f"since={args.since}" if args.since is not None else "",
+                                       f"types={args.types}" if args.types else "") if part)
+
+    def follow(client) -> int:
+        for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch"):
+            if event.get("type") == "heartbeat":
+                continue
+            if args.json:
+                print(json.dumps(event), flush=True)
+            else:
+                print(f"#{event['seq']} {event['type']}: {json.dumps(event.get('data', {}))}", flush=True)
+        return EXIT_OK
+
+    try:
+        return _client_call(args, follow)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def _devices_text(side: dict | None) -> str:

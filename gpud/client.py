@@ -90,5 +90,21 @@ class Client:
             conn.close()
         return response.status, raw
 
+    def stream(self, path: str):
+        """The JSON lines of a streaming route, as they arrive."""
+        conn = _UnixConnection(self.socket_path, None)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            if response.status >= 400:
+                raise ApiFailure(response.status, json.loads(response.read() or b"{}"))
+            for line in response:
+                if line.strip():
+                    yield json.loads(line)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnreachable(f"gpud is not running: no socket at {self.socket_path}") from None
+        finally:
+            conn.close()
+
     def get(self, path: str, ok_statuses: tuple = ()) -> Any:
         return self.request("GET", path, ok_statuses=ok_statuses)[1]

@@ -125,6 +125,20 @@ class SharingFileConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    # Seconds between periodic checks (temperature, clocks, ECC counters, row remapping, power, MPS).
+    check_interval_s: float = field(default=5.0, metadata=_bounded(0.5, 3600))
+    # A reason found by a periodic check clears after this many passing checks in a row (no flapping).
+    clear_after_passes: int = field(default=3, metadata=_bounded(1, 100))
+    # XIDs caused by applications, which leave a device healthy (logged and counted only).
+    # Unset: 13, 31, 43, 45, 68, 109, as NVIDIA's device plugin.
+    application_xids: tuple[int, ...] | None = None
+    # XIDs that never affect health; and XIDs that always do, even when listed as application XIDs.
+    ignored_xids: tuple[int, ...] = ()
+    unhealthy_xids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
@@ -133,6 +147,7 @@ class Config:
     mig: MigConfig = MigConfig()
     mps: MpsConfig = MpsConfig()
     sharing: SharingFileConfig = SharingFileConfig()
+    health: HealthConfig = HealthConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -271,8 +286,11 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
     dotted, line = ".".join(path), lines.get(path)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path, source, lines)
-    if typing.get_origin(hint) is tuple:
-        return _convert_list(typing.get_args(hint)[0], value, dotted, source, line)
+    lists = [t for t in _allowed_types(hint) if typing.get_origin(t) is tuple]
+    if lists:  # tuple[X, ...], optionally `| None`
+        if value is None and type(None) in _allowed_types(hint):
+            return None
+        return _convert_list(typing.get_args(lists[0])[0], value, dotted, source, line)
     allowed = _allowed_types(hint)
     if value is None:
         if type(None) in allowed:

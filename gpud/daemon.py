@@ -13,11 +13,16 @@ from aiohttp import web
 
 from gpud import __version__
 from gpud.api.errors import ApiError
+from gpud.api.health import HealthRoutes
+from gpud.api.metrics import MetricsRoute
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.sharing import SharingView, read_sharing_file
 from gpud.config import Config, ConfigError
+from gpud.events import EventBus
+from gpud.health.catalog import load_catalog
+from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
 from gpud.mig.reconciler import ApplyRefused, MigReconciler
@@ -53,13 +58,30 @@ class Daemon:
                                  post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
                                  around_gpu_change=(self.mps.before_mig_change, self.mps.after_mig_change))
         mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
-        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s,
-                       more_routes=(mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register))
+        self.bus = EventBus()
+        health = config.health
+        catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
+                               unhealthy_xids=health.unhealthy_xids)
+        self.health = HealthService(self.session, self.inventory, self.bus, catalog,
+                                    check_interval_s=health.check_interval_s,
+                                    clear_after_passes=health.clear_after_passes,
+                                    mps_failures=self.mps.failures)
+        self.sharing.unhealthy = lambda: {uuid for uuid, state in self.health.tracker.gpu_states().items()
+                                          if state == "unhealthy"}
+        self.health.listeners.append(lambda: self.sharing.update(self.inventory.current, reason="health"))
+        for source in (self.mig, self.mps, self.sharing):
+            source.notify = self.bus.publish
+        self.inventory.subscribe(self._publish_inventory)
+        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s, more_routes=(
+            mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register,
+            HealthRoutes(self.health, self.inventory, self.bus, config.api.body_timeout_s).register,
+            MetricsRoute(self.inventory, self.health, self.mig, self.mps).register))
         self._mig_routes = mig_routes
         self._listener = UnixSocketListener(config.socket_path)
         self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
-        self._mps_task: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
+        self._published_inventory: tuple | None = None
 
     async def start(self) -> None:
         """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
@@ -80,11 +102,21 @@ class Daemon:
     async def _run_node(self) -> None:
         await self.session.initialise()
         await self.inventory.refresh("startup")
+        self.health.start()
+        self._background.append(asyncio.create_task(self.health.run_checks(), name="health"))
         await self._converge_mig()
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.converge("startup")
-        self._mps_task = asyncio.create_task(self.mps.supervise(), name="mps")
+        self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
         await self.inventory.run()
+
+    def _publish_inventory(self, inventory) -> None:
+        summary = tuple((g.uuid, g.lost, g.mig.mode, tuple(d.uuid for d in g.mig.devices)) for g in inventory.gpus)
+        if summary != self._published_inventory:
+            self._published_inventory = summary
+            self.bus.publish("inventory", {"gpus": len(inventory.gpus),
+                                           "mig_devices": sum(len(g.mig.devices) for g in inventory.gpus),
+                                           "lost": [g.index for g in inventory.gpus if g.lost]})
 
     async def _converge_mig(self) -> None:
         """Finishes what a crash interrupted, or applies mig.default_layout when it is new."""
@@ -105,10 +137,12 @@ class Daemon:
 
     async def stop(self) -> None:
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)
-        for task in (self._node_task, self._mps_task):
+        for task in [self._node_task, *self._background]:
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        self.health.stop()
+        self.bus.close()  # open watch streams end, so in-flight requests can finish
         await self.mig.stop()  # MPS daemons are left running on purpose: their clients keep working
         if self._runner:
             await self._runner.cleanup()  # stops accepting, lets in-flight requests finish

@@ -63,6 +63,7 @@ class Api:
         app.router.add_post("/v1/sim/xid", self.sim_xid)
         app.router.add_post("/v1/sim/gpu-lost", self.sim_gpu_lost)
         app.router.add_post("/v1/sim/processes", self.sim_processes)
+        app.router.add_post("/v1/sim/ecc", self.sim_ecc)
         for register in self.more_routes:
             register(app)
         app.router.add_route("*", "/{path:.*}", no_such_route)  # last: only what nothing else matched
@@ -140,6 +141,13 @@ class Api:
         log.info("sim_processes_set", gpu=body["gpu"], pids=pids)
         await self.inventory.refresh("simulated processes")
         return _accepted({"injected": "processes", **body})
+
+    @json_errors
+    async def sim_ecc(self, request: web.Request) -> web.Response:
+        body = await self._sim_body(request, {"gpu": (int, str), "double_bit": (bool,)})
+        await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
+        log.warning("sim_ecc_injected", gpu=body["gpu"], double_bit=body["double_bit"])
+        return _accepted({"injected": "ecc", **body})
 
     async def _sim_body(self, request: web.Request, fields: dict) -> dict:
         if not self.session.simulated:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import web
 
@@ -32,6 +33,8 @@ class SharingView:
         self.source = source
         self.document: dict | None = None
         self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
+        self.unhealthy: Callable[[], set[str]] = set  # device UUIDs health calls unhealthy
+        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
         self._body = encode(self._empty())
 
     def _empty(self) -> dict:
@@ -44,7 +47,7 @@ class SharingView:
         if inventory is None:
             return
         try:
-            computed = compute_sharing(self.config, inventory)
+            computed = compute_sharing(self.config, inventory, frozenset(self.unhealthy()))
         except SharingError as exc:  # e.g. a `devices` selector that matches nothing on this node
             computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
                         "error": str(exc)}
@@ -55,6 +58,10 @@ class SharingView:
                          resources={r["name"]: r["count"] for r in document["resources"]}, error=document["error"])
             self.document = document
             self._body = encode(document)
+            self.notify("sharing", {"strategy": document["strategy"], "error": document["error"],
+                                    "resources": {r["name"]: r["count"] for r in document["resources"]},
+                                    "unhealthy": sum(not d["healthy"] for r in document["resources"]
+                                                     for d in r["devices"])})
 
     async def apply_time_slice(self, inventory: Inventory | None) -> None:
         """Sets the configured time-slice length on the GPUs (at start and after a reload)."""

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
@@ -105,6 +105,7 @@ class MigReconciler:
         self._hook_timeout_s = hook_timeout_s
         # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
         self._around_gpu_change = around_gpu_change
+        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
         self._lock = asyncio.Lock()
         self.status = ApplyStatus()
         self.desired: dict[str, GpuDesired] = {}
@@ -259,6 +260,7 @@ class MigReconciler:
                              else "success")
         errors = [f"GPU {p.index}: {p.error}" for p in self.status.gpus.values() if p.error]
         self.status.error = "; ".join(errors) or self.status.error
+        self.notify("mig", {"layout": self.status.layout, "state": self.status.state, "error": self.status.error})
         log.info("mig_apply_finished", layout=self.status.layout, state=self.status.state,
                  mutations=sum(p.mutations for p in self.status.gpus.values()),
                  in_sync=all(in_sync(g, self.desired[g.uuid]) for g in final.gpus if g.uuid in self.desired))
@@ -266,6 +268,7 @@ class MigReconciler:
     async def _apply_gpu(self, gpu: Gpu, desired: GpuDesired) -> None:
         progress = self.status.gpus[gpu.uuid]
         progress.state = "applying"
+        self.notify("mig", {"layout": self.status.layout, "state": "applying", "gpu": gpu.index})
         bound = log.bind(gpu=gpu.index, uuid=gpu.uuid, layout=self.status.layout)
         original = gpu.mig.instances
         if self._around_gpu_change:

@@ -111,6 +111,7 @@ class MpsManager:
         self._lock = asyncio.Lock()
         self._checks = 0
         self._replicas = replicas or (lambda inventory: {})
+        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
 
     def _control(self, spec: DaemonSpec) -> MpsControl:
         directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
@@ -163,6 +164,7 @@ class MpsManager:
         daemon.backoff_s = 1.0
         log.info("mps_daemon_started", daemon=spec.name, pid=daemon.pid, devices=list(spec.devices),
                  pipe=str(daemon.control.directories.pipe), restarts=daemon.restarts)
+        self.notify("mps", self.daemon_view(daemon))
 
     async def _set_compute_mode(self, spec: DaemonSpec, mode: str) -> None:
         if spec.gpu_indices:
@@ -175,6 +177,7 @@ class MpsManager:
         daemon.next_attempt = time.monotonic() + daemon.backoff_s
         log.error("mps_daemon_failed", daemon=daemon.spec.name, error=error, retry_in_s=daemon.backoff_s)
         daemon.backoff_s = min(daemon.backoff_s * 2, MAX_BACKOFF_S)
+        self.notify("mps", self.daemon_view(daemon))
 
     async def _apply_limits(self, daemon: DaemonState) -> None:
         spec = daemon.spec
@@ -203,6 +206,7 @@ class MpsManager:
             log.error("mps_daemon_stop_failed", daemon=daemon.spec.name, error=str(exc))
         daemon.state, daemon.pid, daemon.server_pids = "stopped", None, []
         log.info("mps_daemon_stopped", daemon=daemon.spec.name, why=why)
+        self.notify("mps", self.daemon_view(daemon))
 
     # -- supervision ------------------------------------------------------------------------
 
@@ -268,6 +272,11 @@ class MpsManager:
         await self.converge(f"MIG layout of {gpu_uuid} changed")
 
     # -- views -------------------------------------------------------------------------------
+
+    def failures(self) -> dict[str, str]:
+        """Device UUID -> why its MPS daemon is down, for the health of those devices."""
+        return {device: f"MPS daemon {d.spec.name} failed: {d.last_error}" for d in self.daemons.values()
+                if d.state == "failed" and not d.paused for device in d.spec.devices}
 
     def view(self) -> dict[str, Any]:
         return {"enabled": self.config.enabled, "control_binary": self.config.control_binary, "error": self.error,

@@ -1,0 +1,119 @@
+"""The XID catalog: what each XID means, how bad it is and what fixes it, kept as data in xids.yaml.
+
+gpud's config can change which XIDs count: it may replace the list of application XIDs, ignore
+XIDs entirely, or force XIDs to make a device unhealthy (as the device plugin's
+DP_ENABLE_HEALTHCHECKS does, a forced XID counts even if it is also listed as ignored).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpud.yamlfile import at_line, load_yaml
+
+SEVERITIES = ("fatal", "critical", "warning", "info")
+ACTIONS = ("none", "restart-app", "reset-gpu", "reboot", "inspect-hardware")
+UNKNOWN_NAME = "unknown XID"
+_REQUIRED_FIELDS = {"name", "severity", "action"}
+_FIELDS = _REQUIRED_FIELDS | {"application"}
+
+
+class CatalogError(ValueError):
+    """An XID catalog file gpud cannot use; the message says where."""
+
+
+@dataclass(frozen=True)
+class XidInfo:
+    xid: int
+    name: str
+    severity: str  # one of SEVERITIES
+    action: str  # one of ACTIONS
+    application: bool  # normally caused by an application, not the GPU
+
+
+XidTable = dict[int, XidInfo]
+
+
+class XidCatalog:
+    def __init__(self, application_xids: frozenset[int] | None = None, ignored_xids: frozenset[int] = frozenset(),
+                 unhealthy_xids: frozenset[int] = frozenset(), *, table: XidTable | None = None):
+        self._table = shipped_table() if table is None else table
+        self._application = (frozenset(xid for xid, info in self._table.items() if info.application)
+                             if application_xids is None else application_xids)
+        self._ignored = ignored_xids
+        self._forced = unhealthy_xids
+
+    def info(self, xid: int) -> XidInfo:
+        """What the XID is, with the config's overrides applied."""
+        known = self._table.get(xid) or XidInfo(xid, UNKNOWN_NAME, "critical", "reset-gpu", application=False)
+        severity = known.severity
+        if xid in self._forced and severity in ("warning", "info"):
+            severity = "critical"  # forced XIDs make the device unhealthy, not merely degraded
+        return replace(known, severity=severity, application=xid in self._application)
+
+    def affects_health(self, xid: int) -> bool:
+        if xid in self._forced:
+            return True
+        if xid in self._ignored or xid in self._application:
+            return False
+        return self.info(xid).severity != "info"
+
+
+def load_catalog(application_xids: Iterable[int] | None = None, ignored_xids: Iterable[int] = (),
+                 unhealthy_xids: Iterable[int] = ()) -> XidCatalog:
+    """The shipped catalog with the config's XID lists applied."""
+    return XidCatalog(None if application_xids is None else frozenset(application_xids), frozenset(ignored_xids),
+                      frozenset(unhealthy_xids))
+
+
+@functools.cache
+def shipped_table() -> XidTable:
+    """xids.yaml as shipped in the package, read once."""
+    resource = importlib.resources.files("gpud.health") / "xids.yaml"
+    return parse_catalog(resource.read_text(encoding="utf-8"), str(resource))
+
+
+def parse_catalog(text: str, source: str) -> XidTable:
+    document = load_yaml(text, lambda reason, line: CatalogError(at_line(source, line, reason)))
+    if not isinstance(document, dict) or set(document) != {"xids"} or not isinstance(document["xids"], dict):
+        raise CatalogError(f"{source}: expected a mapping with the single key 'xids'")
+    singles: XidTable = {}
+    ranged: XidTable = {}
+    for key, fields in document["xids"].items():
+        where = f"{source}: XID {key}"
+        first, last = _xid_span(key, where)
+        entry = _entry(fields, where)
+        target = singles if first == last else ranged
+        for xid in range(first, last + 1):
+            if xid in target:
+                raise CatalogError(f"{where}: XID {xid} is already listed")
+            target[xid] = XidInfo(xid, **entry)
+    return dict(sorted((ranged | singles).items()))  # a single XID refines the range it falls in
+
+
+def _xid_span(key: Any, where: str) -> tuple[int, int]:
+    """An XID key as (first, last): 79 -> (79, 79), "144-150" -> (144, 150)."""
+    if isinstance(key, int) and not isinstance(key, bool) and key > 0:
+        return key, key
+    first, dash, last = str(key).partition("-")
+    if dash and first.isdigit() and last.isdigit() and 0 < int(first) < int(last):
+        return int(first), int(last)
+    raise CatalogError(f"{where}: a key must be an XID or a range 'first-last'")
+
+
+def _entry(fields: Any, where: str) -> dict[str, Any]:
+    if not isinstance(fields, dict) or not _REQUIRED_FIELDS <= set(fields) <= _FIELDS:
+        raise CatalogError(f"{where}: expected the fields name, severity, action and optionally application")
+    if not isinstance(fields["name"], str) or not fields["name"]:
+        raise CatalogError(f"{where}: name must be a non-empty string")
+    if fields["severity"] not in SEVERITIES:
+        raise CatalogError(f"{where}: severity must be one of {', '.join(SEVERITIES)}")
+    if fields["action"] not in ACTIONS:
+        raise CatalogError(f"{where}: action must be one of {', '.join(ACTIONS)}")
+    if not isinstance(fields.get("application", False), bool):
+        raise CatalogError(f"{where}: application must be true or false")
+    return {"application": False, **fields}

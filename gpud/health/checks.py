@@ -1,0 +1,61 @@
+"""Periodic checks: what a GPU's readings mean for its health, one (kind, code) result each.
+
+A result is (severity, action, message) when something is wrong, None when the check passes;
+the tracker turns results into reasons, with hysteresis so a value near a limit cannot flap.
+"""
+
+from __future__ import annotations
+
+from gpud.nvml.health import Readings
+
+Problem = tuple[str, str, str] | None
+# Clock-event reasons that are the hardware slowing the GPU down, not idling or a set limit.
+HW_SLOWDOWN, HW_THERMAL_SLOWDOWN, HW_POWER_BRAKE = 0x8, 0x40, 0x80
+SHUTDOWN_MARGIN_C = 5
+
+
+def check_readings(readings: Readings) -> dict[tuple[str, str], Problem]:
+    return {
+        ("temperature", "slowdown"): _temperature(readings),
+        ("throttle", "hardware-slowdown"): _throttle(readings),
+        ("ecc", "dbe-volatile"): _count(readings.ecc_dbe_volatile, "unhealthy", "reset-gpu",
+                                        "uncorrectable (double-bit) ECC errors since the last reset"),
+        ("remapped-rows", "pending"): _flag(readings.remap_pending, "degraded", "reset-gpu",
+                                           "a row remap is pending: a GPU reset activates it"),
+        ("remapped-rows", "failed"): _flag(readings.remap_failed, "unhealthy", "inspect-hardware",
+                                           "row remapping failed: the memory needs inspection"),
+        ("power", "over-limit"): _power(readings),
+    }
+
+
+def _temperature(r: Readings) -> Problem:
+    if r.temperature_c is None:
+        return None
+    if r.shutdown_c and r.temperature_c >= r.shutdown_c - SHUTDOWN_MARGIN_C:
+        return "unhealthy", "inspect-hardware", f"{r.temperature_c} °C, near the shutdown limit of {r.shutdown_c} °C"
+    if r.slowdown_c and r.temperature_c >= r.slowdown_c:
+        return "degraded", "inspect-hardware", f"{r.temperature_c} °C, at or over the slowdown limit of {r.slowdown_c} °C"
+    return None
+
+
+def _throttle(r: Readings) -> Problem:
+    bits = (r.throttle_reasons or 0) & (HW_SLOWDOWN | HW_THERMAL_SLOWDOWN | HW_POWER_BRAKE)
+    if not bits:
+        return None
+    names = [name for bit, name in ((HW_SLOWDOWN, "hardware slowdown"), (HW_THERMAL_SLOWDOWN, "thermal slowdown"),
+                                    (HW_POWER_BRAKE, "power brake")) if bits & bit]
+    return "degraded", "inspect-hardware", "clocks held down: " + ", ".join(names)
+
+
+def _power(r: Readings) -> Problem:
+    if r.power_w is None or not r.power_limit_w or r.power_w <= r.power_limit_w * 1.05:
+        return None
+    return "degraded", "inspect-hardware", f"drawing {r.power_w:.0f} W over its {r.power_limit_w:.0f} W limit"
+
+
+def _count(value: int | None, severity: str, action: str, message: str) -> Problem:
+    return (severity, action, f"{value} {message}") if value else None
+
+
+def _flag(value: bool | None, severity: str, action: str, message: str) -> Problem:
+    return (severity, action, message) if value else None

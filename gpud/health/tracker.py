@@ -1,0 +1,245 @@
+"""Device health: why each GPU and MIG device is healthy, degraded or unhealthy.
+
+A device's reasons come from XIDs, periodic checks, the inventory (a lost GPU), and go away with a
+passing check, a GPU reset or an administrator's clear. Its state is the worst of its reasons. A MIG
+device also carries its GPU's reasons: what breaks the GPU breaks every MIG device on it.
+
+Every input returns the Changes it caused, and only real transitions (state or set of reasons), so a
+flood of one repeated XID bumps a counter instead of flooding the watch stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+
+from gpud.health.catalog import XidCatalog
+from gpud.inventory import Gpu, Inventory
+
+HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
+_RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
+NOT_ATTRIBUTED = 0xFFFFFFFF  # NVML's GPU/compute-instance id for an event that is not one MIG device's
+LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
+
+Key = tuple[str, str]  # (kind, code)
+
+
+@dataclass(frozen=True)
+class Reason:
+    kind: str  # "xid" | "ecc" | "temperature" | "remapped-rows" | "lost" | "mps" | ...
+    code: str  # "79", "dbe", "pending", ...
+    message: str
+    severity: str  # DEGRADED | UNHEALTHY
+    action: str  # none | restart-app | reset-gpu | reboot | inspect-hardware
+    first_seen: float
+    last_seen: float
+    count: int
+    clears: str  # "check": checks pass again; "reset": a GPU reset (or the GPU is back); "admin": only a clear
+
+
+@dataclass(frozen=True)
+class Change:
+    """One device's state transition, for the watch stream and the log."""
+
+    device: str  # UUID (GPU- or MIG-)
+    gpu_index: int
+    previous: str
+    state: str
+    reasons: tuple[Reason, ...]  # the device's effective reasons now
+
+
+@dataclass
+class _Device:
+    gpu_index: int
+    parent: str | None = None  # the GPU's UUID, for a MIG device
+    gi_id: int | None = None
+    ci_id: int | None = None
+    reasons: dict[Key, Reason] = field(default_factory=dict)  # its own, not its GPU's
+    passes: dict[Key, int] = field(default_factory=dict)  # consecutive passing checks of a check's reason
+
+    def drop(self, matches: Callable[[Reason], bool]) -> None:
+        for key in [key for key, reason in self.reasons.items() if matches(reason)]:
+            del self.reasons[key]
+            self.passes.pop(key, None)
+
+
+class HealthTracker:
+    def __init__(self, catalog: XidCatalog, clear_after_passes: int = 3, clock: Callable[[], float] = time.time):
+        self._catalog = catalog
+        self._clear_after_passes = clear_after_passes
+        self._clock = clock
+        self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def set_inventory(self, inventory: Inventory) -> list[Change]:
+        """Learns the inventory's devices (forgetting any it no longer has) and which GPUs are lost."""
+        before = self._summaries()
+        self._devices = self._learn(inventory)
+        for gpu in inventory.gpus:
+            self._update_lost(self._devices[gpu.uuid], gpu)
+        return self._changes_since(before)
+
+    def record_xid(self, gpu_uuid: str, xid: int, gi_id: int | None, ci_id: int | None) -> list[Change]:
+        """An XID on a GPU; with GPU/compute-instance ids that name MIG devices of it, only on those."""
+        if gpu_uuid not in self._devices or not self._catalog.affects_health(xid):
+            return []
+        info = self._catalog.info(xid)
+        severity = UNHEALTHY if info.severity in ("fatal", "critical") else DEGRADED
+        # A reset cannot fix what needs a hardware inspection: only an administrator clears that.
+        clears = "admin" if info.action == "inspect-hardware" else "reset"
+        reason = self._reason("xid", str(xid), f"XID {xid}: {info.name}", severity, info.action, clears)
+        before = self._summaries()
+        for device in self._xid_targets(gpu_uuid, gi_id, ci_id):
+            self._raise(device, reason)
+        return self._changes_since(before)
+
+    def observe(self, device_uuid: str, kind: str, code: str,
+                problem: tuple[str, str, str] | None) -> list[Change]:
+        """A periodic check's result: (severity, action, message), or None when it passes. A problem
+        shows at once; it goes only after `clear_after_passes` passes in a row, so a value hovering
+        at a limit cannot make the device flap."""
+        device = self._devices.get(device_uuid)
+        if device is None:
+            return []  # a device gone since the check read it (a MIG device destroyed meanwhile)
+        before = self._summaries()
+        if problem is None:
+            self._count_pass(device, (kind, code))
+        else:
+            severity, action, message = problem
+            if severity not in (DEGRADED, UNHEALTHY):
+                raise ValueError(f"a problem's severity must be {DEGRADED!r} or {UNHEALTHY!r}, not {severity!r}")
+            self._raise(device, self._reason(kind, code, message, severity, action, "check"))
+        return self._changes_since(before)
+
+    def record_reset(self, gpu_uuid: str) -> list[Change]:
+        """The GPU was reset: what a reset fixes goes, on the GPU and its MIG devices."""
+        return self._drop_in_family(gpu_uuid, lambda reason: reason.clears in ("reset", "check"))
+
+    def clear(self, device_uuid: str, kind: str | None = None) -> list[Change]:
+        """An administrator's clear of a device's reasons (of one kind, or all); a GPU's takes its MIG
+        devices' too. KeyError for a device gpud does not know."""
+        return self._drop_in_family(device_uuid, lambda reason: kind is None or reason.kind == kind)
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    def device(self, uuid: str) -> dict:
+        if uuid not in self._devices:
+            raise KeyError(uuid)
+        return {"uuid": uuid, **self._health_view(uuid)}
+
+    def view(self, inventory: Inventory) -> dict:
+        """The /v1/health document for the inventory's GPUs and MIG devices."""
+        gpus = [self._gpu_view(gpu) for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index)]
+        return {"status": _worst(entry["state"] for gpu in gpus for entry in (gpu, *gpu["mig_devices"])),
+                "gpus": gpus}
+
+    def gpu_states(self) -> dict[str, str]:
+        """Effective state by UUID, GPUs and MIG devices."""
+        return {uuid: self._effective(device)[0] for uuid, device in self._devices.items()}
+
+    def _gpu_view(self, gpu: Gpu) -> dict:
+        mig_devices = [{"uuid": mig.uuid, "profile": mig.profile, "gi_id": mig.gi_id, "ci_id": mig.ci_id,
+                        **self._health_view(mig.uuid)} for mig in gpu.mig.devices]
+        return {"index": gpu.index, "uuid": gpu.uuid, **self._health_view(gpu.uuid), "mig_devices": mig_devices}
+
+    def _health_view(self, uuid: str) -> dict:
+        """State and reasons; a device not learned yet has nothing recorded against it."""
+        device = self._devices.get(uuid)
+        state, reasons = self._effective(device) if device else (HEALTHY, ())
+        return {"state": state, "reasons": [asdict(reason) for reason in reasons]}
+
+    # -- devices -----------------------------------------------------------------------------
+
+    def _learn(self, inventory: Inventory) -> dict[str, _Device]:
+        devices = {}
+        for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index):
+            devices[gpu.uuid] = self._adopt(gpu.uuid, _Device(gpu.index))
+            for mig in gpu.mig.devices:
+                devices[mig.uuid] = self._adopt(mig.uuid, _Device(gpu.index, gpu.uuid, mig.gi_id, mig.ci_id))
+        return devices
+
+    def _adopt(self, uuid: str, placed: _Device) -> _Device:
+        """The device as the inventory places it now, with what is known of it already."""
+        known = self._devices.get(uuid)
+        return replace(placed, reasons=known.reasons, passes=known.passes) if known else placed
+
+    def _update_lost(self, device: _Device, gpu: Gpu) -> None:
+        if gpu.lost:
+            self._raise(device, self._reason("lost", "gpu-lost", LOST_MESSAGE, UNHEALTHY, "reboot", "reset"))
+        else:
+            device.drop(lambda reason: reason.kind == "lost")
+
+    def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[_Device]:
+        """The MIG devices the ids name (a GPU-instance id alone names all its compute instances);
+        the whole GPU when they name none."""
+        gi_id, ci_id = _attributed(gi_id), _attributed(ci_id)
+        if gi_id is not None:
+            named = [device for device in self._children(gpu_uuid)
+                     if device.gi_id == gi_id and ci_id in (None, device.ci_id)]
+            if named:
+                return named
+        return [self._devices[gpu_uuid]]
+
+    def _children(self, gpu_uuid: str) -> list[_Device]:
+        return [device for device in self._devices.values() if device.parent == gpu_uuid]
+
+    def _drop_in_family(self, uuid: str, matches: Callable[[Reason], bool]) -> list[Change]:
+        family = [self._devices[uuid], *self._children(uuid)]
+        before = self._summaries()
+        for device in family:
+            device.drop(matches)
+        return self._changes_since(before)
+
+    # -- reasons -----------------------------------------------------------------------------
+
+    def _reason(self, kind: str, code: str, message: str, severity: str, action: str, clears: str) -> Reason:
+        now = self._clock()
+        return Reason(kind, code, message, severity, action, first_seen=now, last_seen=now, count=1, clears=clears)
+
+    def _raise(self, device: _Device, reason: Reason) -> None:
+        """Adds the reason, or refreshes the one already there (keeping when it was first seen)."""
+        key = (reason.kind, reason.code)
+        known = device.reasons.get(key)
+        device.reasons[key] = replace(reason, first_seen=known.first_seen, count=known.count + 1) if known else reason
+        device.passes.pop(key, None)  # passes must be consecutive
+
+    def _count_pass(self, device: _Device, key: Key) -> None:
+        reason = device.reasons.get(key)
+        if reason is None or reason.clears != "check":
+            return
+        device.passes[key] = device.passes.get(key, 0) + 1
+        if device.passes[key] >= self._clear_after_passes:
+            device.drop(lambda candidate: (candidate.kind, candidate.code) == key)
+
+    # -- states and changes ------------------------------------------------------------------
+
+    def _effective(self, device: _Device) -> tuple[str, tuple[Reason, ...]]:
+        inherited = tuple(self._devices[device.parent].reasons.values()) if device.parent else ()
+        reasons = inherited + tuple(device.reasons.values())
+        return _worst(reason.severity for reason in reasons), reasons
+
+    def _summaries(self) -> dict[str, tuple[str, frozenset[Key]]]:
+        return {uuid: _summary(*self._effective(device)) for uuid, device in self._devices.items()}
+
+    def _changes_since(self, before: dict[str, tuple[str, frozenset[Key]]]) -> list[Change]:
+        changes = []
+        for uuid, device in self._devices.items():
+            state, reasons = self._effective(device)
+            previous = before.get(uuid, (HEALTHY, frozenset()))  # a device just learned starts healthy
+            if _summary(state, reasons) != previous:
+                changes.append(Change(uuid, device.gpu_index, previous[0], state, reasons))
+        return changes
+
+
+def _summary(state: str, reasons: tuple[Reason, ...]) -> tuple[str, frozenset[Key]]:
+    return state, frozenset((reason.kind, reason.code) for reason in reasons)
+
+
+def _worst(states: Iterable[str]) -> str:
+    return max(states, key=_RANK.__getitem__, default=HEALTHY)
+
+
+def _attributed(instance_id: int | None) -> int | None:
+    return None if instance_id == NOT_ATTRIBUTED else instance_id
