@@ -68,6 +68,7 @@ class Daemon:
                                     mps_failures=self.mps.failures)
         self.sharing.unhealthy = lambda: {uuid for uuid, state in self.health.tracker.gpu_states().items()
                                           if state == "unhealthy"}
+        self.mig.after_gpu_reset = self.health.gpu_was_reset
         self.health.listeners.append(lambda: self.sharing.update(self.inventory.current, reason="health"))
         for source in (self.mig, self.mps, self.sharing):
             source.notify = self.bus.publish

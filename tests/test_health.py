@@ -189,3 +189,22 @@ def test_cli_health_and_watch(run_gpud, short_tmp):
     assert watcher.wait(10) == 0
     events = [e for e in gpud.log_events() if e.get("event") == "xid"]
     assert events and events[0]["xid"] == 79 and events[0]["level"] == "warning"
+
+
+async def test_a_gpu_reset_clears_the_xid_it_resolves(short_tmp):
+    node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:1"))
+    try:
+        await node.post("/v1/sim/xid", {"gpu": 0, "xid": 79})
+
+        async def state():
+            _, health = await node.get("/v1/gpus/0/health")
+            return health["state"]
+        assert await wait_until(lambda: _is(state, "unhealthy"))
+        assert (await put_layout(node, "all-balanced"))[0] == 200  # enabling MIG on an A100 resets the GPU
+        assert await state() == "healthy"
+    finally:
+        await stop_daemon(node)
+
+
+async def _is(read, wanted):
+    return await read() == wanted

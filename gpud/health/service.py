@@ -121,6 +121,9 @@ class HealthService:
             for listener in self.listeners:
                 listener()
 
+    def gpu_was_reset(self, uuid: str) -> None:
+        self._publish(self.tracker.record_reset(uuid), "GPU reset")
+
     def clear(self, uuid: str, kind: str | None) -> None:
         self._publish(self.tracker.clear(uuid, kind), "cleared by an administrator")
 

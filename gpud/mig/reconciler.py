@@ -106,6 +106,7 @@ class MigReconciler:
         # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
         self._around_gpu_change = around_gpu_change
         self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
+        self.after_gpu_reset: Callable[[str], object] = lambda uuid: None  # health clears what a reset clears
         self._lock = asyncio.Lock()
         self.status = ApplyStatus()
         self.desired: dict[str, GpuDesired] = {}
@@ -316,6 +317,7 @@ class MigReconciler:
                 return None
             bound.warning("gpu_reset", why="MIG mode change pending (Ampere needs a reset)")
             await self._mutate(progress, nvml_mig.reset_gpu, gpu.index)
+            self.after_gpu_reset(gpu.uuid)
         return await self._fresh(gpu.uuid)
 
     async def _execute(self, gpu: Gpu, plan: GpuPlan, progress: GpuProgress) -> None:
