@@ -208,3 +208,42 @@ async def test_a_gpu_reset_clears_the_xid_it_resolves(short_tmp):
 
 async def _is(read, wanted):
     return await read() == wanted
+
+
+async def gpu_health(node, index: int) -> dict:
+    return (await node.get(f"/v1/gpus/{index}/health"))[1]
+
+
+async def test_nvlink_down_degrades_and_clears_only_after_three_passing_checks(node):
+    sim, health = node.daemon.session.nvml, node.daemon.health
+    sim.sim_set_nvlink(1, 3, up=False)
+    await health.check_once()
+    gpu1 = await gpu_health(node, 1)
+    assert gpu1["state"] == "degraded"
+    (reason,) = gpu1["reasons"]
+    assert (reason["kind"], reason["action"]) == ("nvlink", "inspect-hardware") and "3 of 12" in reason["message"]
+    sim.sim_set_nvlink(1, 3, up=True)
+    for expected in ("degraded", "degraded", "healthy"):  # hysteresis: three passes in a row
+        await health.check_once()
+        assert (await gpu_health(node, 1))["state"] == expected
+
+
+async def test_a_burst_of_pcie_replays_degrades_the_gpu(node):
+    await node.daemon.health.check_once()  # a first reading to compare with
+    node.daemon.session.nvml.sim_add_pcie_replays(5, 500)
+    await node.daemon.health.check_once()
+    gpu5 = await gpu_health(node, 5)
+    assert gpu5["state"] == "degraded" and gpu5["reasons"][0]["kind"] == "pcie"
+    async with node.http.get("http://localhost/metrics") as response:
+        assert metric(await response.text(), "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", gpu="5") == 500
+
+
+async def test_a_pending_page_retirement_on_a_t4(short_tmp):
+    node = await start_daemon(mig_config(short_tmp, "t4"))
+    try:
+        node.daemon.session.nvml.sim_set_retired_pages_pending(0)
+        await node.daemon.health.check_once()
+        (reason,) = (await gpu_health(node, 0))["reasons"]
+        assert (reason["kind"], reason["code"], reason["action"]) == ("retired-pages", "pending", "reset-gpu")
+    finally:
+        await stop_daemon(node)

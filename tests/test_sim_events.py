@@ -180,3 +180,28 @@ def test_shutdown_wakes_waiters(nvml):
     nvml.nvmlShutdown()
     waiter.join(2)
     assert isinstance(waiter.error, pynvml.NVMLError_Uninitialized)
+
+
+def test_nvlink_pcie_and_page_retirement_readings(tmp_path):
+    a100 = started("A100-SXM4-40GB:1", tmp_path / "a.json")
+    handle = a100.nvmlDeviceGetHandleByIndex(0)
+    assert [a100.nvmlDeviceGetNvLinkState(handle, link) for link in range(12)] == [pynvml.NVML_FEATURE_ENABLED] * 12
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        a100.nvmlDeviceGetNvLinkState(handle, 12)
+    a100.sim_set_nvlink(0, 2, up=False)
+    assert a100.nvmlDeviceGetNvLinkState(handle, 2) == pynvml.NVML_FEATURE_DISABLED
+    a100.sim_add_pcie_replays(0, 7)
+    assert a100.nvmlDeviceGetPcieReplayCounter(handle) == 7
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        a100.nvmlDeviceGetRetiredPagesPendingStatus(handle)  # Ampere remaps rows instead
+    a100.sim_reset_gpu(0)
+    assert a100.nvmlDeviceGetNvLinkState(handle, 2) == pynvml.NVML_FEATURE_ENABLED
+
+    t4 = started("t4", tmp_path / "t.json")
+    t4_handle = t4.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        t4.nvmlDeviceGetNvLinkState(t4_handle, 0)  # a PCIe board
+    with pytest.raises(SimError):
+        t4.sim_set_nvlink(0, 0, up=False)
+    t4.sim_set_retired_pages_pending(0)
+    assert t4.nvmlDeviceGetRetiredPagesPendingStatus(t4_handle) == pynvml.NVML_FEATURE_ENABLED

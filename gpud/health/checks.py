@@ -12,10 +12,18 @@ Problem = tuple[str, str, str] | None
 # Clock-event reasons that are the hardware slowing the GPU down, not idling or a set limit.
 HW_SLOWDOWN, HW_THERMAL_SLOWDOWN, HW_POWER_BRAKE = 0x8, 0x40, 0x80
 SHUTDOWN_MARGIN_C = 5
+# PCIe replays between two checks above which a link counts as marginal (DCGM watches the rate too).
+PCIE_REPLAYS_PER_CHECK = 100
 
 
-def check_readings(readings: Readings) -> dict[tuple[str, str], Problem]:
+def check_readings(readings: Readings, previous: Readings | None = None) -> dict[tuple[str, str], Problem]:
     return {
+        ("nvlink", "links-down"): _nvlinks(readings),
+        ("pcie", "replays"): _pcie(readings, previous),
+        ("retired-pages", "pending"): _flag(readings.retired_pages_pending, "degraded", "reset-gpu",
+                                            "a page retirement is pending: a GPU reset applies it"),
+        ("reset-required", "nvml"): _flag(readings.reset_required, "unhealthy", "reset-gpu",
+                                          "NVML answers that the GPU requires a reset"),
         ("temperature", "slowdown"): _temperature(readings),
         ("throttle", "hardware-slowdown"): _throttle(readings),
         ("ecc", "dbe-volatile"): _count(readings.ecc_dbe_volatile, "unhealthy", "reset-gpu",
@@ -45,6 +53,24 @@ def _throttle(r: Readings) -> Problem:
     names = [name for bit, name in ((HW_SLOWDOWN, "hardware slowdown"), (HW_THERMAL_SLOWDOWN, "thermal slowdown"),
                                     (HW_POWER_BRAKE, "power brake")) if bits & bit]
     return "degraded", "inspect-hardware", "clocks held down: " + ", ".join(names)
+
+
+def _nvlinks(r: Readings) -> Problem:
+    if not r.nvlinks_up or all(r.nvlinks_up):
+        return None
+    down = [str(link) for link, up in enumerate(r.nvlinks_up) if not up]
+    if len(down) == len(r.nvlinks_up):
+        return "unhealthy", "inspect-hardware", "every NVLink link is down"
+    return "degraded", "inspect-hardware", f"NVLink link(s) {', '.join(down)} of {len(r.nvlinks_up)} down"
+
+
+def _pcie(r: Readings, previous: Readings | None) -> Problem:
+    if r.pcie_replays is None or previous is None or previous.pcie_replays is None:
+        return None
+    grown = r.pcie_replays - previous.pcie_replays
+    if grown <= PCIE_REPLAYS_PER_CHECK:
+        return None
+    return "degraded", "inspect-hardware", f"{grown} PCIe replays since the last check: a marginal link"
 
 
 def _power(r: Readings) -> Problem:

@@ -88,6 +88,7 @@ class HealthService:
         if inventory is None:
             return
         uuids = [g.uuid for g in inventory.gpus if not g.lost]
+        previous = self.readings
         try:
             self.readings = await self.session.call(read_readings, uuids)
         except Exception as exc:  # NVML unavailable: the inventory and /healthz say so
@@ -97,7 +98,7 @@ class HealthService:
         for uuid, readings in self.readings.items():
             if readings is None:
                 continue
-            for (kind, code), problem in check_readings(readings).items():
+            for (kind, code), problem in check_readings(readings, previous.get(uuid)).items():
                 changes += self.tracker.observe(uuid, kind, code, problem)
         failures = self._mps_failures()
         for device in self._mps_watched - set(failures):

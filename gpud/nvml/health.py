@@ -107,6 +107,9 @@ class Readings:
     pcie_replays: int | None = None
     fb_used_mib: int | None = None
     fb_free_mib: int | None = None
+    retired_pages_pending: bool | None = None
+    nvlinks_up: tuple[bool, ...] | None = None  # per link; None: no NVLink (a PCIe board)
+    reset_required: bool = False  # an NVML call answered RESET_REQUIRED
 
 
 def read_readings(nvml: Any, uuids: list[str]) -> dict[str, Readings | None]:
@@ -120,9 +123,15 @@ def _read_one(nvml: Any, uuid: str) -> Readings | None:
     except nvml.NVMLError:
         return None
 
+    reset_required = False
+
     def optional(read):
+        nonlocal reset_required
         try:
             return read()
+        except nvml.NVMLError_ResetRequired:
+            reset_required = True
+            return None
         except nvml.NVMLError:
             return None  # NOT_SUPPORTED on this GPU, or it vanished between calls: no reading
 
@@ -150,7 +159,27 @@ def _read_one(nvml: Any, uuid: str) -> Readings | None:
         pcie_replays=optional(lambda: nvml.nvmlDeviceGetPcieReplayCounter(handle)),
         fb_used_mib=memory.used >> 20 if memory else None,
         fb_free_mib=memory.free >> 20 if memory else None,
+        retired_pages_pending=_flag(optional(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)), nvml),
+        nvlinks_up=_nvlinks(nvml, handle),
+        reset_required=reset_required,
     )
+
+
+def _flag(value: int | None, nvml: Any) -> bool | None:
+    return None if value is None else value == nvml.NVML_FEATURE_ENABLED
+
+
+def _nvlinks(nvml: Any, handle: Any) -> tuple[bool, ...] | None:
+    """Each link's state, from link 0 until NVML says there is no such link."""
+    states = []
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            states.append(nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED)
+        except (nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotSupported):
+            break
+        except nvml.NVMLError:
+            return None
+    return tuple(states) or None
 
 
 def _text(value: Any) -> str:

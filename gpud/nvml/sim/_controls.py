@@ -105,6 +105,36 @@ class SimControls(SimCore):
         target.lost = False
         target.ecc.clear_volatile()
         target.remapped_rows.pending = False
+        target.retired_pages_pending = False
+        target.nvlinks_down.clear()  # link training runs again
+        self._commit()
+
+    @sim_control
+    def sim_set_nvlink(self, gpu: int | str, link: int, up: bool) -> None:
+        """Takes an NVLink link down (or brings it back), as a failed link or cable would."""
+        target = self._target(gpu)
+        if not 0 <= link < target.model.nvlinks:
+            raise SimError(f"GPU {target.index} ({target.model.name}) has no NVLink link {link} "
+                           f"(it has {target.model.nvlinks})")
+        down = set(target.nvlinks_down) - {link} if up else set(target.nvlinks_down) | {link}
+        target.nvlinks_down = sorted(down)
+        self._commit()
+
+    @sim_control
+    def sim_add_pcie_replays(self, gpu: int | str, count: int) -> None:
+        """Adds PCIe replays to the GPU's counter, as a marginal link would."""
+        if count < 0:
+            raise SimError("a replay counter only grows")
+        self._target(gpu).pcie_replays += count
+        self._commit()
+
+    @sim_control
+    def sim_set_retired_pages_pending(self, gpu: int | str) -> None:
+        """Marks a page retirement pending (pre-Ampere GPUs); a reset applies it."""
+        target = self._target(gpu)
+        if not target.model.page_retirement:
+            raise SimError(f"GPU {target.index} ({target.model.name}) has no page retirement")
+        target.retired_pages_pending = True
         self._commit()
 
     # --- helpers --------------------------------------------------------------------------------

@@ -203,6 +203,24 @@ class DeviceCalls(SimCore):
         rows = gpu.remapped_rows
         return (rows.correctable, rows.uncorrectable, int(rows.pending), int(rows.failure))
 
+    @nvml_call
+    def nvmlDeviceGetPcieReplayCounter(self, handle) -> int:
+        return self._gpu(handle).pcie_replays
+
+    @nvml_call
+    def nvmlDeviceGetNvLinkState(self, handle, link: int) -> int:
+        gpu = self._gpu(handle)
+        _require(gpu.model.nvlinks > 0)  # a PCIe board: NOT_SUPPORTED, as on real hardware
+        if not 0 <= link < gpu.model.nvlinks:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlinks_down else pynvml.NVML_FEATURE_ENABLED
+
+    @nvml_call
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle) -> int:
+        gpu = self._gpu(handle)
+        _require(gpu.model.page_retirement)
+        return pynvml.NVML_FEATURE_ENABLED if gpu.retired_pages_pending else pynvml.NVML_FEATURE_DISABLED
+
     def _ecc_gpu(self, handle) -> Gpu:
         gpu = self._gpu(handle)
         _require(gpu.model.ecc)

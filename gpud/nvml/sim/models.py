@@ -79,6 +79,8 @@ class GpuModel:
     ecc: bool
     has_serial: bool
     row_remapping: bool
+    page_retirement: bool
+    nvlinks: int
     idle_power_mw: int
     power_limit_mw: int
     idle_temperature_c: int
@@ -123,6 +125,8 @@ def _model(key: str, spec: dict[str, Any], ci_placements: dict) -> GpuModel:
         ecc=spec["ecc"],
         has_serial=spec["serial"],
         row_remapping=spec["row_remapping"],
+        page_retirement=spec["page_retirement"],
+        nvlinks=spec["nvlinks"],
         idle_power_mw=spec["power_mw"]["idle"],
         power_limit_mw=spec["power_mw"]["limit"],
         idle_temperature_c=idle_temperature,

@@ -96,6 +96,9 @@ class Gpu:
     processes: list[int] = field(default_factory=list)  # while MIG is off; else on the CIs
     ecc: EccCounters = field(default_factory=EccCounters)
     remapped_rows: RemappedRows = field(default_factory=RemappedRows)
+    pcie_replays: int = 0
+    nvlinks_down: list[int] = field(default_factory=list)
+    retired_pages_pending: bool = False
     gpu_instances: dict[int, GpuInstance] = field(default_factory=dict)
 
     @property
@@ -156,6 +159,9 @@ def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
         "processes": gpu.processes,
         "ecc_errors": asdict(gpu.ecc),
         "remapped_rows": asdict(gpu.remapped_rows),
+        "pcie_replays": gpu.pcie_replays,
+        "nvlinks_down": gpu.nvlinks_down,
+        "retired_pages_pending": gpu.retired_pages_pending,
         "gpu_instances": [_dump_gpu_instance(gi) for _, gi in sorted(gpu.gpu_instances.items())],
     }
 
@@ -200,6 +206,9 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
     gpu.processes = list(record["processes"])
     gpu.ecc = EccCounters(**record["ecc_errors"])
     gpu.remapped_rows = RemappedRows(**record["remapped_rows"])
+    gpu.pcie_replays = record.get("pcie_replays", 0)  # absent in state files of older gpud versions
+    gpu.nvlinks_down = list(record.get("nvlinks_down", []))
+    gpu.retired_pages_pending = record.get("retired_pages_pending", False)
     for gi_record in record["gpu_instances"]:
         gi = GpuInstance(
             id=gi_record["id"],
