@@ -14,6 +14,7 @@ from aiohttp import web
 from gpud import __version__
 from gpud.api.errors import ApiError
 from gpud.api.health import HealthRoutes
+from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
@@ -59,6 +60,7 @@ class Daemon:
                                  around_gpu_change=(self.mps.before_mig_change, self.mps.after_mig_change))
         mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
         self.bus = EventBus()
+        self.latency = RequestLatency()
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
                                unhealthy_xids=health.unhealthy_xids)
@@ -76,7 +78,7 @@ class Daemon:
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s, more_routes=(
             mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register,
             HealthRoutes(self.health, self.inventory, self.bus, config.api.body_timeout_s).register,
-            MetricsRoute(self.inventory, self.health, self.mig, self.mps).register))
+            MetricsRoute(self.inventory, self.health, self.mig, self.mps, self.latency).register))
         self._mig_routes = mig_routes
         self._listener = UnixSocketListener(config.socket_path)
         self._runner: web.AppRunner | None = None
@@ -87,7 +89,8 @@ class Daemon:
     async def start(self) -> None:
         """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
         sock = self._listener.open()
-        self._runner = web.AppRunner(self.api.app(), handle_signals=False, access_log=None,
+        self._runner = web.AppRunner(self.api.app(), handle_signals=False, access_log=RequestLatency.logger(),
+                                     access_log_class=self.latency.access_logger_class(),
                                      keepalive_timeout=self.config.api.idle_timeout_s,
                                      # after an error, read the rest of an unwanted body for 1 s at most
                                      lingering_time=1.0,
@@ -99,6 +102,7 @@ class Daemon:
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
                  state_dir=str(cfg.state_path), version=__version__)
         self._node_task = asyncio.create_task(self._run_node(), name="node")
+        self._background.append(asyncio.create_task(self.latency.run(), name="latency"))
 
     async def _run_node(self) -> None:
         await self.session.initialise()

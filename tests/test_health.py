@@ -247,3 +247,14 @@ async def test_a_pending_page_retirement_on_a_t4(short_tmp):
         assert (reason["kind"], reason["code"], reason["action"]) == ("retired-pages", "pending", "reset-gpu")
     finally:
         await stop_daemon(node)
+
+
+async def test_request_latency_is_in_the_metrics(node):
+    for _ in range(5):
+        await node.get("/v1/gpus")
+    async with node.http.get("http://localhost/metrics") as response:
+        text = await response.text()
+    count = metric(text, "gpud_http_request_duration_seconds_count", method="GET", route="/v1/gpus")
+    assert count is not None and count >= 5
+    assert metric(text, "gpud_http_request_duration_seconds_bucket", method="GET", route="/v1/gpus",
+                  le="+Inf") == count

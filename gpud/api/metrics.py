@@ -7,6 +7,7 @@ import socket
 
 from aiohttp import web
 
+from gpud.api.latency import BUCKETS_S, RequestLatency
 from gpud.health.service import HealthService
 from gpud.inventory import Gpu, InventoryService
 from gpud.mig.reconciler import MigReconciler
@@ -31,8 +32,9 @@ GPU_READINGS = (
 
 
 class MetricsRoute:
-    def __init__(self, inventory: InventoryService, health: HealthService, mig: MigReconciler, mps: MpsManager):
-        self.inventory, self.health, self.mig, self.mps = inventory, health, mig, mps
+    def __init__(self, inventory: InventoryService, health: HealthService, mig: MigReconciler, mps: MpsManager,
+                 latency: RequestLatency):
+        self.inventory, self.health, self.mig, self.mps, self.latency = inventory, health, mig, mps, latency
         self.hostname = socket.gethostname()
 
     def register(self, app: web.Application) -> None:
@@ -74,7 +76,21 @@ class MetricsRoute:
         for daemon in self.mps.daemons.values():
             out.sample("gpud_mps_daemon_restarts_total", {"daemon": daemon.spec.name, "hostname": self.hostname},
                        daemon.restarts)
+        self._render_latency(out)
         return out.text()
+
+    def _render_latency(self, out: "_Writer") -> None:
+        name = "gpud_http_request_duration_seconds"
+        out.family(name, "API request latency, by method and route.", "histogram")
+        for (method, route), entry in sorted(self.latency.routes.items()):
+            labels = {"method": method, "route": route}
+            cumulative = 0
+            for bound, count in zip(BUCKETS_S, entry):
+                cumulative += count
+                out.sample(f"{name}_bucket", {**labels, "le": f"{bound:g}"}, cumulative)
+            out.sample(f"{name}_bucket", {**labels, "le": "+Inf"}, entry[-1])
+            out.sample(f"{name}_sum", labels, entry[-2])
+            out.sample(f"{name}_count", labels, entry[-1])
 
     def _render_health(self, out: "_Writer", gpus: list[Gpu]) -> None:
         states = self.health.tracker.gpu_states()

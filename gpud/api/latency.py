@@ -1,0 +1,62 @@
+"""Request latency per route, for /metrics, recorded through aiohttp's access-log hook (one call
+per request, after the response is sent: nothing is added to the request path itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import logging
+
+from aiohttp.abc import AbstractAccessLogger
+
+BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+class RequestLatency:
+    def __init__(self) -> None:
+        self._routes: dict[tuple[str, str], list] = {}  # (method, route) -> [bucket counts…, sum, count]
+        # Requests are only noted here (an append is the cheapest thing to do per request) and
+        # counted into buckets every second and when /metrics asks. The bound keeps memory flat;
+        # it is far above what gpud serves in a second.
+        self._pending: collections.deque = collections.deque(maxlen=1 << 17)
+
+    @property
+    def routes(self) -> dict[tuple[str, str], list]:
+        self.drain()
+        return self._routes
+
+    def drain(self) -> None:
+        pending = self._pending
+        for _ in range(len(pending)):
+            method, route, seconds = pending.popleft()
+            resource = route.resource
+            self.observe(method, resource.canonical if resource else "other", seconds)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.drain()
+
+    def observe(self, method: str, route: str, seconds: float) -> None:
+        entry = self._routes.get((method, route))
+        if entry is None:
+            entry = self._routes[(method, route)] = [0] * len(BUCKETS_S) + [0.0, 0]
+        index = bisect.bisect_left(BUCKETS_S, seconds)
+        if index < len(BUCKETS_S):  # slower than the last bound: only in +Inf (the count)
+            entry[index] += 1
+        entry[-2] += seconds
+        entry[-1] += 1
+
+    def access_logger_class(self) -> type[AbstractAccessLogger]:
+        note = self._pending.append
+
+        class Recorder(AbstractAccessLogger):
+            def log(self, request, response, time: float) -> None:
+                note((request.method, request.match_info.route, time))
+
+        return Recorder
+
+    @staticmethod
+    def logger() -> logging.Logger:
+        return logging.getLogger("gpud.access")  # aiohttp wants one; the recorder never writes to it
