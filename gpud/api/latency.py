@@ -1,5 +1,7 @@
-"""Request latency per route, for /metrics, recorded through aiohttp's access-log hook (one call
-per request, after the response is sent: nothing is added to the request path itself)."""
+"""Request latency per route, for /metrics, recorded through aiohttp's access-log hook (called
+after the response is sent). Every request is counted; one in SAMPLE_EVERY has its latency noted
+and bucketed later, off the hot path: noting every request cost ~10% of peak throughput
+(bench/api.py), a sample costs nothing measurable and gives the same percentiles."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 
 from aiohttp.abc import AbstractAccessLogger
 
+SAMPLE_EVERY = 8
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
@@ -20,6 +23,12 @@ class RequestLatency:
         # counted into buckets every second and when /metrics asks. The bound keeps memory flat;
         # it is far above what gpud serves in a second.
         self._pending: collections.deque = collections.deque(maxlen=1 << 17)
+        self._route_names: dict = {}  # aiohttp route object -> its path template
+        self._requests = [0]  # every request, sampled or not (a list: the recorder closes over it)
+
+    @property
+    def requests(self) -> int:
+        return self._requests[0]
 
     @property
     def routes(self) -> dict[tuple[str, str], list]:
@@ -27,11 +36,13 @@ class RequestLatency:
         return self._routes
 
     def drain(self) -> None:
-        pending = self._pending
+        pending, names = self._pending, self._route_names
         for _ in range(len(pending)):
             method, route, seconds = pending.popleft()
-            resource = route.resource
-            self.observe(method, resource.canonical if resource else "other", seconds)
+            name = names.get(route)
+            if name is None:
+                name = names[route] = route.resource.canonical if route.resource else "other"
+            self.observe(method, name, seconds)
 
     async def run(self) -> None:
         while True:
@@ -49,11 +60,13 @@ class RequestLatency:
         entry[-1] += 1
 
     def access_logger_class(self) -> type[AbstractAccessLogger]:
-        note = self._pending.append
+        note, requests = self._pending.append, self._requests
 
         class Recorder(AbstractAccessLogger):
             def log(self, request, response, time: float) -> None:
-                note((request.method, request.match_info.route, time))
+                requests[0] += 1
+                if not requests[0] % SAMPLE_EVERY:
+                    note((request.method, request.match_info.route, time))
 
         return Recorder
 

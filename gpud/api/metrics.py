@@ -7,7 +7,7 @@ import socket
 
 from aiohttp import web
 
-from gpud.api.latency import BUCKETS_S, RequestLatency
+from gpud.api.latency import BUCKETS_S, SAMPLE_EVERY, RequestLatency
 from gpud.health.service import HealthService
 from gpud.inventory import Gpu, InventoryService
 from gpud.mig.reconciler import MigReconciler
@@ -80,8 +80,11 @@ class MetricsRoute:
         return out.text()
 
     def _render_latency(self, out: "_Writer") -> None:
+        out.family("gpud_http_requests_total", "API requests served.", "counter")
+        out.sample("gpud_http_requests_total", {"hostname": self.hostname}, self.latency.requests)
         name = "gpud_http_request_duration_seconds"
-        out.family(name, "API request latency, by method and route.", "histogram")
+        out.family(name, f"API request latency by method and route, sampled: one request in {SAMPLE_EVERY}.",
+                   "histogram")
         for (method, route), entry in sorted(self.latency.routes.items()):
             labels = {"method": method, "route": route}
             cumulative = 0
