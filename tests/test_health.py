@@ -260,3 +260,21 @@ async def test_request_latency_is_in_the_metrics(node):
     assert count is not None and count >= 40 // 8 - 1  # one request in eight is timed
     assert metric(text, "gpud_http_request_duration_seconds_bucket", method="GET", route="/v1/gpus",
                   le="+Inf") == count
+
+
+async def test_the_watch_stream_carries_mig_inventory_and_sharing_events(short_tmp):
+    node = await start_daemon(sharing_config(short_tmp, "A100-SXM4-40GB:1", SHARED_MIG))
+    try:
+        start = node.daemon.bus.sequence
+        assert (await put_layout(node, "all-3g.20gb"))[0] == 200
+        events = await read_events(node, f"/v1/watch?since={start}&types=mig,inventory,sharing", 3)
+        kinds = {e["type"] for e in events}
+        assert {"mig", "inventory"} <= kinds
+        everything, _ = node.daemon.bus.backlog_after(start)
+        seen = [json.loads(line) for line in everything]
+        assert any(e["type"] == "mig" and e["data"]["state"] == "success" for e in seen)
+        assert any(e["type"] == "inventory" and e["data"]["mig_devices"] == 2 for e in seen)
+        assert any(e["type"] == "sharing" and e["data"]["resources"].get("nvidia.com/mig-3g.20gb") == 6
+                   for e in seen)
+    finally:
+        await stop_daemon(node)
