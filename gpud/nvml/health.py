@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gpud.logs import get_logger
+from gpud.nvml.reader import text
 
 log = get_logger("health")
 WAIT_MS = 500  # how long one wait blocks: bounds how long stopping the thread takes
@@ -74,13 +75,13 @@ class EventListener:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 mask = wanted & nvml.nvmlDeviceGetSupportedEventTypes(handle)
                 nvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
-                self.registered[_text(nvml.nvmlDeviceGetUUID(handle))] = mask
+                self.registered[text(nvml.nvmlDeviceGetUUID(handle))] = mask
             except nvml.NVMLError as exc:
                 log.warning("nvml_events_not_registered", gpu=index, error=str(exc))
 
     def _describe(self, data: Any) -> dict:
         nvml = self.nvml
-        uuid = _text(nvml.nvmlDeviceGetUUID(data.device))
+        uuid = text(nvml.nvmlDeviceGetUUID(data.device))
         kind = {nvml.nvmlEventTypeXidCriticalError: "xid", nvml.nvmlEventTypeSingleBitEccError: "ecc-sbe",
                 nvml.nvmlEventTypeDoubleBitEccError: "ecc-dbe"}.get(data.eventType, "other")
         return {"kind": kind, "gpu": uuid, "xid": data.eventData,
@@ -180,7 +181,3 @@ def _nvlinks(nvml: Any, handle: Any) -> tuple[bool, ...] | None:
         except nvml.NVMLError:
             return None
     return tuple(states) or None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
