@@ -32,13 +32,15 @@ from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.resources import mps_replicas
+from gpud.systemd import Notifier
 
 log = get_logger("daemon")
 
 
 class Daemon:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, notifier: Notifier | None = None):
         self.config = config
+        self.notifier = notifier or Notifier({})
         self.session = NvmlSession(load_backend(config.simulate, config.sim_state_path),
                                    retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
@@ -105,6 +107,7 @@ class Daemon:
         self._background.append(asyncio.create_task(self.latency.run(), name="latency"))
 
     async def _run_node(self) -> None:
+        self._background.append(asyncio.create_task(self._report_status(), name="status"))
         await self.session.initialise()
         await self.inventory.refresh("startup")
         self.health.start()
@@ -114,6 +117,32 @@ class Daemon:
         await self.mps.converge("startup")
         self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
         await self.inventory.run()
+
+    def status_line(self) -> str:
+        """One line for `systemctl status`, e.g. "8 GPUs · MIG all-balanced in sync · 8 MPS daemons · healthy"."""
+        inventory = self.inventory.current
+        if inventory is None:
+            return self.session.error or "starting: reading the GPUs"
+        parts = [f"{len(inventory.gpus)} GPUs"]
+        mig = self.mig.view(inventory)
+        if mig["layout"]:
+            parts.append(f"MIG {mig['layout']} " + ("in sync" if mig["in_sync"] else mig["state"]))
+        running = sum(d.state == "running" for d in self.mps.daemons.values())
+        if self.mps.daemons:
+            parts.append(f"{running}/{len(self.mps.daemons)} MPS daemons")
+        parts.append(self.health.view()["status"])
+        return " · ".join(parts)
+
+    async def _report_status(self) -> None:
+        """READY=1 once the API answers and the first inventory is in (or NVML said why it is not:
+        gpud serves 503 then, and systemd must not time the start out), then STATUS on changes."""
+        while self.inventory.current is None and self.session.error is None:
+            await asyncio.sleep(0.05)
+        self.notifier.ready(self.status_line())
+        log.info("ready", status=self.status_line())
+        while True:
+            await asyncio.sleep(1.0)
+            self.notifier.status(self.status_line())
 
     def _publish_inventory(self, inventory) -> None:
         summary = tuple((g.uuid, g.lost, g.mig.mode, tuple(d.uuid for d in g.mig.devices)) for g in inventory.gpus)
@@ -141,6 +170,7 @@ class Daemon:
             log.error("mig_default_layout_failed", layout=default, error=str(exc))
 
     async def stop(self) -> None:
+        self.notifier.stopping()
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)
         for task in [self._node_task, *self._background]:
             if task:
@@ -160,19 +190,22 @@ class Daemon:
         """Applies a re-read config without dropping connections or MPS clients: MPS daemons whose
         limits alone changed get them live; other keys take effect at the next start."""
         log.info("reloading")
+        self.notifier.reloading()
         configure_log_level(config.log.level)
         self.sharing.update(self.inventory.current, read_sharing_file(Path(config.sharing.file)), "reload")
         await self.sharing.apply_time_slice(self.inventory.current)
         self.mps.config = config.mps
         await self.mps.converge("reload")
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)
+        self.notifier.ready(self.status_line())
         log.info("reloaded")
 
 
 async def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
     """Runs until SIGTERM or SIGINT; SIGHUP re-reads the config (reread). Returns the exit code."""
+    notifier = Notifier()  # first: it takes NOTIFY_SOCKET out of the environment children inherit
     try:
-        daemon = Daemon(config)
+        daemon = Daemon(config, notifier)
     except SharingConfigError as exc:
         log.error("sharing_config_invalid", error=str(exc))
         return 2
@@ -188,7 +221,9 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
     reloads: set[asyncio.Task] = set()
     if reread is not None:
         loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(reloads, _reload(daemon, reread)))
+    watchdog = asyncio.create_task(notifier.watchdog(), name="watchdog")
     await stop.wait()
+    watchdog.cancel()
     await daemon.stop()
     return 0
 

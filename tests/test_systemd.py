@@ -1,0 +1,72 @@
+"""sd_notify as systemd sees it: a real datagram socket stands where systemd's would."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+
+
+@pytest.fixture
+def notify_socket(short_tmp):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = short_tmp / "notify"
+    sock.bind(str(path))
+    sock.settimeout(10)
+    yield sock, path
+    sock.close()
+
+
+def receive_until(sock, wanted: str, timeout: float = 10.0) -> list[str]:
+    """Messages (each a list of KEY=VALUE lines) until one holds `wanted`."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = sock.recv(4096).decode().split("\n")
+        seen.append(lines)
+        if any(line.startswith(wanted) for line in lines):
+            return lines
+    raise AssertionError(f"no {wanted} in {seen}")
+
+
+def test_ready_status_watchdog_reload_and_stopping(run_gpud, short_tmp, notify_socket):
+    sock, path = notify_socket
+    env_dump = short_tmp / "hook-env"
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n  hooks:\n    pre_apply: ['env > {env_dump}']\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
+                    "--config", str(config), env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"})
+    ready = receive_until(sock, "READY=1")
+    status = next(line for line in ready if line.startswith("STATUS="))
+    assert status == "STATUS=2 GPUs · healthy"
+    receive_until(sock, "WATCHDOG=1")
+    started = time.monotonic()
+    receive_until(sock, "WATCHDOG=1")
+    assert time.monotonic() - started < 0.4  # every half of WATCHDOG_USEC
+
+    gpud.client.request("PUT", "/v1/mig?wait=true", {"layout": "all-balanced"})
+    changed = receive_until(sock, "STATUS=2 GPUs · MIG")
+    assert "STATUS=2 GPUs · MIG all-balanced in sync · healthy" in changed
+    assert "NOTIFY_SOCKET" not in env_dump.read_text() and "WATCHDOG_USEC" not in env_dump.read_text()
+
+    gpud.proc.send_signal(signal.SIGHUP)
+    reloading = receive_until(sock, "RELOADING=1")
+    assert any(line.startswith("MONOTONIC_USEC=") for line in reloading)  # in the same datagram
+    receive_until(sock, "READY=1")
+    gpud.proc.send_signal(signal.SIGTERM)
+    receive_until(sock, "STOPPING=1")
+    assert gpud.proc.wait(10) == 0
+
+
+def test_ready_comes_even_without_a_driver(run_gpud, short_tmp, notify_socket):
+    """With no NVML, gpud still starts (and says why in STATUS): systemd must not time it out."""
+    from test_no_driver import _real_library_present
+
+    if not _real_library_present():
+        pytest.skip("libnvidia-ml.so.1 is not installed")
+    sock, path = notify_socket
+    run_gpud(env={"NOTIFY_SOCKET": str(path)})
+    ready = receive_until(sock, "READY=1")
+    assert any(line.startswith("STATUS=") and "Driver Not Loaded" in line for line in ready)
