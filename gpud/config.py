@@ -50,6 +50,10 @@ class ApiConfig:
     body_timeout_s: float = field(default=10.0, metadata=_bounded(0.1, 600))
     # Seconds in-flight requests get to finish when gpud stops.
     shutdown_timeout_s: float = field(default=10.0, metadata=_bounded(0, 300))
+    # The socket is mode 0660, owned by root and this group (when gpud runs as root and the group
+    # exists): its members may read. Changing routes need root or membership of admin_group.
+    group: str = "gpud"
+    admin_group: str = "gpud-admin"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from typing import Callable
 from aiohttp import web
 
 from gpud import __version__
-from gpud.api.errors import ApiError
+from gpud.api.auth import admin_only
+from gpud.api.errors import ApiError, error_response
 from gpud.api.health import HealthRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
@@ -20,6 +21,7 @@ from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.sharing import SharingView, read_sharing_file
+from gpud.api.views import encode
 from gpud.config import Config, ConfigError
 from gpud.events import EventBus
 from gpud.health.catalog import load_catalog
@@ -80,9 +82,11 @@ class Daemon:
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s, more_routes=(
             mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register,
             HealthRoutes(self.health, self.inventory, self.bus, config.api.body_timeout_s).register,
-            MetricsRoute(self.inventory, self.health, self.mig, self.mps, self.latency).register))
+            MetricsRoute(self.inventory, self.health, self.mig, self.mps, self.latency).register,
+            self._register_reload), admin_group=config.api.admin_group)
+        self.reread: Callable[[], Config] | None = None  # how SIGHUP and POST /v1/reload re-read the config
         self._mig_routes = mig_routes
-        self._listener = UnixSocketListener(config.socket_path)
+        self._listener = UnixSocketListener(config.socket_path, group=config.api.group)
         self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
@@ -117,6 +121,21 @@ class Daemon:
         await self.mps.converge("startup")
         self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
         await self.inventory.run()
+
+    def _register_reload(self, app: web.Application) -> None:
+        app.router.add_post("/v1/reload", self._reload_route)
+
+    @admin_only
+    async def _reload_route(self, request: web.Request) -> web.Response:
+        if self.reread is None:
+            return error_response(501, "reload-unavailable", "this gpud was started without a config to re-read")
+        try:
+            await self.reload(self.reread())
+        except (ConfigError, SharingConfigError, OSError) as exc:
+            log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
+            return error_response(422, "config-invalid", f"{exc}; the running config stays")
+        return web.Response(body=encode({"reloaded": True, "status": self.status_line()}),
+                            content_type="application/json")
 
     def status_line(self) -> str:
         """One line for `systemctl status`, e.g. "8 GPUs · MIG all-balanced in sync · 8 MPS daemons · healthy"."""
@@ -206,6 +225,7 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
     notifier = Notifier()  # first: it takes NOTIFY_SOCKET out of the environment children inherit
     try:
         daemon = Daemon(config, notifier)
+        daemon.reread = reread
     except SharingConfigError as exc:
         log.error("sharing_config_invalid", error=str(exc))
         return 2

@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.views import encode
 from gpud.events import EVENT_TYPES, EventBus
@@ -46,6 +47,7 @@ class HealthRoutes:
         gpu = next(g for g in self.health.view()["gpus"] if g["uuid"] == uuid)
         return web.Response(body=encode(gpu), content_type=JSON)
 
+    @admin_only
     @json_errors
     async def clear(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"kind": (str, type(None))}) \

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.views import encode
 from gpud.inventory import InventoryService
@@ -80,6 +81,7 @@ class MigRoutes:
                               "active": layout.name == self.reconciler.status.layout})
         return web.Response(body=encode({"source": source, "layouts": views}), content_type=JSON)
 
+    @admin_only
     @json_errors
     async def apply(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors
 from gpud.api.views import encode
 from gpud.mps.manager import DaemonState, MpsManager
@@ -59,6 +60,7 @@ class MpsRoutes:
             "host_ipc": True,  # MPS clients and the server share memory through /dev/shm
         }), content_type=JSON)
 
+    @admin_only
     @json_errors
     async def control(self, request: web.Request) -> web.Response:
         daemon = self._daemon(request)

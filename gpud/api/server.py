@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import importlib.resources
 import os
 import socket
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import yaml
 from aiohttp import web
 
+from gpud.api.auth import ADMIN_POLICY, AdminPolicy, admin_only
 from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route, read_json_object
 from gpud.api.views import RenderedInventory, encode, node_view
 from gpud.inventory import Inventory, InventoryService
@@ -38,9 +40,10 @@ class Api:
     """The routes, and the rendered snapshot they answer from."""
 
     def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict, body_timeout_s: float,
-                 more_routes: tuple[Callable[[web.Application], None], ...] = ()):
+                 more_routes: tuple[Callable[[web.Application], None], ...] = (), admin_group: str = "gpud-admin"):
         self.session = session
         self.more_routes = more_routes
+        self.admin_policy = AdminPolicy(admin_group)
         self.inventory = inventory
         self.node_base = node_base
         self.body_timeout_s = body_timeout_s
@@ -55,6 +58,7 @@ class Api:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app[ADMIN_POLICY] = self.admin_policy
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/node", self.node)
         app.router.add_get("/v1/gpus", self.gpus)
@@ -112,6 +116,7 @@ class Api:
 
     # -- simulator faults ----------------------------------------------------------------------
 
+    @admin_only
     @json_errors
     async def sim_xid(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str), "xid": (int,), "gi_id": (int, type(None)),
@@ -123,6 +128,7 @@ class Api:
                     ci_id=body.get("ci_id"))
         return _accepted({"injected": "xid", **body})
 
+    @admin_only
     @json_errors
     async def sim_gpu_lost(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str)})
@@ -131,6 +137,7 @@ class Api:
         await self.inventory.refresh("simulated GPU loss")
         return _accepted({"injected": "gpu-lost", **body})
 
+    @admin_only
     @json_errors
     async def sim_processes(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str), "pids": (list,)})
@@ -142,6 +149,7 @@ class Api:
         await self.inventory.refresh("simulated processes")
         return _accepted({"injected": "processes", **body})
 
+    @admin_only
     @json_errors
     async def sim_ecc(self, request: web.Request) -> web.Response:
         body = await self._sim_body(request, {"gpu": (int, str), "double_bit": (bool,)})
@@ -179,9 +187,10 @@ class UnixSocketListener:
     same moment cannot both decide the socket is stale.
     """
 
-    def __init__(self, path: Path, mode: int = 0o660):
+    def __init__(self, path: Path, mode: int = 0o660, group: str | None = None):
         self.path = path
         self.mode = mode
+        self.group = group
         self._lock_fd: int | None = None
         self.sock: socket.socket | None = None
 
@@ -196,10 +205,19 @@ class UnixSocketListener:
             sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
+        self._give_to_group()
         sock.listen(128)
         sock.setblocking(False)
         self.sock = sock
         return sock
+
+    def _give_to_group(self) -> None:
+        if os.geteuid() != 0 or not self.group:
+            return
+        try:
+            os.chown(self.path, 0, grp.getgrnam(self.group).gr_gid)
+        except KeyError:
+            log.warning("socket_group_missing", group=self.group, why="only root can use the socket")
 
     def _lock(self) -> None:
         lock_path = self.path.with_name(self.path.name + ".lock")
