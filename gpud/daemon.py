@@ -34,7 +34,7 @@ from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.resources import mps_replicas
-from gpud.systemd import Notifier
+from gpud.systemd import Notifier, inherited_socket
 
 log = get_logger("daemon")
 
@@ -86,7 +86,7 @@ class Daemon:
             self._register_reload), admin_group=config.api.admin_group)
         self.reread: Callable[[], Config] | None = None  # how SIGHUP and POST /v1/reload re-read the config
         self._mig_routes = mig_routes
-        self._listener = UnixSocketListener(config.socket_path, group=config.api.group)
+        self._listener = UnixSocketListener(config.socket_path, group=config.api.group, inherited=inherited_socket())
         self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []

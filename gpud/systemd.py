@@ -16,6 +16,21 @@ from gpud.logs import get_logger
 
 log = get_logger("systemd")
 _INHERITED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+SD_LISTEN_FDS_START = 3
+
+
+def inherited_socket(environ: dict[str, str] | None = None) -> socket.socket | None:
+    """The listening socket systemd passed (socket activation, gpud.socket), or None.
+
+    LISTEN_* leave the environment either way, so no child mistakes the socket for its own."""
+    env = os.environ if environ is None else environ
+    pid, count = env.pop("LISTEN_PID", None), env.pop("LISTEN_FDS", None)
+    env.pop("LISTEN_FDNAMES", None)
+    if pid != str(os.getpid()) or not count or int(count) < 1:
+        return None
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock.setblocking(False)
+    return sock
 
 
 class Notifier:

@@ -6,10 +6,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 from conftest import IN_CI, REPO
+
+from gpud.client import Client, DaemonUnreachable
 
 
 @pytest.fixture
@@ -91,5 +94,58 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path):
     unit_dir.mkdir(parents=True)
     shutil.copy(REPO / "systemd" / "gpud.service", unit_dir)
     result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", "/etc/systemd/system/gpud.service"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+def test_socket_activation_serves_on_the_inherited_socket(short_tmp):
+    """As systemd starts gpud from gpud.socket: a listening socket at fd 3, LISTEN_PID and LISTEN_FDS."""
+    path = short_tmp / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(16)
+    fd = listener.fileno()
+    command = (f'exec 3<&{fd}; LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" -m gpud serve --simulate t4 '
+               f'--sim-state {short_tmp}/sim.json --state-dir {short_tmp}/state --socket {short_tmp}/unused.sock '
+               f'--log-format json')
+    log = (short_tmp / "activated.log").open("w")
+    proc = subprocess.Popen(["bash", "-c", command, sys.executable], pass_fds=[fd], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    listener.close()  # gpud holds it now
+    try:
+        client = Client(path, timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if client.request("GET", "/healthz", ok_statuses=(503,))[0] == 200:
+                    break
+            except DaemonUnreachable:
+                pass
+            time.sleep(0.05)
+        assert client.get("/v1/gpus")["gpus"][0]["name"] == "Tesla T4"
+        assert not (short_tmp / "unused.sock").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert path.exists()  # the socket is systemd's: gpud leaves it in place
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_the_socket_unit_passes_systemd_analyze_verify(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit_dir = tmp_path / "etc/systemd/system"
+    shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
+    unit_dir.mkdir(parents=True)
+    for binary in ("usr/bin/gpud", "bin/kill"):
+        (tmp_path / binary).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / binary).write_text("#!/bin/sh\n")
+        (tmp_path / binary).chmod(0o755)
+    for unit in ("gpud.service", "gpud.socket"):
+        shutil.copy(REPO / "systemd" / unit, unit_dir)
+    result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", "/etc/systemd/system/gpud.socket"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr

@@ -187,14 +187,19 @@ class UnixSocketListener:
     same moment cannot both decide the socket is stale.
     """
 
-    def __init__(self, path: Path, mode: int = 0o660, group: str | None = None):
+    def __init__(self, path: Path, mode: int = 0o660, group: str | None = None,
+                 inherited: socket.socket | None = None):
         self.path = path
         self.mode = mode
         self.group = group
+        self.inherited = inherited  # from systemd: its path, mode and life are systemd's business
         self._lock_fd: int | None = None
         self.sock: socket.socket | None = None
 
     def open(self) -> socket.socket:
+        if self.inherited is not None:
+            log.info("socket_inherited", socket=str(self.inherited.getsockname()))
+            return self.inherited
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._lock()
         if self.path.exists() or self.path.is_symlink():
@@ -249,6 +254,8 @@ class UnixSocketListener:
 
     def close(self) -> None:
         """Removes the socket path (ours: we hold the lock) and releases the lock."""
+        if self.inherited is not None:
+            return  # systemd keeps listening, and starts the next gpud on the next connection
         if self.sock is not None:
             self.path.unlink(missing_ok=True)
             self.sock.close()
