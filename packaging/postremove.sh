@@ -6,5 +6,5 @@ if [ -d /run/systemd/system ]; then
 fi
 if [ "$1" = "purge" ]; then
     # What gpud itself wrote: persisted state (desired MIG layout, known GPUs) and MPS logs.
-    rm -rf /var/lib/gpud /var/log/gpud /etc/gpud
+    rm -rf /var/lib/gpud /var/log/gpud /etc/gpud /run/gpud
 fi

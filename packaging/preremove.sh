@@ -7,4 +7,10 @@ if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
     else
         systemctl disable gpud.service >/dev/null 2>&1 || true
     fi
+    # gpud leaves its MPS control daemons running across its own restarts (KillMode=process);
+    # when gpud itself goes away, they go too.
+    for pipe in /run/gpud/mps/*/pipe; do
+        [ -S "$pipe/control" ] || continue
+        echo quit | CUDA_MPS_PIPE_DIRECTORY="$pipe" timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1 || true
+    done
 fi

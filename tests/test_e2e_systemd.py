@@ -23,9 +23,11 @@ PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,procps,passwd,nvidia-cuda-mps
 class Container:
     def __init__(self, root: Path):
         self.root = root
-        self.boot = subprocess.Popen([shutil.which("systemd-nspawn", path=SYSTEM_PATH), "-D", str(root),
-                                      "--register=no", "--keep-unit", "-b"], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        nspawn = shutil.which("systemd-nspawn", path=SYSTEM_PATH)
+        # --private-network: the install and everything after it run with no network at all.
+        self.boot = subprocess.Popen([nspawn, "-D", str(root), "--register=no", "--keep-unit", "--private-network",
+                                      "-b"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         self.init = self._find_init()
         # basic.target, not "running": logind may start slowly in a container, and gpud needs none of it.
         self.wait_for(lambda: self.run("systemctl", "is-active", "basic.target").stdout.strip() == "active",
@@ -134,6 +136,7 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     box.run("systemctl", "reload", "gpud", check=True)
     box.wait_for(lambda: box.show("ActiveState") == "active", "reloaded")
     assert box.show("MainPID") == main_pid  # reload keeps the process and its connections
+    assert json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"] == mps_pid
     box.run("systemctl", "restart", "gpud", check=True)
     box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud after restart")
     assert box.show("MainPID") != main_pid
@@ -149,11 +152,14 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
                  "systemd to catch the stalled watchdog and restart gpud", timeout=60)
     assert "watchdog" in box.run("journalctl", "-u", "gpud", "--no-pager").stdout.lower()
 
-    box.run("dpkg", "-r", "gpud", check=True)
+    mps_pid = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"]
+    box.run("apt-get", "remove", "-y", "gpud", check=True)
     assert not (box.root / "usr/bin/gpud").exists() and (box.root / "etc/gpud/gpud.yaml").exists()
-    box.run("dpkg", "-P", "gpud", check=True)
-    assert not (box.root / "etc/gpud").exists() and not (box.root / "var/lib/gpud").exists()
-    assert not (box.root / "etc/systemd/system/multi-user.target.wants/gpud.service").exists()
+    assert box.run("kill", "-0", str(mps_pid)).returncode != 0  # its MPS daemon went with it
+    box.run("apt-get", "purge", "-y", "gpud", check=True)
+    for leftover in ("etc/gpud", "var/lib/gpud", "var/log/gpud", "opt/gpud", "run/gpud",
+                     "usr/lib/systemd/system/gpud.service", "etc/systemd/system/multi-user.target.wants/gpud.service"):
+        assert not box.run("test", "-e", f"/{leftover}").returncode == 0, leftover
 
 
 def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container):
