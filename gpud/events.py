@@ -24,11 +24,9 @@ class Subscription:
         # Room for the limit plus one end marker: None (overflow) or b"" (gpud stopping).
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit + 1)
         self.limit = limit
-        self.overflowed = False
 
     def offer(self, line: bytes) -> bool:
         if self.queue.qsize() >= self.limit:
-            self.overflowed = True
             self.queue.put_nowait(None)  # the one spare slot: wakes the reader to end the stream
             return False
         self.queue.put_nowait(line)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -70,7 +70,6 @@ class Inventory:
     nvml_version: str
     gpus: tuple[Gpu, ...]
     read_at: float = field(default_factory=time.time)  # wall clock, for people
-    read_duration_ms: float = 0.0
 
 
 def normal_bus_id(bus_id: str) -> str | None:
@@ -130,7 +129,6 @@ class InventoryService:
                 log.error("inventory_read_failed", reason=reason, error=str(exc))
                 return self.current
             duration = (time.perf_counter() - started) * 1000
-            snapshot = replace(snapshot, read_duration_ms=round(duration, 3))
             changed = self.current is None or _content(self.current) != _content(snapshot)
             self.current, self.error = snapshot, None
             self._remember(snapshot)

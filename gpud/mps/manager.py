@@ -34,10 +34,6 @@ class DaemonSpec:
     active_thread_percentage: float | None
     pinned_mib: tuple[int | None, ...]
 
-    @property
-    def limits(self) -> tuple:
-        return self.active_thread_percentage, self.pinned_mib
-
 
 @dataclass
 class DaemonState:
