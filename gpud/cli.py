@@ -44,28 +44,20 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, run, text in (("status", _status, "the daemon's health and node summary"),
                             ("gpus", _gpus, "the GPUs and their MIG devices")):
-        client = commands.add_parser(name, help=text)
-        client.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-        client.add_argument("--json", action="store_true", help="print the API's JSON")
-        client.set_defaults(run=run)
+        _client_command(commands.add_parser(name, help=text), run)
 
     mig = commands.add_parser("mig", help="MIG layouts: status, layouts, apply, export, validate")
     mig_commands = mig.add_subparsers(title="mig commands", metavar="COMMAND")
     for name, run, text in (("status", _mig_status, "the desired layout and each GPU's state"),
                             ("layouts", _mig_layouts, "the named layouts and whether each fits this node"),
                             ("export", _mig_export, "this node's MIG layout as a mig-parted file")):
-        command = mig_commands.add_parser(name, help=text)
-        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-        command.add_argument("--json", action="store_true", help="print the API's JSON")
-        command.set_defaults(run=run)
+        _client_command(mig_commands.add_parser(name, help=text), run)
     apply = mig_commands.add_parser("apply", help="apply a named layout")
     apply.add_argument("layout")
     apply.add_argument("--dry-run", action="store_true", help="show the plan; touch nothing")
     apply.add_argument("--force", action="store_true", help="destroy MIG devices even if processes run on them")
     apply.add_argument("--no-wait", action="store_true", help="return once the apply has started")
-    apply.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-    apply.add_argument("--json", action="store_true", help="print the API's JSON")
-    apply.set_defaults(run=_mig_apply)
+    _client_command(apply, _mig_apply)
     mig_validate = mig_commands.add_parser("validate", help="check a layouts file (exit 0 valid, 2 invalid)")
     mig_validate.add_argument("path", type=Path)
     mig_validate.set_defaults(run=_mig_validate)
@@ -75,15 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     mps_status = mps_commands.add_parser("status", help="the MPS daemons and their limits")
     mps_restart = mps_commands.add_parser("restart", help="restart one MPS daemon")
     mps_restart.add_argument("name")
-    for command, run in ((mps_status, _mps_status), (mps_restart, _mps_restart)):
-        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-        command.add_argument("--json", action="store_true", help="print the API's JSON")
-        command.set_defaults(run=run)
+    _client_command(mps_status, _mps_status)
+    _client_command(mps_restart, _mps_restart)
 
     sharing = commands.add_parser("sharing", help="shared resources (time-slicing, MPS replicas)")
-    sharing.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-    sharing.add_argument("--json", action="store_true", help="print the API's JSON")
-    sharing.set_defaults(run=_sharing)
+    _client_command(sharing, _sharing)
     sharing_commands = sharing.add_subparsers(title="sharing commands", metavar="COMMAND")
     sharing_validate = sharing_commands.add_parser("validate", help="check a sharing file (exit 0 valid, 2 invalid)")
     sharing_validate.add_argument("path", type=Path)
@@ -93,10 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     watch = commands.add_parser("watch", help="follow the event stream, one line per event")
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
     watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory")
-    for command, run in ((health, _health), (watch, _watch)):
-        command.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
-        command.add_argument("--json", action="store_true", help="print the API's JSON")
-        command.set_defaults(run=run)
+    _client_command(health, _health)
+    _client_command(watch, _watch)
 
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
@@ -104,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("path", nargs="?", type=Path, default=Path("/etc/gpud/gpud.yaml"))
     validate.set_defaults(run=_config_validate)
     return parser
+
+
+def _client_command(parser: argparse.ArgumentParser, run) -> None:
+    """A subcommand that talks to the daemon's socket: the options every such command takes."""
+    parser.add_argument("--socket", type=Path, help="the daemon's socket (default: found automatically)")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON")
+    parser.set_defaults(run=run)
 
 
 # -- serve -------------------------------------------------------------------------------------
