@@ -71,6 +71,15 @@ class Inventory:
     gpus: tuple[Gpu, ...]
     read_at: float = field(default_factory=time.time)  # wall clock, for people
 
+    def find_gpu(self, ident: str) -> Gpu | None:
+        """A GPU by index, GPU UUID or PCI bus id (any form), or the GPU a MIG device UUID lives on."""
+        bus_id = normal_bus_id(ident) if ":" in ident else None
+        for gpu in self.gpus:
+            if ident in (str(gpu.index), gpu.uuid) or (bus_id and bus_id == normal_bus_id(gpu.pci_bus_id)) or \
+                    any(dev.uuid == ident for dev in gpu.mig.devices):
+                return gpu
+        return None
+
 
 def normal_bus_id(bus_id: str) -> str | None:
     """'0000:07:00.0', '00000000:07:00.0' and '07:00.0' name the same device; None if not a bus id."""

@@ -120,6 +120,8 @@ async def test_an_xid_with_instance_ids_marks_only_that_mig_device_and_its_repli
             return health if health["mig_devices"] and any(d["state"] == "unhealthy"
                                                             for d in health["mig_devices"]) else None
         health = await wait_until(marked)
+        status, by_mig_uuid = await node.get(f"/v1/gpus/{target['uuid']}/health")  # a MIG UUID names its GPU
+        assert status == 200 and by_mig_uuid == health
         by_uuid = {d["uuid"]: d["state"] for d in health["mig_devices"]}
         assert by_uuid == {target["uuid"]: "unhealthy", sibling["uuid"]: "healthy"}
         assert health["state"] == "healthy"  # the GPU itself and its other instance are fine
@@ -128,6 +130,8 @@ async def test_an_xid_with_instance_ids_marks_only_that_mig_device_and_its_repli
         (resource,) = [r for r in sharing["resources"] if r["name"] == "nvidia.com/mig-3g.20gb"]
         unhealthy = {d["id"] for d in resource["devices"] if not d["healthy"]}
         assert unhealthy == {f"{target['uuid']}::{n}" for n in range(3)}
+        _, cleared = await node.post(f"/v1/health/{target['uuid']}/clear", {})
+        assert cleared["uuid"] == target["uuid"] and cleared["state"] == "healthy"  # only that MIG device
     finally:
         await stop_daemon(node)
 

@@ -11,7 +11,7 @@ from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.views import encode
 from gpud.events import EVENT_TYPES, EventBus
 from gpud.health.service import HealthService
-from gpud.inventory import InventoryService, normal_bus_id
+from gpud.inventory import InventoryService
 
 JSON = "application/json"
 HEARTBEAT_S = 15.0
@@ -30,20 +30,15 @@ class HealthRoutes:
     async def node(self, request: web.Request) -> web.Response:
         return web.Response(body=encode(self.health.view()), content_type=JSON)
 
-    def _device_uuid(self, ident: str) -> str:
-        """A GPU by index, UUID or bus id, or a MIG device by UUID."""
-        inventory = self.inventory.current
-        for gpu in inventory.gpus if inventory else ():
-            if ident in (str(gpu.index), gpu.uuid) or (":" in ident and normal_bus_id(ident) == normal_bus_id(
-                    gpu.pci_bus_id)):
-                return gpu.uuid
-            if any(dev.uuid == ident for dev in gpu.mig.devices):
-                return ident
-        raise ApiError(404, "device-not-found", f"no GPU or MIG device '{ident}' on this node")
+    def _gpu(self, ident: str):
+        gpu = self.inventory.current.find_gpu(ident) if self.inventory.current else None
+        if gpu is None:
+            raise ApiError(404, "device-not-found", f"no GPU or MIG device '{ident}' on this node")
+        return gpu
 
     @json_errors
     async def gpu(self, request: web.Request) -> web.Response:
-        uuid = self._device_uuid(request.match_info["id"])
+        uuid = self._gpu(request.match_info["id"]).uuid
         gpu = next(g for g in self.health.view()["gpus"] if g["uuid"] == uuid)
         return web.Response(body=encode(gpu), content_type=JSON)
 
@@ -52,7 +47,9 @@ class HealthRoutes:
     async def clear(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"kind": (str, type(None))}) \
             if request.body_exists else {}
-        uuid = self._device_uuid(request.match_info["id"])
+        ident = request.match_info["id"]
+        gpu = self._gpu(ident)
+        uuid = ident if any(dev.uuid == ident for dev in gpu.mig.devices) else gpu.uuid  # a MIG device: only it
         self.health.clear(uuid, body.get("kind"))
         return web.Response(body=encode(self.health.tracker.device(uuid)), content_type=JSON)
 
