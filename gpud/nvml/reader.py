@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, unknown_gpu
-from gpud.mig.model import MigCapabilities, Placement
+from gpud.mig.model import MigCapabilities
 from gpud.nvml import mig
 
 MIB = 1 << 20
@@ -73,39 +73,47 @@ class NodeReader:
         devices: tuple[MigDevice, ...] = ()
         instances: tuple = ()
         if current == nvml.NVML_DEVICE_MIG_ENABLE:
-            devices = tuple(self._read_mig_devices(nvml, handle, capabilities))
-            by_ids = {(d.gi_id, d.ci_id): (d.uuid, d.pids) for d in devices}
-            instances = mig.read_instances(nvml, handle, capabilities, by_ids)
+            handles = _read_mig_handles(nvml, handle)
+            instances = mig.read_instances(nvml, handle, capabilities,
+                                           {ids: (h["uuid"], h["pids"]) for ids, h in handles.items()})
+            devices = _mig_devices(instances, handles, capabilities)
         return MigInfo(capable=True, mode=mode(current), pending_mode=mode(pending), devices=devices,
                        capabilities=capabilities, instances=instances)
 
-    def _read_mig_devices(self, nvml: Any, handle: Any, capabilities: MigCapabilities):
-        for mig_index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
-            except (nvml.NVMLError_NotFound, nvml.NVMLError_InvalidArgument):
-                continue  # NVML allows holes in the MIG device index range
-            gi_id = nvml.nvmlDeviceGetGpuInstanceId(device)
-            ci_id = nvml.nvmlDeviceGetComputeInstanceId(device)
-            gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
-            gi_info = nvml.nvmlGpuInstanceGetInfo(gi)
-            ci_info = nvml.nvmlComputeInstanceGetInfo(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id))
-            attrs = nvml.nvmlDeviceGetAttributes(device)
-            gi_name = capabilities.gi_profile_by_id(gi_info.profileId).name
+
+def _read_mig_handles(nvml: Any, handle: Any) -> dict[tuple[int, int], dict]:
+    """What only a MIG device handle tells, by (GI id, CI id): its index, UUID, size and processes."""
+    found = {}
+    for mig_index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+        except (nvml.NVMLError_NotFound, nvml.NVMLError_InvalidArgument):
+            continue  # NVML allows holes in the MIG device index range
+        attrs = nvml.nvmlDeviceGetAttributes(device)
+        ids = (nvml.nvmlDeviceGetGpuInstanceId(device), nvml.nvmlDeviceGetComputeInstanceId(device))
+        found[ids] = {"index": mig_index, "uuid": text(nvml.nvmlDeviceGetUUID(device)), "attrs": attrs,
+                      "pids": tuple(sorted(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(device)))}
+    return found
+
+
+def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabilities: MigCapabilities):
+    """The MIG devices for the API: the instance tree (already read) joined with their handles."""
+    devices = []
+    for gi in instances:
+        gi_name = capabilities.gi_profile_by_id(gi.profile_id).name
+        for ci in gi.compute_instances:
+            found = handles.get((gi.gi_id, ci.ci_id))
+            if found is None:
+                continue  # being created or destroyed right now: the next read shows it
+            attrs = found["attrs"]
             ci_slices, gi_slices = attrs.computeInstanceSliceCount, attrs.gpuInstanceSliceCount
-            yield MigDevice(
-                uuid=text(nvml.nvmlDeviceGetUUID(device)),
-                index=mig_index,
+            devices.append(MigDevice(
+                uuid=found["uuid"], index=found["index"],
                 profile=gi_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_name}",
-                gi_id=gi_id,
-                ci_id=ci_id,
-                gi_profile_id=gi_info.profileId,
-                ci_profile_id=ci_info.profileId,
-                placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                memory_total_mib=attrs.memorySizeMB,
-                sm_count=attrs.multiprocessorCount,
-                pids=tuple(sorted(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(device))),
-            )
+                gi_id=gi.gi_id, ci_id=ci.ci_id, gi_profile_id=gi.profile_id, ci_profile_id=ci.profile_id,
+                placement=gi.placement, memory_total_mib=attrs.memorySizeMB, sm_count=attrs.multiprocessorCount,
+                pids=found["pids"]))
+    return tuple(sorted(devices, key=lambda d: d.index))
 
 
 def _optional(nvml: Any, read):
