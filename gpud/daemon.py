@@ -20,7 +20,6 @@ from gpud.api.metrics import MetricsRoute
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
-from gpud.api.sharing import SharingView, read_sharing_file
 from gpud.api.views import encode
 from gpud.config import Config, ConfigError
 from gpud.events import EventBus
@@ -34,6 +33,7 @@ from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.resources import mps_replicas
+from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.systemd import Notifier, inherited_socket
 
 log = get_logger("daemon")

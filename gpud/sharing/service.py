@@ -1,4 +1,5 @@
-"""GET /v1/sharing: what each shared resource looks like on this node, rendered once per change."""
+"""Sharing as gpud serves it: the document behind GET /v1/sharing, recomputed once per change of the
+inventory, health or config, and the time-slice length applied to the GPUs."""
 
 from __future__ import annotations
 
