@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from gpud.nvml.sim import PresetError, SimError, SimulatedNvml
-from gpud.nvml.sim.scenarios import enable_mig, started
+from gpud.nvml.sim.scenarios import enable_mig, reset_released, started
 
 MIG_UUID = re.compile(r"MIG-[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 NOT_ATTRIBUTED = 0xFFFFFFFF
@@ -66,8 +66,10 @@ def test_construction_touches_nothing(state_path):
     assert not state_path.exists()
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         nvml.nvmlDeviceGetCount()
-    with pytest.raises(SimError, match="nvmlInit"):
-        nvml.sim_reset_gpu(0)
+    # sim_* controls are the world outside this process (nvidia-smi -r runs while NVML is shut down
+    # here): they work without nvmlInit, on the state file
+    nvml.sim_reset_gpu(0)
+    assert state_path.exists()
 
 
 def test_init_and_shutdown_nest(nvml):
@@ -128,8 +130,8 @@ def test_device_properties(nvml):
         0,
         0x20B010DE,
     )
-    memory = nvml.nvmlDeviceGetMemoryInfo(device)
-    assert (memory.total, memory.used, memory.free) == (40960 * 2**20, 0, 40960 * 2**20)
+    memory = nvml.nvmlDeviceGetMemoryInfo(device)  # v1 counts the driver's reserved 512 MiB as used
+    assert (memory.total, memory.used, memory.free) == (40960 * 2**20, 512 * 2**20, 40448 * 2**20)
     assert nvml.nvmlDeviceGetArchitecture(device) == pynvml.NVML_DEVICE_ARCH_AMPERE
     assert nvml.nvmlDeviceGetCudaComputeCapability(device) == (8, 0)
     assert re.fullmatch(r"1\d{12}", nvml.nvmlDeviceGetSerial(device))
@@ -284,7 +286,7 @@ def test_processes_without_mig(nvml):
         (101, NOT_ATTRIBUTED, NOT_ATTRIBUTED),
         (102, NOT_ATTRIBUTED, NOT_ATTRIBUTED),
     ]
-    assert nvml.nvmlDeviceGetMemoryInfo(device).used == 2 * processes[0].usedGpuMemory > 0
+    assert nvml.nvmlDeviceGetMemoryInfo(device, pynvml.nvmlMemory_v2).used == 2 * processes[0].usedGpuMemory > 0
     assert nvml.nvmlDeviceGetCurrentClocksEventReasons(device) == pynvml.nvmlClocksEventReasonNone
 
 
@@ -317,7 +319,7 @@ def test_lost_gpu_raises_gpu_is_lost_everywhere(nvml, state_path):
     device = make_mig_devices(nvml, gpu=1)
     mig_device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0)
     gpu_instance = nvml.nvmlDeviceGetGpuInstanceById(device, 1)
-    nvml.sim_set_gpu_lost(nvml.nvmlDeviceGetUUID(device))
+    nvml.sim_set_gpu_lost(nvml.nvmlDeviceGetUUID(device), how="is-lost")
     for call in (
         lambda: nvml.nvmlDeviceGetHandleByIndex(1),
         lambda: nvml.nvmlDeviceGetName(device),
@@ -328,9 +330,11 @@ def test_lost_gpu_raises_gpu_is_lost_everywhere(nvml, state_path):
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             call()
     assert nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(0))  # others are fine
+    other = started("dgx-a100", state_path)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
-        started("dgx-a100", state_path).nvmlDeviceGetHandleByIndex(1)  # persisted
-    nvml.sim_reset_gpu(1)
+        other.nvmlDeviceGetHandleByIndex(1)  # persisted
+    other.nvmlShutdown()
+    reset_released(nvml, [1])  # a reset needs NVML released: this process's session holds the GPUs
     assert nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(1)) == "NVIDIA A100-SXM4-40GB"
 
 
@@ -338,9 +342,9 @@ def test_reset_refuses_while_processes_run_and_clears_instances(nvml):
     device = make_mig_devices(nvml)
     nvml.sim_set_processes(mig_uuids(nvml, device)[0], [55])
     with pytest.raises(pynvml.NVMLError_InUse):
-        nvml.sim_reset_gpu(0)
+        reset_released(nvml, [0])
     nvml.sim_set_processes(mig_uuids(nvml, device)[0], [])
-    nvml.sim_reset_gpu(0)
+    reset_released(nvml, [0])
     assert nvml.nvmlDeviceGetMigMode(device) == [1, 1]
     with pytest.raises(pynvml.NVMLError_NotFound):
         nvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0)
@@ -361,8 +365,9 @@ def test_a_second_instance_sees_the_same_machine(nvml, state_path):
     device = make_mig_devices(nvml)
     uuids = mig_uuids(nvml, device)
     nvml.sim_set_processes(uuids[1], [31337])
-    nvml.nvmlDeviceSetMigMode(nvml.nvmlDeviceGetHandleByIndex(5), pynvml.NVML_DEVICE_MIG_ENABLE)  # pending
-    nvml.sim_set_gpu_lost(7)
+    nvml.sim_add_holder(5, "nv-hostengine", 4242)  # DCGM holds GPU 5: its MIG mode stays pending
+    nvml.nvmlDeviceSetMigMode(nvml.nvmlDeviceGetHandleByIndex(5), pynvml.NVML_DEVICE_MIG_ENABLE)
+    nvml.sim_set_gpu_lost(7, how="is-lost")
     concurrent = started("dgx-a100", state_path)  # while the first is still running
     nvml.nvmlShutdown()
     for other in (concurrent, started("dgx-a100", state_path)):

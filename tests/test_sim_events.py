@@ -8,7 +8,7 @@ import pynvml
 import pytest
 
 from gpud.nvml.sim import SimError
-from gpud.nvml.sim.scenarios import enable_mig, started
+from gpud.nvml.sim.scenarios import enable_mig, reset_released, started
 
 XID = pynvml.nvmlEventTypeXidCriticalError
 SBE = pynvml.nvmlEventTypeSingleBitEccError
@@ -132,7 +132,7 @@ def test_ecc_injection_counts_and_signals(nvml):
     )
     assert total(device, uncorrected, volatile) == total(device, uncorrected, aggregate) == 1
     assert nvml.nvmlDeviceGetRemappedRows(device) == (0, 1, 1, 0)
-    nvml.sim_reset_gpu(2)
+    reset_released(nvml, [2])
     assert (total(device, uncorrected, volatile), total(device, uncorrected, aggregate)) == (0, 1)
     assert nvml.nvmlDeviceGetRemappedRows(device) == (0, 1, 0, 0)
 
@@ -143,15 +143,16 @@ def test_ecc_injection_needs_ecc(tmp_path):
         geforce.sim_inject_ecc(0, double_bit=True)
 
 
-def test_lost_gpu_is_reported_once_by_the_event_set(nvml):
+def test_lost_gpu_wakes_the_waiter_and_the_set_keeps_answering_gpu_is_lost(nvml):
+    """The error persists while the lost GPU stays registered (Project-HAMi/HAMi#2321)."""
     event_set = subscribe(nvml, 5, XID)
     waiter = Waiter(nvml, event_set)
     wait_until_blocked(nvml)
     nvml.sim_set_gpu_lost(5)
     waiter.join(2)
     assert isinstance(waiter.error, pynvml.NVMLError_GpuIsLost)
-    with pytest.raises(pynvml.NVMLError_Timeout):
-        nvml.nvmlEventSetWait_v2(event_set, 0)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlEventSetWait_v2(event_set, 1000)
 
 
 def test_registering_on_a_mig_device_is_not_supported(nvml):
@@ -194,7 +195,7 @@ def test_nvlink_pcie_and_page_retirement_readings(tmp_path):
     assert a100.nvmlDeviceGetPcieReplayCounter(handle) == 7
     with pytest.raises(pynvml.NVMLError_NotSupported):
         a100.nvmlDeviceGetRetiredPagesPendingStatus(handle)  # Ampere remaps rows instead
-    a100.sim_reset_gpu(0)
+    reset_released(a100, [0])
     assert a100.nvmlDeviceGetNvLinkState(handle, 2) == pynvml.NVML_FEATURE_ENABLED
 
     t4 = started("t4", tmp_path / "t.json")

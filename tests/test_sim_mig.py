@@ -5,7 +5,7 @@ import ctypes
 import pynvml
 import pytest
 
-from gpud.nvml.sim.scenarios import enable_mig, started
+from gpud.nvml.sim.scenarios import enable_mig, reset_released, started
 
 P = pynvml  # profile constants and errors come from pynvml itself
 
@@ -193,14 +193,14 @@ def test_h100_double_memory_1g_placements(tmp_path):
 # --- MIG mode -------------------------------------------------------------------------------------
 
 
-def test_instance_calls_need_mig_mode_but_placements_do_not(tmp_path):
-    nvml = started("dgx-a100", tmp_path / "state.json")
+def test_instance_calls_need_mig_mode_but_r580_profile_queries_do_not(tmp_path):
+    """R580 with MIG off (H100 capture): profile queries and an empty instance list answer;
+    creating or finding an instance needs MIG mode (nvml.h). Other branches: test_sim_drivers.py."""
+    nvml = started("dgx-a100", tmp_path / "state.json", "580.65.06")
     device = nvml.nvmlDeviceGetHandleByIndex(0)
     not_supported_calls = [
-        lambda: nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(device, ID_3G),
         lambda: nvml.nvmlDeviceCreateGpuInstance(device, ID_3G),
         lambda: nvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, ID_3G, placement(0, 4)),
-        lambda: nvml.nvmlDeviceGetGpuInstances(device, ID_3G, None, ctypes.byref(ctypes.c_uint())),
         lambda: nvml.nvmlDeviceGetGpuInstanceById(device, 1),
     ]
     for call in not_supported_calls:
@@ -210,24 +210,33 @@ def test_instance_calls_need_mig_mode_but_placements_do_not(tmp_path):
     nvml.nvmlDeviceGetGpuInstancePossiblePlacements(device, ID_3G, None, ctypes.byref(count))
     assert count.value == 2
     assert nvml.nvmlDeviceGetGpuInstanceProfileInfo(device, P.NVML_GPU_INSTANCE_PROFILE_3_SLICE).id == ID_3G
+    assert nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(device, ID_3G) == 2
+    instances = ctypes.c_uint(2)
+    nvml.nvmlDeviceGetGpuInstances(device, ID_3G, (P.c_nvmlGpuInstance_t * 2)(), ctypes.byref(instances))
+    assert instances.value == 0
 
 
 def test_ampere_mig_mode_stays_pending_until_reset(tmp_path):
+    """Another client on the GPU (here DCGM) keeps the change pending (MIG user guide: "pending
+    enable state ... In use by another client"); the operator stops it and resets the GPU."""
     nvml = started("dgx-a100", tmp_path / "state.json")
+    nvml.sim_add_holder(0, "nv-hostengine", 4242)
     device = nvml.nvmlDeviceGetHandleByIndex(0)
     assert nvml.nvmlDeviceSetMigMode(device, P.NVML_DEVICE_MIG_ENABLE) == P.NVML_ERROR_IN_USE
     assert nvml.nvmlDeviceGetMigMode(device) == [P.NVML_DEVICE_MIG_DISABLE, P.NVML_DEVICE_MIG_ENABLE]
     with pytest.raises(P.NVMLError_NotSupported):
         nvml.nvmlDeviceCreateGpuInstance(device, ID_3G)
-    nvml.sim_reset_gpu(0)
+    nvml.sim_release_holders(0)
+    reset_released(nvml, [0])
     assert nvml.nvmlDeviceGetMigMode(device) == [P.NVML_DEVICE_MIG_ENABLE, P.NVML_DEVICE_MIG_ENABLE]
     nvml.nvmlDeviceCreateGpuInstance(device, ID_3G)
 
 
 def test_ampere_pending_mode_can_be_taken_back(tmp_path):
     nvml = started("a30", tmp_path / "state.json")
+    nvml.sim_set_processes(0, [77])  # a CUDA application keeps the change pending
     device = nvml.nvmlDeviceGetHandleByIndex(0)
-    nvml.nvmlDeviceSetMigMode(device, P.NVML_DEVICE_MIG_ENABLE)
+    assert nvml.nvmlDeviceSetMigMode(device, P.NVML_DEVICE_MIG_ENABLE) == P.NVML_ERROR_IN_USE
     assert nvml.nvmlDeviceSetMigMode(device, P.NVML_DEVICE_MIG_DISABLE) == P.NVML_SUCCESS
     assert nvml.nvmlDeviceGetMigMode(device) == [0, 0]
 

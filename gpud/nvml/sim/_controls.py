@@ -1,4 +1,8 @@
-"""The simulator's own control surface (sim_*): fault injection and the outside world."""
+"""The simulator's own control surface (sim_*): fault injection and the outside world.
+
+The sim_* controls model other processes and the hardware, not this process's NVML session, so they
+work whether or not NVML is initialised here (see `sim_control`).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,26 @@ from pynvml import NVML_ERROR_IN_USE, NVMLError
 
 from ._core import SimCore, sim_control
 from .errors import SimError
-from .events import NOT_ATTRIBUTED, Event, GpuLost
-from .state import Gpu, MigDevice
+from .events import NOT_ATTRIBUTED, Event
+from .state import LOST_HOW, Gpu, Holder, MigDevice
+from .topology import on_switches, reaches_switches
 
 
 def _validated_pids(pids: list[int]) -> list[int]:
-    if not all(isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 for pid in pids):
-        raise SimError(f"pids must be positive integers, got {pids!r}")
+    if not isinstance(pids, list) or not all(_is_pid(pid) for pid in pids):
+        raise SimError(f"pids must be a list of positive integers, got {pids!r}")
     return list(pids)
+
+
+def _is_pid(pid: object) -> bool:
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
 
 
 class SimControls(SimCore):
     @sim_control
     def sim_resolve(self, gpu: int | str) -> int:
         """The index of a GPU given by index or GPU UUID."""
-        if isinstance(gpu, int) and not isinstance(gpu, bool) and 0 <= gpu < len(self._gpus):
-            return gpu
-        for candidate in self._gpus:
-            if candidate.uuid == gpu:
-                return candidate.index
-        raise SimError(f"no GPU {gpu!r}: give an index 0..{len(self._gpus) - 1} or a GPU UUID")
+        return self._target(gpu).index
 
     @sim_control
     def sim_inject_xid(
@@ -64,14 +68,30 @@ class SimControls(SimCore):
         self._publish(Event(target.index, event_type))
 
     @sim_control
-    def sim_set_gpu_lost(self, gpu: int | str) -> None:
-        """The GPU fell off the bus: its handles raise GpuIsLost until `sim_reset_gpu`."""
+    def sim_set_gpu_lost(self, gpu: int | str, how: str = "unknown") -> None:
+        """The GPU fell off the bus (Xid 79) until `sim_recover_gpu` or `sim_reset_gpu`.
+
+        nvmlDeviceGetCount still counts it. Handle lookups (by index, UUID, PCI bus id) fail with
+        `how`: "unknown" (NVML_ERROR_UNKNOWN, the common case: nvidia-smi's "Unable to determine the
+        device handle for GPU ...: Unknown Error" in NVIDIA/nvidia-docker#1553,
+        NVIDIA/open-gpu-kernel-modules#387, NVIDIA/dcgm-exporter#604) or "is-lost"
+        (NVML_ERROR_GPU_IS_LOST: "... GPU is lost. Reboot the system to recover this GPU"). Handles
+        obtained before raise GPU_IS_LOST; event sets with it registered answer GPU_IS_LOST.
+        """
+        if how not in LOST_HOW:
+            raise SimError(f"how must be one of {', '.join(LOST_HOW)}, got {how!r}")
+        target = self._target(gpu)
+        target.lost = how
+        self._commit()
+        self._event_signal.notify_all()  # waiters on sets with this GPU answer GPU_IS_LOST now
+
+    @sim_control
+    def sim_recover_gpu(self, gpu: int | str) -> None:
+        """A lost GPU answers again (as after a reset or a reboot); nothing else changes."""
         target = self._target(gpu)
         if target.lost:
-            return
-        target.lost = True
-        self._commit()
-        self._publish(GpuLost(target.index))
+            target.lost = None
+            self._commit()
 
     @sim_control
     def sim_set_processes(self, target: int | str, pids: list[int]) -> None:
@@ -88,34 +108,115 @@ class SimControls(SimCore):
             gpu.processes = pids
         self._commit()
 
-    @sim_control
-    def sim_reset_gpu(self, gpu: int | str) -> None:
-        """What `nvidia-smi -r` does.
+    # --- processes holding the device ------------------------------------------------------------
 
-        Refuses with NVMLError_InUse while processes run. Otherwise applies a pending MIG mode,
-        recovers a lost GPU, clears the volatile ECC counters and applies pending row remaps.
-        All GPU and compute instances are destroyed, whether the MIG mode changes or not: MIG
-        instances are driver state that does not survive a GPU reset.
-        """
+    @sim_control
+    def sim_add_holder(self, gpu: int | str, process: str, pid: int) -> None:
+        """Another host process opens the GPU's device node and keeps it open: a monitoring agent,
+        nvidia-persistenced, an MPS server, a CUDA application. It blocks `sim_reset_gpu` (a GPU
+        reset needs the GPU free of every client: nvidia-smi's manual on -r). Holders are
+        processes, so they live in the state file and outlive this simulator."""
         target = self._target(gpu)
-        if target.running_processes():
-            raise NVMLError(NVML_ERROR_IN_USE)
-        target.gpu_instances.clear()
-        target.mig_current = target.mig_pending
-        target.lost = False
-        target.ecc.clear_volatile()
-        target.remapped_rows.pending = False
-        target.retired_pages_pending = False
-        target.nvlinks_down.clear()  # link training runs again
+        if not isinstance(process, str) or not process.strip():
+            raise SimError(f"process must be a process name, got {process!r}")
+        if not _is_pid(pid):
+            raise SimError(f"pid must be a positive integer, got {pid!r}")
+        if any(holder.pid == pid for holder in target.holders):
+            raise SimError(f"PID {pid} already holds GPU {target.index}")
+        target.holders.append(Holder(pid, process.strip()))
         self._commit()
+
+    @sim_control
+    def sim_release_holders(self, gpu: int | str) -> None:
+        """Every other process closes the GPU's device node (they were stopped)."""
+        target = self._target(gpu)
+        if target.holders:
+            target.holders.clear()
+            self._commit()
+
+    @sim_control
+    def sim_holders(self, gpu: int | str) -> list[tuple[int, str]]:
+        """(pid, process name) of the other processes holding the GPU, by PID."""
+        return sorted(tuple(holder) for holder in self._target(gpu).holders)
+
+    # --- GPU reset -------------------------------------------------------------------------------
+
+    @sim_control
+    def sim_set_fabric_manager(self, running: bool) -> None:
+        """Starts or stops nvidia-fabricmanager: on Ampere NVSwitch systems a GPU reset needs it, or
+        every NVLink peer must be reset in the same command (nvidia-smi manual, -r)."""
+        if not isinstance(running, bool):
+            raise SimError(f"running must be true or false, got {running!r}")
+        self._fabric_manager = running
+        self._commit()
+
+    @sim_control
+    def sim_fabric_manager_running(self) -> bool:
+        """Whether nvidia-fabricmanager runs on the node (what a look at the host's processes tells)."""
+        return self._fabric_manager
+
+    @sim_control
+    def sim_reset_gpu(self, gpus: int | str | list[int | str]) -> None:
+        """What `nvidia-smi -r -i <ids>` does, in another process.
+
+        Refused with NVMLError(NVML_ERROR_IN_USE), changing nothing, when (nvidia-smi manual, -r:
+        "There can't be any applications using these devices (e.g. CUDA application, graphics
+        application like X server, monitoring application like other instance of nvidia-smi)"):
+        * this process has NVML initialised: its NVML session and event sets hold every GPU open
+          (reference README correction);
+        * another process holds a GPU being reset (`sim_add_holder`) or computes on it;
+        * the GPUs must be reset together with their NVLink peers (on an Ampere NVSwitch system
+          without Fabric Manager; Hopper and later, and direct GPU-to-GPU links from Ampere on, reset
+          each GPU individually: the manual's two tables) and a peer is left out, or a compute
+          process runs on any GPU of the system ("if individual GPU reset is not feasible").
+        Otherwise every GPU given is reset (`Gpu.reset`: MIG instances gone, a pending MIG mode
+        applied, a lost GPU back, volatile ECC cleared, pending remaps applied, NVLink retrained).
+        Holders stay: they are processes, which a reset does not end.
+        """
+        targets = self._reset_targets(gpus)
+        if self._init_count:
+            raise NVMLError(NVML_ERROR_IN_USE)
+        self._check_reset(targets)
+        for gpu in targets:
+            gpu.reset()
+        self._commit()
+
+    def _reset_targets(self, gpus: int | str | list[int | str]) -> list[Gpu]:
+        chosen = gpus if isinstance(gpus, list) else [gpus]
+        if not chosen:
+            raise SimError("give at least one GPU to reset")
+        by_index = {gpu.index: gpu for gpu in map(self._target, chosen)}
+        return [by_index[index] for index in sorted(by_index)]
+
+    def _check_reset(self, targets: list[Gpu]) -> None:
+        if any(gpu.in_use() for gpu in targets):
+            raise NVMLError(NVML_ERROR_IN_USE)
+        if any(self._needs_peers_in_reset(gpu) for gpu in targets):
+            peers = on_switches([gpu.links for gpu in self._gpus])
+            if peers - {gpu.index for gpu in targets}:
+                raise NVMLError(NVML_ERROR_IN_USE)
+            if any(gpu.running_processes() for gpu in self._gpus):
+                raise NVMLError(NVML_ERROR_IN_USE)
+
+    def _needs_peers_in_reset(self, gpu: Gpu) -> bool:
+        """True when the GPU cannot be reset on its own (nvidia-smi manual, -r): Ampere GPUs on
+        NVSwitches need Fabric Manager for an individual reset. No catalogue model has NVLink before
+        Ampere, the other case the manual names."""
+        if self._fabric_manager or gpu.model.architecture != pynvml.NVML_DEVICE_ARCH_AMPERE:
+            return False
+        return reaches_switches(gpu.links)
+
+    # --- faults ----------------------------------------------------------------------------------
 
     @sim_control
     def sim_set_nvlink(self, gpu: int | str, link: int, up: bool) -> None:
         """Takes an NVLink link down (or brings it back), as a failed link or cable would."""
         target = self._target(gpu)
-        if not 0 <= link < target.model.nvlinks:
-            raise SimError(f"GPU {target.index} ({target.model.name}) has no NVLink link {link} "
-                           f"(it has {target.model.nvlinks})")
+        if not target.links:
+            raise SimError(f"GPU {target.index} ({target.model.name}) has no active NVLink links")
+        if not isinstance(link, int) or not 0 <= link < len(target.links):
+            raise SimError(f"GPU {target.index} ({target.model.name}) has no NVLink link {link!r} "
+                           f"(it has {len(target.links)})")
         down = set(target.nvlinks_down) - {link} if up else set(target.nvlinks_down) | {link}
         target.nvlinks_down = sorted(down)
         self._commit()
@@ -140,7 +241,12 @@ class SimControls(SimCore):
     # --- helpers --------------------------------------------------------------------------------
 
     def _target(self, gpu: int | str) -> Gpu:
-        return self._gpus[self.sim_resolve(gpu)]
+        if isinstance(gpu, int) and not isinstance(gpu, bool) and 0 <= gpu < len(self._gpus):
+            return self._gpus[gpu]
+        for candidate in self._gpus:
+            if candidate.uuid == gpu:
+                return candidate
+        raise SimError(f"no GPU {gpu!r}: give an index 0..{len(self._gpus) - 1} or a GPU UUID")
 
     def _mig_device_by_uuid(self, uuid: str) -> MigDevice:
         for gpu in self._gpus:

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from pynvml import (
+    NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_UNINITIALIZED,
@@ -23,8 +25,9 @@ from pynvml import (
 
 from gpud.persist import write_json_atomic
 
+from .drivers import parse_driver
 from .errors import SimError
-from .events import Event, EventSet, GpuLost
+from .events import Event, EventSet
 from .handles import SERIAL_MASK, HandleRef, Kind, decode, make_handle
 from .presets import PresetError, canonical_preset, parse_preset
 from .state import (
@@ -35,6 +38,7 @@ from .state import (
     dump_state,
     new_gpus,
     read_state_file,
+    restore_fabric_manager,
     restore_gpus,
 )
 
@@ -45,36 +49,60 @@ CRASH_AFTER_COMMITS_ENV = "GPUD_SIM_CRASH_AFTER_COMMITS"
 FAIL_MIG_CALL_ENV = "GPUD_SIM_FAIL_MIG_CALL"
 
 
-def _guarded(uninitialized: Callable[[], Exception]) -> Callable[[Method], Method]:
-    def decorate(method: Method) -> Method:
-        @functools.wraps(method)
-        def locked(self: SimCore, *args, **kwargs):
-            with self._lock:
-                if not self._init_count:
-                    raise uninitialized()
+def nvml_call(method: Method) -> Method:
+    """An NVML call: serialized under the simulator lock, Uninitialized before nvmlInit, and
+    FunctionNotFound where the driver branch lacks the function (models.yaml functions_added_in)."""
+
+    @functools.wraps(method)
+    def locked(self: SimCore, *args, **kwargs):
+        with self._lock:
+            if not self._init_count:
+                raise NVMLError(NVML_ERROR_UNINITIALIZED)
+            if not self._driver.has_function(method.__name__):
+                raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)  # what pynvml raises for a missing symbol
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+def sim_control(method: Method) -> Method:
+    """A sim_* control: the world outside this process, so it works whether or not NVML is initialised
+    here. Initialised, it acts on the live state; otherwise it loads the state file, changes it and
+    writes it back (every change commits), as `nvidia-smi -r` in another process would."""
+
+    @functools.wraps(method)
+    def locked(self: SimCore, *args, **kwargs):
+        with self._lock:
+            if self._init_count:
                 return method(self, *args, **kwargs)
+            self._load()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._gpus = []
 
-        return locked
-
-    return decorate
+    return locked
 
 
-# An NVML call: serialized under the simulator lock, Uninitialized before nvmlInit.
-nvml_call = _guarded(lambda: NVMLError(NVML_ERROR_UNINITIALIZED))
-# A sim_* control: the same, but the caller is a test harness, so say what is wrong.
-sim_control = _guarded(lambda: SimError("the simulator is not initialized: call nvmlInit() first"))
+def require_root() -> None:
+    """NVML's privileged calls answer NO_PERMISSION to other users (read per call, so a test can run
+    the simulator as another uid)."""
+    if os.geteuid() != 0:
+        raise NVMLError(NVML_ERROR_NO_PERMISSION)
 
 
 class SimCore:
-    def __init__(self, preset: str, state_path: str | os.PathLike) -> None:
+    def __init__(self, preset: str, state_path: str | os.PathLike, driver: str | None = None) -> None:
         self._preset = canonical_preset(preset)
         self._models = parse_preset(preset)
+        self._driver = parse_driver(driver)
         self._state_path = Path(state_path)
         # One lock for everything; event waits release it through the condition.
         self._lock = threading.RLock()
         self._event_signal = threading.Condition(self._lock)
         self._init_count = 0
         self._gpus: list[Gpu] = []
+        self._fabric_manager = True  # nvidia-fabricmanager runs (NVSwitch systems)
         self._event_sets: dict[int, EventSet] = {}
         self._event_set_ids = itertools.count(1)
         self._serials = itertools.count(1)
@@ -92,7 +120,7 @@ class SimCore:
         # Init/shutdown nest like NVML's reference count; the state loads on the first init.
         with self._lock:
             if not self._init_count:
-                self._gpus = self._load_or_create()
+                self._load()
             self._init_count += 1
 
     def nvmlShutdown(self) -> None:
@@ -105,12 +133,13 @@ class SimCore:
                 self._event_sets.clear()
                 self._event_signal.notify_all()  # waiters wake up to Uninitialized
 
-    def _load_or_create(self) -> list[Gpu]:
+    def _load(self) -> None:
+        """The machine state from the state file, which is created on first use."""
         document = read_state_file(self._state_path)
         if document is None:
-            gpus = new_gpus(self._preset, self._models)
-            write_json_atomic(self._state_path, dump_state(self._preset, gpus))
-            return gpus
+            self._gpus, self._fabric_manager = new_gpus(self._preset, self._models), True
+            write_json_atomic(self._state_path, self._dump())
+            return
         saved_preset = document.get("preset")
         if saved_preset != self._preset:
             raise PresetError(
@@ -118,15 +147,19 @@ class SimCore:
                 f"but this simulator runs preset {self._preset!r}: use that preset or another state file"
             )
         try:
-            return restore_gpus(document, self._preset, self._models, self._next_serial)
+            self._gpus = restore_gpus(document, self._preset, self._models, self._next_serial)
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             raise SimError(
                 f"{self._state_path}: state does not fit preset {self._preset!r}: {error!r}"
             ) from None
+        self._fabric_manager = restore_fabric_manager(document)
+
+    def _dump(self) -> dict:
+        return dump_state(self._preset, self._gpus, self._fabric_manager)
 
     def _commit(self) -> None:
         """Persist after a mutation, before the call returns."""
-        write_json_atomic(self._state_path, dump_state(self._preset, self._gpus))
+        write_json_atomic(self._state_path, self._dump())
         self._commits += 1
         if self._commits == self._crash_after_commits:
             # Fault injection for crash tests: the process dies right after the GPU changed,
@@ -146,10 +179,10 @@ class SimCore:
     def _next_serial(self) -> int:
         return next(self._serials) & SERIAL_MASK
 
-    def _publish(self, item: Event | GpuLost) -> None:
+    def _publish(self, event: Event) -> None:
         for event_set in self._event_sets.values():
-            if event_set.accepts(item):
-                event_set.pending.append(item)
+            if event_set.accepts(event):
+                event_set.pending.append(event)
         self._event_signal.notify_all()
 
     # --- handles out ----------------------------------------------------------------------------
@@ -173,7 +206,8 @@ class SimCore:
     # --- handles in -----------------------------------------------------------------------------
     # Not a simulator handle of the expected kind -> INVALID_ARGUMENT. A GI, CI or MIG device
     # that has been destroyed since the handle was made -> NOT_FOUND (the code the *ById calls
-    # give for it too). Anything on a lost GPU -> GPU_IS_LOST.
+    # give for it too). Anything on a lost GPU through a handle obtained before -> GPU_IS_LOST (what
+    # long-running NVML clients see: leptonai/gpud#604, NVIDIA k8s-dra-driver's event loop, §8).
 
     def _ref(self, handle: object, *kinds: Kind) -> HandleRef:
         ref = decode(handle)
@@ -186,10 +220,18 @@ class SimCore:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return gpu
 
+    @staticmethod
+    def _found(gpu: Gpu) -> Gpu:
+        """A GPU a handle lookup (by index, UUID or bus id) found: a lost one fails the lookup with
+        UNKNOWN or GPU_IS_LOST, as it lost itself (sim_set_gpu_lost `how`)."""
+        if gpu.lost:
+            raise NVMLError(NVML_ERROR_UNKNOWN if gpu.lost == "unknown" else NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
     def _gpu_at(self, index: int) -> Gpu:
         if not isinstance(index, int) or not 0 <= index < len(self._gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        return self._reachable(self._gpus[index])
+        return self._found(self._gpus[index])
 
     def _device(self, handle: object) -> tuple[Gpu, MigDevice | None]:
         """The GPU of a GPU or MIG device handle, and the MIG device if it is one."""
@@ -218,6 +260,10 @@ class SimCore:
         ref = self._ref(handle, Kind.COMPUTE_INSTANCE)
         gpu = self._reachable(self._gpus[ref.gpu])
         return gpu, self._live_mig_device(gpu, ref)
+
+    def _gi_memory_mb(self, gpu: Gpu, gi: GpuInstance) -> int:
+        """A GPU instance's memory as the running driver sizes its profile (§1 item 5)."""
+        return gpu.model.mig.memory_mb(gi.profile, self._driver.version_tuple)
 
     @staticmethod
     def _live_mig_device(gpu: Gpu, ref: HandleRef) -> MigDevice:

@@ -13,10 +13,10 @@ from pynvml import (
 )
 
 from . import structs
-from ._core import SimCore, nvml_call
-from .identity import serial_number
-from .models import catalog
+from ._core import SimCore, nvml_call, require_root
+from .identity import pci_bus_id, pci_bus_id_legacy, serial_number
 from .state import Gpu
+from .topology import Link
 
 _PCI_BUS_ID = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])$")
 _SETTABLE_COMPUTE_MODES = (
@@ -30,6 +30,12 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _clock_reasons(gpu: Gpu) -> int:
+    """GPU idle (0x1) on an idle GPU, as the H100 capture shows; none while processes run."""
+    busy = bool(gpu.running_processes())
+    return pynvml.nvmlClocksEventReasonNone if busy else pynvml.nvmlClocksEventReasonGpuIdle
+
+
 def _require(supported: bool) -> None:
     if not supported:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
@@ -40,15 +46,15 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlSystemGetDriverVersion(self) -> str:
-        return catalog().driver.version
+        return self._driver.version
 
     @nvml_call
     def nvmlSystemGetNVMLVersion(self) -> str:
-        return catalog().driver.nvml_version
+        return self._driver.nvml_version
 
     @nvml_call
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return catalog().driver.cuda_version
+        return self._driver.branch.cuda_version
 
     nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
 
@@ -64,13 +70,14 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes):
+        """A lost GPU's own UUIDs fail like its index does (no source says otherwise)."""
         wanted = _text(uuid)
         for gpu in self._gpus:
             if gpu.uuid == wanted:
-                return self._gpu_handle(self._reachable(gpu))
+                return self._gpu_handle(self._found(gpu))
             for gi, ci in gpu.mig_devices():
                 if ci.uuid == wanted:
-                    return self._mig_handle(self._reachable(gpu), gi, ci)
+                    return self._mig_handle(self._found(gpu), gi, ci)
         raise NVMLError(NVML_ERROR_NOT_FOUND)
 
     @nvml_call
@@ -81,7 +88,7 @@ class DeviceCalls(SimCore):
         domain, bus, device, function = (int(part or "0", 16) for part in match.groups())
         for gpu in self._gpus:
             if (domain, bus, device, function) == (0, gpu.bus, 0, 0):
-                return self._gpu_handle(self._reachable(gpu))
+                return self._gpu_handle(self._found(gpu))
         raise NVMLError(NVML_ERROR_NOT_FOUND)
 
     # --- identity -------------------------------------------------------------------------------
@@ -128,11 +135,14 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        """version=pynvml.nvmlMemory_v2 calls nvmlDeviceGetMemoryInfo_v2 (`reserved` apart)."""
         gpu, mig_device = self._device(handle)
         if mig_device is None:
-            return structs.memory_info(gpu.model.memory_mib, len(gpu.running_processes()), version)
+            processes = len(gpu.running_processes())
+            return structs.memory_info(gpu.model.memory_mib, gpu.model.reserved_mib, processes, version)
         gi = mig_device.gpu_instance  # a MIG device sees its GI's memory, shared by the GI's CIs
-        return structs.memory_info(gi.profile.memory_mb, gi.process_count(), version)
+        # No source for a MIG device's reserved memory: none, its GI memory is already net.
+        return structs.memory_info(self._gi_memory_mb(gpu, gi), 0, gi.process_count(), version)
 
     # --- modes ----------------------------------------------------------------------------------
 
@@ -142,7 +152,9 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceSetComputeMode(self, handle, mode: int) -> None:
+        """Root only (nvidia-smi manual: "-c ... Requires root")."""
         gpu = self._gpu(handle)
+        require_root()
         if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:  # removed from the driver
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         if mode not in _SETTABLE_COMPUTE_MODES:
@@ -180,9 +192,12 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle) -> int:
-        gpu = self._gpu(handle)
-        busy = bool(gpu.running_processes())
-        return pynvml.nvmlClocksEventReasonNone if busy else pynvml.nvmlClocksEventReasonGpuIdle
+        return _clock_reasons(self._gpu(handle))
+
+    @nvml_call
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle) -> int:
+        """The older name of the same reading, kept in every branch (pynvml: deprecated)."""
+        return _clock_reasons(self._gpu(handle))
 
     @nvml_call
     def nvmlDeviceGetEccMode(self, handle) -> list[int]:
@@ -207,13 +222,47 @@ class DeviceCalls(SimCore):
     def nvmlDeviceGetPcieReplayCounter(self, handle) -> int:
         return self._gpu(handle).pcie_replays
 
+    # --- NVLink ---------------------------------------------------------------------------------
+    # A board without NVLink answers NOT_SUPPORTED (as does a VM that exposes no links: H100
+    # capture). Links of a PCIe board without a bridge exist and are inactive: DISABLED, no fault
+    # (reference README correction). Where an inactive or failed link leads is not known: the
+    # remote queries answer NOT_SUPPORTED for it (no source; the strictest plausible answer).
+
     @nvml_call
     def nvmlDeviceGetNvLinkState(self, handle, link: int) -> int:
+        gpu = self._nvlink_gpu(handle, link)
+        return pynvml.NVML_FEATURE_ENABLED if self._link_active(gpu, link) else pynvml.NVML_FEATURE_DISABLED
+
+    @nvml_call
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle, link: int) -> int:
+        """NVML_NVLINK_DEVICE_TYPE_SWITCH on NVSwitch systems, _GPU for GPU-to-GPU links."""
+        return self._active_link(handle, link).remote_type
+
+    @nvml_call
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device, link: int) -> pynvml.nvmlPciInfo_t:
+        """pynvml's name for nvmlDeviceGetNvLinkRemotePciInfo_v2: the bus id at the far end."""
+        remote = self._active_link(device, link)
+        info = pynvml.nvmlPciInfo_t()
+        info.busIdLegacy = pci_bus_id_legacy(remote.remote_bus)
+        info.busId = pci_bus_id(remote.remote_bus)
+        info.domain, info.bus, info.device = 0, remote.remote_bus, 0
+        return info
+
+    def _nvlink_gpu(self, handle, link: int) -> Gpu:
         gpu = self._gpu(handle)
-        _require(gpu.model.nvlinks > 0)  # a PCIe board: NOT_SUPPORTED, as on real hardware
-        if not 0 <= link < gpu.model.nvlinks:
+        _require(gpu.model.nvlinks > 0)
+        if not isinstance(link, int) or not 0 <= link < gpu.model.nvlinks:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlinks_down else pynvml.NVML_FEATURE_ENABLED
+        return gpu
+
+    @staticmethod
+    def _link_active(gpu: Gpu, link: int) -> bool:
+        return bool(gpu.links) and link not in gpu.nvlinks_down
+
+    def _active_link(self, handle, link: int) -> Link:
+        gpu = self._nvlink_gpu(handle, link)
+        _require(self._link_active(gpu, link))
+        return gpu.links[link]
 
     @nvml_call
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle) -> int:

@@ -15,16 +15,8 @@ from pynvml import (
 
 from . import structs
 from ._core import SimCore, nvml_call
-from .events import EventSet, GpuLost
+from .events import EventSet
 from .handles import HandleRef, Kind, make_handle
-from .models import GpuModel
-
-
-def supported_event_types(model: GpuModel) -> int:
-    ecc_events = pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
-    return (
-        pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypePState | (ecc_events if model.ecc else 0)
-    )
 
 
 class EventCalls(SimCore):
@@ -36,23 +28,35 @@ class EventCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceGetSupportedEventTypes(self, handle) -> int:
-        return supported_event_types(self._gpu(handle).model)
+        return self._supported_event_types(self._gpu(handle))
 
     @nvml_call
     def nvmlDeviceRegisterEvents(self, handle, eventTypes: int, eventSet) -> None:
-        """Parent GPU handles only (§8). Asking for any unsupported type registers nothing."""
+        """Parent GPU handles only (§8). Asking for any unsupported type registers nothing.
+        A lost GPU cannot be registered: its handle raises GPU_IS_LOST."""
         gpu = self._gpu(handle)
         event_set = self._event_set(eventSet)
-        if eventTypes & ~supported_event_types(gpu.model):
+        if eventTypes & ~self._supported_event_types(gpu):
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         event_set.register(gpu.index, eventTypes)
 
     @nvml_call
     def nvmlEventSetWait_v2(self, eventSet, timeoutms: int) -> pynvml.c_nvmlEventData_t:
-        """Block until an event arrives (the lock is released while waiting) or time runs out."""
+        """Block until an event arrives (the lock is released while waiting) or time runs out.
+
+        While a GPU registered in the set is lost, every wait answers GPU_IS_LOST at once, without
+        blocking and before any other GPU's event: the error persists until the set is freed (the
+        driver has no way to unregister a GPU), which is what makes a naive listener loop spin
+        (Project-HAMi/HAMi#2321: "returns a non-SUCCESS code immediately without blocking"). No source
+        says whether other GPUs' events still arrive through that set: modelled the strictest way.
+        """
         deadline = time.monotonic() + timeoutms / 1000
         event_set = self._event_set(eventSet)
-        while not event_set.pending:
+        while True:
+            if any(self._gpus[index].lost for index in event_set.masks):
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+            if event_set.pending:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise NVMLError(NVML_ERROR_TIMEOUT)
@@ -60,10 +64,8 @@ class EventCalls(SimCore):
             if not self._init_count:
                 raise NVMLError(NVML_ERROR_UNINITIALIZED)
             event_set = self._event_set(eventSet)  # raises if freed meanwhile
-        item = event_set.pending.popleft()
-        if isinstance(item, GpuLost):
-            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
-        return structs.event_data(self._gpu_handle(self._gpus[item.gpu]), item)
+        event = event_set.pending.popleft()
+        return structs.event_data(self._gpu_handle(self._gpus[event.gpu]), event)
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
@@ -71,3 +73,7 @@ class EventCalls(SimCore):
     def nvmlEventSetFree(self, eventSet) -> None:
         del self._event_sets[self._event_set(eventSet).id]
         self._event_signal.notify_all()
+
+    def _supported_event_types(self, gpu) -> int:
+        """The model's event types the driver branch knows (H100 capture on 580: 0xFF9F)."""
+        return gpu.model.event_types & self._driver.branch.event_types

@@ -18,22 +18,14 @@ class Event:
     compute_instance_id: int = NOT_ATTRIBUTED
 
 
-@dataclass(frozen=True)
-class GpuLost:
-    """Makes the next nvmlEventSetWait_v2 on a set registered on this GPU raise GpuIsLost."""
-
-    gpu: int
-
-
 @dataclass(eq=False)
 class EventSet:
     id: int
     masks: dict[int, int] = field(default_factory=dict)  # GPU index -> registered event types
-    pending: deque[Event | GpuLost] = field(default_factory=deque)
+    pending: deque[Event] = field(default_factory=deque)
 
     def register(self, gpu: int, event_types: int) -> None:
         self.masks[gpu] = self.masks.get(gpu, 0) | event_types
 
-    def accepts(self, item: Event | GpuLost) -> bool:
-        mask = self.masks.get(item.gpu, 0)
-        return bool(mask & item.event_type) if isinstance(item, Event) else mask != 0
+    def accepts(self, event: Event) -> bool:
+        return bool(self.masks.get(event.gpu, 0) & event.event_type)

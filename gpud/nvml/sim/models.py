@@ -32,7 +32,8 @@ class GpuInstanceProfile:
     constant: int  # NVML_GPU_INSTANCE_PROFILE_*: only GetGpuInstanceProfileInfo takes this
     id: int  # info.id: every other call takes this
     name: str
-    instance_count: int
+    instance_count: int  # how many the driver lets exist at once
+    reported_instance_count: int  # what GetGpuInstanceProfileInfo says: not always the same (A30)
     slice_count: int
     memory_mb: int
     multiprocessor_count: int
@@ -49,10 +50,27 @@ class GpuInstanceProfile:
 
 
 @dataclass(frozen=True)
+class MemoryOverride:
+    """From driver version `from_version` on, these GI profile ids report other memorySizeMB values."""
+
+    from_version: tuple[int, ...]
+    memory_mb: Mapping[int, int]  # GI profile id -> MiB
+
+
+@dataclass(frozen=True)
 class MigSpec:
     memory_slices: int
     needs_reset: bool  # Ampere: a new MIG mode stays pending until the GPU is reset
     gpu_instance_profiles: tuple[GpuInstanceProfile, ...]
+    memory_by_driver: tuple[MemoryOverride, ...] = ()
+
+    def memory_mb(self, profile: GpuInstanceProfile, driver_version: tuple[int, ...]) -> int:
+        """memorySizeMB of a GI profile as this driver reports it (§1 item 5: it changes by driver)."""
+        memory = profile.memory_mb
+        for override in self.memory_by_driver:  # ascending by from_version: the last applicable wins
+            if driver_version >= override.from_version:
+                memory = override.memory_mb.get(profile.id, memory)
+        return memory
 
     def by_constant(self, constant: int) -> GpuInstanceProfile | None:
         return next((p for p in self.gpu_instance_profiles if p.constant == constant), None)
@@ -81,6 +99,10 @@ class GpuModel:
     row_remapping: bool
     page_retirement: bool
     nvlinks: int
+    nvlink_fabric: str | None  # "switch" or "bridge" (models.yaml); None without links
+    nvlink_switches: int  # NVSwitch chips the links of a "switch" board are spread over
+    event_types: int  # nvmlDeviceGetSupportedEventTypes on the newest driver branch
+    reserved_mib: int  # memory the driver keeps for itself
     idle_power_mw: int
     power_limit_mw: int
     idle_temperature_c: int
@@ -89,15 +111,23 @@ class GpuModel:
 
 
 @dataclass(frozen=True)
-class DriverInfo:
-    version: str
-    nvml_version: str
+class DriverBranch:
+    """What NVML answers differently by driver branch (models.yaml `drivers.branches`)."""
+
     cuda_version: int
+    nvml_major: int
+    gpu_instance_profile_constants: int  # NVML_GPU_INSTANCE_PROFILE_* below this are known
+    compute_instance_profile_constants: int
+    profiles_with_mig_off: bool  # GI profile info / placements / capacity answer with MIG disabled
+    instances_with_mig_off: bool  # nvmlDeviceGetGpuInstances answers (no instances) with MIG disabled
+    event_types: int  # event type bits the branch knows
 
 
 @dataclass(frozen=True)
 class Catalog:
-    driver: DriverInfo
+    default_driver: str
+    branches: Mapping[int, DriverBranch]
+    functions_added_in: Mapping[str, int]  # pynvml function -> first driver major that has it
     models: Mapping[str, GpuModel]
 
 
@@ -107,7 +137,17 @@ def catalog() -> Catalog:
     data = yaml.safe_load(text)
     ci_placements = data["compute_instance_placements"]
     models = {key: _model(key, spec, ci_placements) for key, spec in data["models"].items()}
-    return Catalog(driver=DriverInfo(**data["driver"]), models=models)
+    drivers = data["drivers"]
+    return Catalog(
+        default_driver=drivers["default"],
+        branches={major: DriverBranch(**spec) for major, spec in drivers["branches"].items()},
+        functions_added_in=dict(drivers["functions_added_in"]),
+        models=models,
+    )
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 def _model(key: str, spec: dict[str, Any], ci_placements: dict) -> GpuModel:
@@ -126,7 +166,11 @@ def _model(key: str, spec: dict[str, Any], ci_placements: dict) -> GpuModel:
         has_serial=spec["serial"],
         row_remapping=spec["row_remapping"],
         page_retirement=spec["page_retirement"],
-        nvlinks=spec["nvlinks"],
+        nvlinks=spec["nvlink"]["links"],
+        nvlink_fabric=spec["nvlink"].get("fabric"),
+        nvlink_switches=spec["nvlink"].get("switches", 0),
+        event_types=spec["event_types"],
+        reserved_mib=spec["reserved_mib"],
         idle_power_mw=spec["power_mw"]["idle"],
         power_limit_mw=spec["power_mw"]["limit"],
         idle_temperature_c=idle_temperature,
@@ -145,6 +189,10 @@ def _mig(spec: dict[str, Any], ci_placements: dict) -> MigSpec:
         gpu_instance_profiles=tuple(
             _gpu_instance_profile(row, ci_placements) for row in spec["gpu_instance_profiles"]
         ),
+        memory_by_driver=tuple(
+            MemoryOverride(version_tuple(row["from"]), dict(row["memory_mb"]))
+            for row in sorted(spec.get("memory_by_driver", []), key=lambda row: version_tuple(row["from"]))
+        ),
     )
 
 
@@ -155,6 +203,7 @@ def _gpu_instance_profile(row: dict[str, Any], ci_placements: dict) -> GpuInstan
         id=row["id"],
         name=row["name"],
         instance_count=row["instances"],
+        reported_instance_count=row.get("reported_instances", row["instances"]),
         slice_count=row["slices"],
         memory_mb=row["memory_mb"],
         multiprocessor_count=row["sm"],
@@ -167,7 +216,18 @@ def _gpu_instance_profile(row: dict[str, Any], ci_placements: dict) -> GpuInstan
         compute_profiles=tuple(
             _compute_profile(row, constant, ci_slices, starts)
             for ci_slices, starts in ci_placements[row["slices"]].items()
-        ),
+        ) + tuple(_extra_compute_profile(row, extra) for extra in row.get("extra_ci", [])),
+    )
+
+
+def _extra_compute_profile(gi: dict[str, Any], extra: dict[str, Any]) -> ComputeInstanceProfile:
+    """A CI profile a real -lcip listed beyond the slice rule (models.yaml `extra_ci`)."""
+    return ComputeInstanceProfile(
+        id=getattr(pynvml, "NVML_COMPUTE_INSTANCE_PROFILE_" + extra["constant"]),
+        name=f"{extra['slices']}c.{gi['name']}",
+        slice_count=extra["slices"],
+        multiprocessor_count=extra["sm"],
+        spans=tuple(Span(start, extra["slices"]) for start in extra["starts"]),
     )
 
 

@@ -6,6 +6,7 @@ import re
 from typing import NamedTuple
 
 from .models import GpuModel, catalog
+from .topology import Fabric
 
 MAX_GPUS = 64
 
@@ -17,10 +18,14 @@ class PresetError(ValueError):
 class Preset(NamedTuple):
     spec: str
     description: str
+    fabric: Fabric | None = None  # how NVLink connects the GPUs; None: as each model's default
 
 
 PRESETS: dict[str, Preset] = {
     "dgx-a100": Preset("A100-SXM4-40GB:8", "NVIDIA DGX A100: 8x A100-SXM4-40GB"),
+    "hgx-a100-4gpu": Preset(
+        "A100-SXM4-40GB:4", "HGX A100 4-GPU: 4x A100-SXM4-40GB, NVLink GPU to GPU, no NVSwitch", Fabric.DIRECT
+    ),
     "dgx-a100-80gb": Preset("A100-SXM4-80GB:8", "NVIDIA DGX A100 640GB: 8x A100-SXM4-80GB"),
     "hgx-h100": Preset("H100-SXM5-80GB:8", "HGX H100 8-GPU: 8x H100 80GB HBM3"),
     "hgx-h200": Preset("H200-SXM5-141GB:8", "HGX H200 8-GPU: 8x H200 141GB"),
@@ -36,6 +41,12 @@ def parse_preset(spec: str) -> list[GpuModel]:
     """The GPUs of a preset name or custom spec, in index order."""
     models = catalog().models
     return [models[key] for key, count in _entries(spec) for _ in range(count)]
+
+
+def preset_fabric(spec: str) -> Fabric | None:
+    """The NVLink fabric a named preset sets; custom specs use each model's own."""
+    name = _preset_name(spec)
+    return PRESETS[name].fabric if name else None
 
 
 def canonical_preset(spec: str) -> str:

@@ -31,17 +31,22 @@ def read_span(placement: object) -> Span:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT) from None
 
 
-def write_array(items: Sequence[object], array_ref: object, count_ref: object) -> None:
+def write_array(
+    items: Sequence[object], array_ref: object, count_ref: object, null_array_allowed: bool = True
+) -> None:
     """The count/array out-parameter pattern of the placement and instance listings.
 
     countRef (byref(c_uint)) holds the capacity of the array on input and the number of items
-    on output. With array_ref None the call only reports the count; with too small a capacity
-    it reports the count and raises INSUFFICIENT_SIZE.
+    on output. With array_ref None the placement calls only report the count (nvml.h); the
+    instance listings refuse it with INVALID_ARGUMENT (null_array_allowed False). With too small a
+    capacity the call reports the count and raises INSUFFICIENT_SIZE.
     """
     count = _target(count_ref)
     if not isinstance(count, ctypes.c_uint):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     array = _unwrap_byref(array_ref)
+    if array is None and not null_array_allowed:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     capacity = count.value if not isinstance(array, ctypes.Array) else min(count.value, len(array))
     count.value = len(items)
     if array is None:

@@ -11,19 +11,29 @@ from typing import Any
 from .simulator import SimulatedNvml
 
 
-def started(preset: str, state_path: str | os.PathLike) -> SimulatedNvml:
+def started(preset: str, state_path: str | os.PathLike, driver: str | None = None) -> SimulatedNvml:
     """A simulator on `state_path`, already initialized."""
-    nvml = SimulatedNvml(preset, state_path)
+    nvml = SimulatedNvml(preset, state_path, driver)
     nvml.nvmlInit()
     return nvml
 
 
 def enable_mig(nvml: Any, index: int) -> Any:
-    """Turns MIG mode on for one GPU, resetting it when the change stays pending (Ampere)."""
+    """Turns MIG mode on for one GPU; when the change stays pending (Ampere, GPU in use) resets it
+    as an admin would: NVML released first, since this process's own session blocks a reset."""
     device = nvml.nvmlDeviceGetHandleByIndex(index)
     if nvml.nvmlDeviceSetMigMode(device, nvml.NVML_DEVICE_MIG_ENABLE) != nvml.NVML_SUCCESS:
-        nvml.sim_reset_gpu(index)
+        reset_released(nvml, [index])
     return device
+
+
+def reset_released(nvml: Any, indices: list[int]) -> None:
+    """`nvidia-smi -r -i <indices>` from this process: shut NVML down, reset, initialise again."""
+    nvml.nvmlShutdown()
+    try:
+        nvml.sim_reset_gpu(indices)
+    finally:
+        nvml.nvmlInit()
 
 
 def fill_with_gpu_instances(nvml: Any, profile_constant: int) -> int:

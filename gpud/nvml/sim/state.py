@@ -1,8 +1,9 @@
 """The mutable machine state and its JSON state file.
 
 Everything that survives a restart lives here: MIG modes, GPU/compute instances, compute modes,
-processes, lost GPUs and error counters. Identities (UUIDs, bus ids) are derived from the preset,
-so the file repeats them only for people reading it.
+processes, other processes holding the GPUs, lost GPUs, error counters and whether Fabric Manager
+runs. Identities (UUIDs, bus ids) and NVLink wiring are derived from the preset, so the file repeats
+them only for people reading it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,21 @@ from .events import NOT_ATTRIBUTED
 from .identity import gpu_uuid, mig_uuid, pci_buses
 from .models import ComputeInstanceProfile, GpuInstanceProfile, GpuModel
 from .placement import Span
+from .presets import preset_fabric
+from .topology import Link, wire
 
 FORMAT = 1
+# How a lost GPU answers (sim_set_gpu_lost): "unknown" — handle lookups fail with NVML_ERROR_UNKNOWN,
+# as nvidia-smi's "Unable to determine the device handle for GPU ...: Unknown Error" after an Xid 79;
+# "is-lost" — they fail with NVML_ERROR_GPU_IS_LOST ("... GPU is lost. Reboot the system").
+LOST_HOW = ("unknown", "is-lost")
+
+
+class Holder(NamedTuple):
+    """Another host process that holds the GPU's device node open (nvidia-persistenced, DCGM, ...)."""
+
+    pid: int
+    process: str
 
 
 @dataclass(eq=False)
@@ -92,14 +106,16 @@ class Gpu:
     mig_current: int = pynvml.NVML_DEVICE_MIG_DISABLE
     mig_pending: int = pynvml.NVML_DEVICE_MIG_DISABLE
     compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
-    lost: bool = False
+    lost: str | None = None  # one of LOST_HOW while the GPU is off the bus
     processes: list[int] = field(default_factory=list)  # while MIG is off; else on the CIs
+    holders: list[Holder] = field(default_factory=list)
     ecc: EccCounters = field(default_factory=EccCounters)
     remapped_rows: RemappedRows = field(default_factory=RemappedRows)
     pcie_replays: int = 0
     nvlinks_down: list[int] = field(default_factory=list)
     retired_pages_pending: bool = False
     gpu_instances: dict[int, GpuInstance] = field(default_factory=dict)
+    links: tuple[Link, ...] = ()  # NVLink wiring, from the preset
 
     @property
     def mig_enabled(self) -> bool:
@@ -113,6 +129,22 @@ class Gpu:
             for ci_id in sorted(gi.compute_instances)
         ]
 
+    def in_use(self) -> bool:
+        """Another process holds the device or computes on it: the driver cannot reset it."""
+        return bool(self.holders or self.running_processes())
+
+    def reset(self) -> None:
+        """What a GPU reset does: GPU and compute instances are destroyed (MIG instances are driver
+        state), a pending MIG mode applies, a lost GPU answers again, volatile ECC counters clear,
+        pending row remaps and page retirements apply, NVLink training runs again."""
+        self.gpu_instances.clear()
+        self.mig_current = self.mig_pending
+        self.lost = None
+        self.ecc.clear_volatile()
+        self.remapped_rows.pending = False
+        self.retired_pages_pending = False
+        self.nvlinks_down.clear()
+
     def running_processes(self) -> list[tuple[int, int, int]]:
         """(pid, GI id, CI id) of every compute process; ids are 0xFFFFFFFF without MIG."""
         unattributed = [(pid, NOT_ATTRIBUTED, NOT_ATTRIBUTED) for pid in self.processes]
@@ -121,8 +153,10 @@ class Gpu:
 
 def new_gpus(preset: str, models: list[GpuModel]) -> list[Gpu]:
     buses = pci_buses(len(models))
+    links = wire(models, buses, preset_fabric(preset))
     return [
-        Gpu(index=index, model=model, uuid=gpu_uuid(preset, index, model.key), bus=buses[index])
+        Gpu(index=index, model=model, uuid=gpu_uuid(preset, index, model.key), bus=buses[index],
+            links=links[index])
         for index, model in enumerate(models)
     ]
 
@@ -144,8 +178,17 @@ def read_state_file(path: Path) -> dict[str, Any] | None:
     return document
 
 
-def dump_state(preset: str, gpus: list[Gpu]) -> dict[str, Any]:
-    return {"format": FORMAT, "preset": preset, "gpus": [_dump_gpu(gpu) for gpu in gpus]}
+def dump_state(preset: str, gpus: list[Gpu], fabric_manager: bool) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "preset": preset,
+        "fabric_manager": fabric_manager,
+        "gpus": [_dump_gpu(gpu) for gpu in gpus],
+    }
+
+
+def restore_fabric_manager(document: dict[str, Any]) -> bool:
+    return bool(document.get("fabric_manager", True))  # absent in state files of older gpud versions
 
 
 def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
@@ -155,8 +198,9 @@ def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
         "uuid": gpu.uuid,
         "mig_mode": {"current": gpu.mig_current, "pending": gpu.mig_pending},
         "compute_mode": gpu.compute_mode,
-        "lost": gpu.lost,
+        "lost": gpu.lost or False,
         "processes": gpu.processes,
+        "holders": [holder._asdict() for holder in gpu.holders],
         "ecc_errors": asdict(gpu.ecc),
         "remapped_rows": asdict(gpu.remapped_rows),
         "pcie_replays": gpu.pcie_replays,
@@ -202,8 +246,9 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
     gpu.mig_current = record["mig_mode"]["current"]
     gpu.mig_pending = record["mig_mode"]["pending"]
     gpu.compute_mode = record["compute_mode"]
-    gpu.lost = record["lost"]
+    gpu.lost = _restore_lost(record["lost"])
     gpu.processes = list(record["processes"])
+    gpu.holders = [Holder(int(h["pid"]), str(h["process"])) for h in record.get("holders", [])]
     gpu.ecc = EccCounters(**record["ecc_errors"])
     gpu.remapped_rows = RemappedRows(**record["remapped_rows"])
     gpu.pcie_replays = record.get("pcie_replays", 0)  # absent in state files of older gpud versions
@@ -226,6 +271,16 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
                 processes=list(ci_record["processes"]),
             )
         gpu.gpu_instances[gi.id] = gi
+
+
+def _restore_lost(value: Any) -> str | None:
+    if value is True:  # state files of older gpud versions: lost meant GPU_IS_LOST everywhere
+        return "is-lost"
+    if value in (False, None):
+        return None
+    if value not in LOST_HOW:
+        raise ValueError(f"lost must be false or one of {LOST_HOW}, not {value!r}")
+    return value
 
 
 def _required(profile: Any) -> Any:

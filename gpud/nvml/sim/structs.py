@@ -28,22 +28,24 @@ def _profile_name(name: str) -> str:
     return f"MIG {name}"  # as nvidia-smi -lgip / -lcip print it
 
 
-def gpu_instance_profile_info(profile: GpuInstanceProfile, version: int):
+def gpu_instance_profile_info(profile: GpuInstanceProfile, memory_mb: int, version: int):
+    """memory_mb: the profile's memorySizeMB as the running driver reports it."""
     info = _profile_struct(
         version, pynvml.c_nvmlGpuInstanceProfileInfo_t, pynvml.c_nvmlGpuInstanceProfileInfo_v2_t
     )
     info.id = profile.id
     info.isP2pSupported = 0  # nvidia-smi shows P2P "No" for every profile (§3)
     info.sliceCount = profile.slice_count
-    info.instanceCount = profile.instance_count
+    info.instanceCount = profile.reported_instance_count
     info.multiprocessorCount = profile.multiprocessor_count
     info.copyEngineCount = profile.copy_engines
     info.decoderCount = profile.decoders
     info.encoderCount = profile.encoders
     info.jpegCount = profile.jpegs
     info.ofaCount = profile.ofas
-    info.memorySizeMB = profile.memory_mb
+    info.memorySizeMB = memory_mb
     if version == 2:
+        info.version = 0  # H100 capture (580): the driver hands the v2 struct back with version 0
         info.name = _profile_name(profile.name)
     return info
 
@@ -90,7 +92,7 @@ def compute_instance_info(device, gpu_instance, ci: ComputeInstance):
     )
 
 
-def mig_attributes(gi: GpuInstance, ci: ComputeInstance) -> pynvml.c_nvmlDeviceAttributes:
+def mig_attributes(gi: GpuInstance, ci: ComputeInstance, memory_mb: int) -> pynvml.c_nvmlDeviceAttributes:
     return pynvml.c_nvmlDeviceAttributes(
         multiprocessorCount=ci.profile.multiprocessor_count,
         sharedCopyEngineCount=gi.profile.copy_engines,
@@ -100,7 +102,7 @@ def mig_attributes(gi: GpuInstance, ci: ComputeInstance) -> pynvml.c_nvmlDeviceA
         sharedOfaCount=gi.profile.ofas,
         gpuInstanceSliceCount=gi.profile.slice_count,
         computeInstanceSliceCount=ci.profile.slice_count,
-        memorySizeMB=gi.profile.memory_mb,
+        memorySizeMB=memory_mb,
     )
 
 
@@ -116,12 +118,18 @@ def pci_info(gpu: Gpu) -> pynvml.nvmlPciInfo_t:
     return info
 
 
-def memory_info(total_mib: int, process_count: int, version: int | None):
-    total = total_mib * MIB
-    used = min(total, process_count * PROCESS_MEMORY_BYTES)
+def memory_info(total_mib: int, reserved_mib: int, process_count: int, version: int | None):
+    """v1 counts the driver's reserved memory as used; v2 reports it apart and `used` without it
+    (H100 capture on 580: v1 used 480 MiB, v2 reserved 480 MiB and used 0, free equal in both).
+    A v2 version other than nvmlMemory_v2 is a struct the driver does not know."""
+    total, reserved = total_mib * MIB, reserved_mib * MIB
+    used = min(total - reserved, process_count * PROCESS_MEMORY_BYTES)
+    free = total - reserved - used
     if not version:
-        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
-    return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=0, free=total - used, used=used)
+        return pynvml.c_nvmlMemory_t(total=total, free=free, used=reserved + used)
+    if version != pynvml.nvmlMemory_v2:
+        raise NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=used)
 
 
 def process_info(pid: int, gpu_instance_id: int, compute_instance_id: int):
