@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from gpud.nvml.driver import driver_branch
+
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
 SYSTEM_RUNTIME_DIR = Path("/run/gpud")
 SYSTEM_STATE_DIR = Path("/var/lib/gpud")
@@ -157,6 +159,9 @@ class Config:
     simulate: str | None = None
     # Where the simulated node keeps its GPU state; None = sim-<preset>.json in the runtime directory.
     sim_state: str | None = None
+    # The NVIDIA driver version the simulated node behaves as ("535.183.01", "550.90.07", "580.65.06"):
+    # driver branches differ in what NVML answers. None = the simulator's default.
+    sim_driver: str | None = None
 
     def with_overrides(self, **changes: Any) -> "Config":
         """Returns a copy with the non-None top-level or dotted ("api.socket") values applied."""
@@ -171,7 +176,7 @@ class Config:
                 )
             else:
                 result = dataclasses.replace(result, **{section: value})
-        return result
+        return _check_consistency(result, "command line")
 
     # -- derived locations -------------------------------------------------------------------
 
@@ -322,6 +327,8 @@ def _check_consistency(config: Config, source: str) -> Config:
                           "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
         raise ConfigError(source, "nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
+    if config.sim_driver is not None and driver_branch(config.sim_driver) is None:
+        raise ConfigError(source, "sim_driver", f"not a driver version such as 535.183.01; got {config.sim_driver!r}")
     return config
 
 

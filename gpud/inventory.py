@@ -41,6 +41,10 @@ class MigInfo:
     mode: str | None  # "enabled" | "disabled"; None when not capable
     pending_mode: str | None
     devices: tuple[MigDevice, ...] = ()
+    # Where the profile table comes from: "nvml" (read now), "last-read" (the driver does not answer
+    # it under this MIG mode: the table gpud read before on this GPU), "shipped" (gpud's own table
+    # for this GPU model), None (no table: not capable, or nothing to go by).
+    profiles_source: str | None = None
     # For the MIG planner, not the GPU views: the GPU's profile table and its GPU/compute-instance tree.
     capabilities: MigCapabilities | None = field(default=None, compare=False)
     instances: tuple[GpuInstanceState, ...] = ()
@@ -59,8 +63,11 @@ class Gpu:
     cuda_compute_capability: str
     serial: str | None
     mig: MigInfo
+    minor_number: int | None = None  # /dev/nvidia<minor>; None where NVML does not tell
     lost: bool = False
     error: str | None = None  # what went wrong reading this GPU, if anything
+    # Fields NVML refused to this user (NO_PERMISSION), each "field: why"; the rest is read.
+    unreadable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,12 +101,13 @@ def normal_bus_id(bus_id: str) -> str | None:
 
 
 IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_mib", "architecture",
-                   "cuda_compute_capability", "serial")
+                   "cuda_compute_capability", "serial", "minor_number")
 
 
 def unknown_gpu(index: int, **identity) -> Gpu:
     """A GPU NVML cannot describe now (lost), with whatever identity gpud knew of it."""
-    fields = {name: "unknown" for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None}
+    fields = {name: "unknown" for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None,
+                                                              "minor_number": None}
     fields.update(identity)
     return Gpu(index=index, compute_mode="unknown", mig=MigInfo(capable=False, mode=None, pending_mode=None),
                **fields)

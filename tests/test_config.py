@@ -137,3 +137,16 @@ def test_version():
     from gpud import __version__
     result = _gpud("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"gpud {__version__}"
+
+
+@pytest.mark.parametrize("value", ["banana", "'535'", "v550.90.07"])
+def test_sim_driver_must_be_a_driver_version(value):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"simulate: hgx-h100\nsim_driver: {value}\n", "my.yaml")
+    assert caught.value.key == "sim_driver" and "driver version" in str(caught.value)
+    assert parse_config("simulate: hgx-h100\nsim_driver: 535.183.01\n").sim_driver == "535.183.01"
+
+
+def test_serve_refuses_a_bad_sim_driver_flag():
+    result = _gpud("serve", "--simulate", "hgx-h100", "--sim-driver", "latest", "--socket", "/tmp/never-used.sock")
+    assert result.returncode == 2 and "sim_driver" in result.stderr

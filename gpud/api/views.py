@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gpud.inventory import Gpu, Inventory, normal_bus_id
+from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
 
 
 def encode(document: Any) -> bytes:
@@ -21,14 +22,20 @@ def gpu_view(gpu: Gpu) -> dict:
     view = asdict(gpu)
     if not gpu.error:
         del view["error"]
+    if gpu.mig.profiles_source is None:  # no table: not MIG-capable, or nothing to go by
+        del view["mig"]["profiles_source"]
     del view["mig"]["capabilities"], view["mig"]["instances"]  # planner data, served by /v1/mig
     return view
 
 
-def node_view(inventory: Inventory | None, base: dict) -> dict:
+def node_view(inventory: Inventory | None, base: dict, driver_version: str | None = None) -> dict:
+    """driver_version: the driver NVML reported, for when there is no inventory (an unsupported driver)."""
+    driver_version = inventory.driver_version if inventory else driver_version
     view = dict(base)
     view.update(
-        driver_version=inventory.driver_version if inventory else None,
+        driver_version=driver_version,
+        minimum_driver_branch=MINIMUM_BRANCH,
+        driver_supported=driver_problem(driver_version) is None if driver_version else None,
         cuda_version=inventory.cuda_version if inventory else None,
         nvml_version=inventory.nvml_version if inventory else None,
         gpu_count=len(inventory.gpus) if inventory else None,

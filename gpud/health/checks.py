@@ -16,9 +16,11 @@ SHUTDOWN_MARGIN_C = 5
 PCIE_REPLAYS_PER_CHECK = 100
 
 
-def check_readings(readings: Readings, previous: Readings | None = None) -> dict[tuple[str, str], Problem]:
+def check_readings(readings: Readings, previous: Readings | None = None,
+                   nvlinks_ever_up: frozenset[int] = frozenset()) -> dict[tuple[str, str], Problem]:
+    """nvlinks_ever_up: the GPU's links seen active before (this reading's included)."""
     return {
-        ("nvlink", "links-down"): _nvlinks(readings),
+        ("nvlink", "links-down"): _nvlinks(readings, nvlinks_ever_up),
         ("pcie", "replays"): _pcie(readings, previous),
         ("retired-pages", "pending"): _flag(readings.retired_pages_pending, "degraded", "reset-gpu",
                                             "a page retirement is pending: a GPU reset applies it"),
@@ -55,13 +57,18 @@ def _throttle(r: Readings) -> Problem:
     return "degraded", "inspect-hardware", "clocks held down: " + ", ".join(names)
 
 
-def _nvlinks(r: Readings) -> Problem:
-    if not r.nvlinks_up or all(r.nvlinks_up):
+def _nvlinks(r: Readings, ever_up: frozenset[int]) -> Problem:
+    """Only links that were up count: a PCIe board without a bridge has every link present but
+    inactive from the start, which is no fault (reference README.md corrections)."""
+    if not r.nvlinks_up:
         return None
-    down = [str(link) for link, up in enumerate(r.nvlinks_up) if not up]
-    if len(down) == len(r.nvlinks_up):
-        return "unhealthy", "inspect-hardware", "every NVLink link is down"
-    return "degraded", "inspect-hardware", f"NVLink link(s) {', '.join(down)} of {len(r.nvlinks_up)} down"
+    down = [link for link in sorted(ever_up) if link < len(r.nvlinks_up) and not r.nvlinks_up[link]]
+    if not down:
+        return None
+    if len(down) == len(ever_up):
+        return "unhealthy", "inspect-hardware", f"every NVLink link that was up is down ({len(down)} links)"
+    return "degraded", "inspect-hardware", \
+        f"NVLink link(s) {', '.join(map(str, down))} of {len(ever_up)} active links down"
 
 
 def _pcie(r: Readings, previous: Readings | None) -> Problem:

@@ -4,7 +4,9 @@ log and the watch stream at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from gpud.events import EventBus
@@ -15,6 +17,7 @@ from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, Readings, read_readings
 from gpud.nvml.session import NvmlSession
+from gpud.persist import write_json_atomic
 
 log = get_logger("health")
 
@@ -22,7 +25,7 @@ log = get_logger("health")
 class HealthService:
     def __init__(self, session: NvmlSession, inventory: InventoryService, bus: EventBus, catalog: XidCatalog, *,
                  check_interval_s: float = 5.0, clear_after_passes: int = 3,
-                 mps_failures: Callable[[], dict[str, str]] = dict):
+                 mps_failures: Callable[[], dict[str, str]] = dict, nvlinks_path: Path | None = None):
         self.session = session
         self.inventory = inventory
         self.bus = bus
@@ -37,7 +40,15 @@ class HealthService:
         self.listeners: list[Callable[[], None]] = []  # told after any health change (sharing follows)
         self._listener: EventListener | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # NVLink links seen active on each GPU (since gpud started, or kept in nvlinks_path): only
+        # those count when down. A board without a bridge has every link present but inactive
+        # from the start, which is no fault (reference README.md corrections).
+        self._nvlinks_path = nvlinks_path
+        self.nvlinks_ever_up: dict[str, frozenset[int]] = _load_links(nvlinks_path)
         inventory.subscribe(self._on_inventory)
+        # A GPU reset shuts NVML down: the event thread frees its set first and registers every
+        # GPU again (those that came back included) once NVML is back.
+        session.on_release(self._pause_events, self._resume_events)
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -54,6 +65,14 @@ class HealthService:
         if self._listener:
             self._listener.stop()
 
+    async def _pause_events(self) -> None:
+        if self._listener:
+            await asyncio.to_thread(self._listener.stop)
+
+    def _resume_events(self) -> None:
+        if self._listener:
+            self._listener.start()
+
     def _from_thread(self, event: dict) -> None:
         self._loop.call_soon_threadsafe(self._on_event, event)
 
@@ -64,8 +83,14 @@ class HealthService:
         elif kind == "ecc-dbe":
             self._publish(self.tracker.observe(gpu, "ecc", "dbe-event", (
                 "unhealthy", "reset-gpu", "an uncorrectable (double-bit) ECC error was reported")), "NVML event")
-        elif kind in ("lost", "error"):
-            log.error("nvml_event_wait_failed", kind=kind, error=event.get("error"))
+        elif kind == "lost":
+            log.error("gpu_lost", gpu=gpu, error=event.get("error"), noticed_by="NVML event wait")
+            asyncio.ensure_future(self.inventory.refresh("a GPU stopped answering NVML events"))
+        elif kind == "back":
+            log.info("gpu_back", gpu=gpu, noticed_by="NVML event registration")
+            asyncio.ensure_future(self.inventory.refresh("a lost GPU answers NVML again"))
+        elif kind == "error":
+            log.error("nvml_event_wait_failed", error=event.get("error"))
             asyncio.ensure_future(self.inventory.refresh("NVML event wait failed"))
 
     def _on_xid(self, gpu: str, xid: int, gi_id: int | None, ci_id: int | None) -> None:
@@ -95,10 +120,15 @@ class HealthService:
             log.warning("health_readings_failed", error=str(exc))
             return
         changes: list[Change] = []
+        unreachable = [uuid for uuid, readings in self.readings.items() if readings is None]
+        if unreachable:  # lost since the inventory was read: the inventory says so at once
+            log.warning("health_readings_unreachable", gpus=unreachable)
+            asyncio.ensure_future(self.inventory.refresh("health readings could not reach a GPU"))
         for uuid, readings in self.readings.items():
             if readings is None:
                 continue
-            for (kind, code), problem in check_readings(readings, previous.get(uuid)).items():
+            ever_up = self._note_links_up(uuid, readings)
+            for (kind, code), problem in check_readings(readings, previous.get(uuid), ever_up).items():
                 changes += self.tracker.observe(uuid, kind, code, problem)
         failures = self._mps_failures()
         for device in self._mps_watched - set(failures):
@@ -107,6 +137,23 @@ class HealthService:
             changes += self.tracker.observe(device, "mps", "daemon", ("degraded", "restart-app", why))
         self._mps_watched |= set(failures)
         self._publish(changes, "periodic checks")
+
+    def _note_links_up(self, uuid: str, readings: Readings) -> frozenset[int]:
+        known = self.nvlinks_ever_up.get(uuid, frozenset())
+        ever_up = known | {link for link, up in enumerate(readings.nvlinks_up or ()) if up}
+        if ever_up != known:
+            self.nvlinks_ever_up[uuid] = ever_up
+            self._save_links()
+        return ever_up
+
+    def _save_links(self) -> None:
+        if self._nvlinks_path is None:
+            return
+        try:
+            document = {uuid: sorted(links) for uuid, links in self.nvlinks_ever_up.items()}
+            write_json_atomic(self._nvlinks_path, document)
+        except OSError as exc:
+            log.warning("nvlinks_not_saved", path=str(self._nvlinks_path), error=str(exc))
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -134,3 +181,16 @@ class HealthService:
 
 def _reason(reason: Any) -> dict:
     return {key: getattr(reason, key) for key in reason.__dataclass_fields__}
+
+
+def _load_links(path: Path | None) -> dict[str, frozenset[int]]:
+    if path is None:
+        return {}
+    try:
+        document = json.loads(path.read_text())
+        return {str(uuid): frozenset(int(link) for link in links) for uuid, links in document.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("nvlinks_unreadable", path=str(path), error=str(exc))
+        return {}

@@ -167,7 +167,8 @@ class HealthTracker:
 
     def _update_lost(self, device: _Device, gpu: Gpu) -> None:
         if gpu.lost:
-            self._raise(device, self._reason("lost", "gpu-lost", LOST_MESSAGE, UNHEALTHY, "reboot", "reset"))
+            message = f"{LOST_MESSAGE} (the driver answers: {gpu.error})" if gpu.error else LOST_MESSAGE
+            self._raise(device, self._reason("lost", "gpu-lost", message, UNHEALTHY, "reboot", "reset"))
         else:
             device.drop(lambda reason: reason.kind == "lost")
 

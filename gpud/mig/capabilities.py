@@ -1,17 +1,30 @@
-"""Compute-instance profiles of a GPU instance, and reference MIG tables of known GPUs.
+"""Compute-instance profiles of a GPU instance, and the MIG tables gpud ships for known GPUs.
 
-NVML describes compute-instance profiles only through an existing GPU instance, so gpud derives
-them from the GPU-instance size with the rule in mig-profiles.md §4.2–4.3.
+NVML describes compute-instance profiles only through an existing GPU instance, so until one
+exists gpud derives them from the GPU-instance size with the rule in mig-profiles.md §4.2–4.3.
 
-`reference_capabilities` rebuilds the tables of a few GPU models from mig-profiles.md §3. It exists
-for tests and benchmarks only: the daemon reads every GPU's real tables from NVML.
+The shipped tables (data/mig-profiles.yaml, each row with its source) stand in for a GPU whose
+driver does not answer its MIG table while MIG is off (R535) and that gpud has never read; they
+also carry the A30 instance counts NVML misreports. Tests and benchmarks use them as reference
+tables through `reference_capabilities`.
 """
 
 from __future__ import annotations
 
-import pynvml
+import functools
+import importlib.resources
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from gpud.logs import get_logger
 from gpud.mig.model import CiProfile, GiProfile, MigCapabilities, Placement
+from gpud.persist import write_json_atomic
+from gpud.yamlfile import load_yaml
+
+log = get_logger("mig")
+
+_DATA = "mig-profiles.yaml"
 
 
 def derive_ci_profiles(gi_slices: int, constants_by_slices: dict[int, int],
@@ -42,78 +55,126 @@ def _ci_starts(ci_slices: int, gi_slices: int) -> tuple[int, ...]:
     return tuple(range(0, gi_slices - ci_slices + 1, alignment))
 
 
-# -- reference tables (tests and benchmarks only) ----------------------------------------------
+# -- shipped tables ------------------------------------------------------------------------------
 
-# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE by slice count, as the NVML reader passes them.
-CI_CONSTANTS_BY_SLICES = {n: getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{n}_SLICE")
-                          for n in (1, 2, 3, 4, 6, 7, 8)}
 
-_EIGHT_ONES = (0, 1, 2, 3, 4, 5, 6)  # 1-slice placements on 8-slot GPUs: slot 7 is never a start
+@dataclass(frozen=True)
+class ShippedTable:
+    model: str
+    source: str  # where the rows come from (a section of the reference notes, and its sources)
+    pci_device_ids: tuple[int, ...]
+    capabilities: MigCapabilities
+    nvml_instance_counts_wrong: bool  # the driver misreports instanceCount: use these counts
 
-# memory slices, then per GI profile: (name, NVML_GPU_INSTANCE_PROFILE_<constant>, profile id, compute
-# slices, memory MiB, instance count, placement starts, placement size in memory slices); §3.1–3.8,
-# memory from the first column where a table gives two.
-_TABLES = {
-    "A100-SXM4-40GB": (8, (
-        ("1g.5gb", "1_SLICE", 19, 1, 4864, 7, _EIGHT_ONES, 1),
-        ("1g.5gb+me", "1_SLICE_REV1", 20, 1, 4864, 1, _EIGHT_ONES, 1),
-        ("1g.10gb", "1_SLICE_REV2", 15, 1, 9856, 4, (0, 2, 4, 6), 2),
-        ("2g.10gb", "2_SLICE", 14, 2, 9856, 3, (0, 2, 4), 2),
-        ("3g.20gb", "3_SLICE", 9, 3, 19968, 2, (0, 4), 4),
-        ("4g.20gb", "4_SLICE", 5, 4, 19968, 1, (0,), 4),
-        ("7g.40gb", "7_SLICE", 0, 7, 40192, 1, (0,), 8),
-    )),
-    "A100-SXM4-80GB": (8, (
-        ("1g.10gb", "1_SLICE", 19, 1, 9728, 7, _EIGHT_ONES, 1),
-        ("1g.10gb+me", "1_SLICE_REV1", 20, 1, 9728, 1, _EIGHT_ONES, 1),
-        ("1g.20gb", "1_SLICE_REV2", 15, 1, 19968, 4, (0, 2, 4, 6), 2),
-        ("2g.20gb", "2_SLICE", 14, 2, 19968, 3, (0, 2, 4), 2),
-        ("3g.40gb", "3_SLICE", 9, 3, 40192, 2, (0, 4), 4),
-        ("4g.40gb", "4_SLICE", 5, 4, 40192, 1, (0,), 4),
-        ("7g.80gb", "7_SLICE", 0, 7, 80640, 1, (0,), 8),
-    )),
-    "A30": (4, (
-        ("1g.6gb", "1_SLICE", 14, 1, 5952, 4, (0, 1, 2, 3), 1),
-        ("1g.6gb+me", "1_SLICE_REV1", 21, 1, 5952, 1, (0, 1, 2, 3), 1),
-        ("2g.12gb", "2_SLICE", 5, 2, 11968, 2, (0, 2), 2),
-        ("2g.12gb+me", "2_SLICE_REV1", 6, 2, 11968, 1, (0, 2), 2),
-        ("4g.24gb", "4_SLICE", 0, 4, 24064, 1, (0,), 4),
-    )),
-    "H100-80GB": (8, (
-        ("1g.10gb", "1_SLICE", 19, 1, 9984, 7, _EIGHT_ONES, 1),
-        ("1g.10gb+me", "1_SLICE_REV1", 20, 1, 9984, 1, _EIGHT_ONES, 1),
-        ("1g.20gb", "1_SLICE_REV2", 15, 1, 20096, 4, (0, 2, 4, 6), 2),
-        ("2g.20gb", "2_SLICE", 14, 2, 20096, 3, (0, 2, 4), 2),
-        ("3g.40gb", "3_SLICE", 9, 3, 40448, 2, (0, 4), 4),
-        ("4g.40gb", "4_SLICE", 5, 4, 40448, 1, (0,), 4),
-        ("7g.80gb", "7_SLICE", 0, 7, 81152, 1, (0,), 8),
-    )),
-    "H200": (8, (
-        ("1g.18gb", "1_SLICE", 19, 1, 16384, 7, _EIGHT_ONES, 1),
-        ("1g.18gb+me", "1_SLICE_REV1", 20, 1, 16384, 1, _EIGHT_ONES, 1),
-        ("1g.35gb", "1_SLICE_REV2", 15, 1, 33024, 4, (0, 2, 4, 6), 2),
-        ("2g.35gb", "2_SLICE", 14, 2, 33024, 3, (0, 2, 4), 2),
-        ("3g.71gb", "3_SLICE", 9, 3, 71168, 2, (0, 4), 4),
-        ("4g.71gb", "4_SLICE", 5, 4, 71168, 1, (0,), 4),
-        ("7g.141gb", "7_SLICE", 0, 7, 143360, 1, (0,), 8),
-    )),
-}
 
-REFERENCE_MODELS = tuple(_TABLES)
+@functools.cache
+def _shipped() -> tuple[dict[int, int], dict[int, int], dict[str, ShippedTable]]:
+    """(GI profile constants by name, CI constants by slice count, tables by model)."""
+    source = f"gpud/mig/data/{_DATA}"
+    text = (importlib.resources.files("gpud.mig") / "data" / _DATA).read_text()
+    document = load_yaml(text, lambda reason, line: ValueError(f"{source}: line {line}: {reason}"))
+    gi_constants = document["nvml_constants"]["gpu_instance"]
+    ci_by_name = document["nvml_constants"]["compute_instance"]
+    ci_by_slices = {int(name.split("_")[0]): value for name, value in ci_by_name.items() if name.endswith("_SLICE")}
+    tables = {model: _table(model, entry, gi_constants, ci_by_slices, ci_by_name["1_SLICE_REV1"])
+              for model, entry in document["models"].items()}
+    return gi_constants, ci_by_slices, tables
+
+
+def _table(model: str, entry: dict, gi_constants: dict[str, int], ci_by_slices: dict[int, int],
+           rev1_ci: int) -> ShippedTable:
+    profiles = []
+    for name, constant, profile_id, slices, memory_mib, count, starts, size in entry["gpu_instance_profiles"]:
+        # §4.2: a double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1.
+        whole_ci = rev1_ci if constant == "1_SLICE_REV2" else None
+        profiles.append(GiProfile(
+            id=profile_id, constant=gi_constants[constant], name=name, slices=slices, memory_mib=memory_mib,
+            instance_count=count, placements=tuple(Placement(start, size) for start in starts),
+            ci_profiles=derive_ci_profiles(slices, ci_by_slices, whole_ci)))
+    return ShippedTable(model=model, source=" ".join(entry["source"].split()),
+                        pci_device_ids=tuple(entry["pci_device_ids"]),
+                        capabilities=MigCapabilities(memory_slices=entry["memory_slices"], gi_profiles=tuple(profiles)),
+                        nvml_instance_counts_wrong=bool(entry.get("nvml_instance_counts_wrong", False)))
+
+
+def shipped_table(pci_device_id: str) -> ShippedTable | None:
+    """The shipped table of the GPU with this PCI device id ("0x20B010DE"), if gpud ships one."""
+    try:
+        wanted = int(pci_device_id, 16)
+    except (TypeError, ValueError):
+        return None
+    return next((t for t in _shipped()[2].values() if wanted in t.pci_device_ids), None)
+
+
+def with_true_instance_counts(capabilities: MigCapabilities, pci_device_id: str) -> MigCapabilities:
+    """The table NVML answered, with the shipped instance counts where the driver misreports them
+    (A30: mig-parted uses hard-coded counts for it, discovery.go @ ab1c1452)."""
+    shipped = shipped_table(pci_device_id)
+    if shipped is None or not shipped.nvml_instance_counts_wrong:
+        return capabilities
+    counts = {p.id: p.instance_count for p in shipped.capabilities.gi_profiles}
+    return replace(capabilities, gi_profiles=tuple(replace(p, instance_count=counts.get(p.id, p.instance_count))
+                                                   for p in capabilities.gi_profiles))
+
+
+class ReadTables:
+    """The MIG table gpud last read from NVML on each GPU, by GPU UUID, kept in a JSON file
+    (state_dir/mig-profiles.json): what stands in when the driver stops answering it (R535 after
+    MIG is turned off). No path: kept in memory only."""
+
+    def __init__(self, path: Path | None):
+        self._path = path
+        self._documents: dict[str, dict] = self._load()
+
+    def get(self, uuid: str) -> MigCapabilities | None:
+        document = self._documents.get(uuid)
+        try:
+            return MigCapabilities.from_document(document["table"]) if document else None
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("mig_profiles_entry_unusable", uuid=uuid, path=str(self._path), error=repr(exc))
+            return None
+
+    def remember(self, uuid: str, capabilities: MigCapabilities, **context: object) -> None:
+        """Keeps the table (with context: the PCI device id, the driver and MIG mode it was read under)."""
+        document = {**context, "table": capabilities.to_document()}
+        if self._documents.get(uuid) == document:
+            return
+        self._documents[uuid] = document
+        if self._path is None:
+            return
+        try:
+            write_json_atomic(self._path, self._documents)
+        except OSError as exc:
+            log.warning("mig_profiles_not_saved", path=str(self._path), error=str(exc))
+
+    def _load(self) -> dict[str, dict]:
+        if self._path is None:
+            return {}
+        try:
+            documents = json.loads(self._path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("mig_profiles_unreadable", path=str(self._path), error=str(exc))
+            return {}
+        if not isinstance(documents, dict):
+            log.warning("mig_profiles_unreadable", path=str(self._path), error="not a JSON object")
+            return {}
+        return {uuid: doc for uuid, doc in documents.items() if isinstance(doc, dict)}
+
+
+def ci_constants_by_slices() -> dict[int, int]:
+    """NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE by n (nvml.h values)."""
+    return dict(_shipped()[1])
+
+
+CI_CONSTANTS_BY_SLICES = ci_constants_by_slices()
+REFERENCE_MODELS = tuple(_shipped()[2])
 
 
 def reference_capabilities(model: str) -> MigCapabilities:
-    """The MIG tables of `model` (one of REFERENCE_MODELS) per the reference notes; tests and benchmarks only."""
-    if model not in _TABLES:
+    """The shipped MIG table of `model` (one of REFERENCE_MODELS); tests and benchmarks use it."""
+    tables = _shipped()[2]
+    if model not in tables:
         raise ValueError(f"no reference MIG table for {model!r}; known: {', '.join(REFERENCE_MODELS)}")
-    memory_slices, rows = _TABLES[model]
-    return MigCapabilities(memory_slices=memory_slices, gi_profiles=tuple(_gi_profile(*row) for row in rows))
-
-
-def _gi_profile(name: str, constant: str, profile_id: int, slices: int, memory_mib: int, instance_count: int,
-                starts: tuple[int, ...], size: int) -> GiProfile:
-    # §4.2: a double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1.
-    whole_ci = pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 if constant == "1_SLICE_REV2" else None
-    return GiProfile(id=profile_id, constant=getattr(pynvml, f"NVML_GPU_INSTANCE_PROFILE_{constant}"), name=name, slices=slices, memory_mib=memory_mib,
-                     instance_count=instance_count, placements=tuple(Placement(s, size) for s in starts),
-                     ci_profiles=derive_ci_profiles(slices, CI_CONSTANTS_BY_SLICES, whole_ci))
+    return tables[model].capabilities

@@ -39,6 +39,9 @@ class GiProfile:
     instance_count: int  # at most this many at once on the GPU
     placements: tuple[Placement, ...]  # valid placements, in memory slices
     ci_profiles: tuple[CiProfile, ...]  # smallest first; the last takes the whole GPU instance
+    # "nvml": read through a GPU instance of this profile; "derived": gpud's rule (capabilities.py),
+    # until a GPU instance of the profile exists to ask (NVML tells CI profiles only through one).
+    ci_source: str = "derived"
 
     @property
     def whole_ci(self) -> CiProfile:
@@ -55,6 +58,31 @@ class MigCapabilities:
 
     def gi_profile_by_id(self, profile_id: int) -> GiProfile | None:
         return next((p for p in self.gi_profiles if p.id == profile_id), None)
+
+    def to_document(self) -> dict:
+        """Plain JSON data, for the table gpud keeps of each GPU (state_dir/mig-profiles.json)."""
+        return {"memory_slices": self.memory_slices, "gi_profiles": [
+            {"id": p.id, "constant": p.constant, "name": p.name, "slices": p.slices, "memory_mib": p.memory_mib,
+             "instance_count": p.instance_count, "placements": [[x.start, x.size] for x in p.placements],
+             "ci_source": p.ci_source,
+             "ci_profiles": [{"constant": c.constant, "slices": c.slices, "starts": list(c.starts)}
+                             for c in p.ci_profiles]}
+            for p in self.gi_profiles]}
+
+    @classmethod
+    def from_document(cls, document: dict) -> MigCapabilities:
+        """The inverse of to_document. KeyError, TypeError or ValueError for a document that is not one."""
+        profiles = tuple(GiProfile(
+            id=int(p["id"]), constant=int(p["constant"]), name=str(p["name"]), slices=int(p["slices"]),
+            memory_mib=int(p["memory_mib"]), instance_count=int(p["instance_count"]),
+            placements=tuple(Placement(int(start), int(size)) for start, size in p["placements"]),
+            ci_profiles=tuple(CiProfile(int(c["constant"]), int(c["slices"]), tuple(int(s) for s in c["starts"]))
+                              for c in p["ci_profiles"]),
+            ci_source=str(p.get("ci_source", "derived")))
+            for p in document["gi_profiles"])
+        if not profiles or any(not p.ci_profiles for p in profiles):
+            raise ValueError("a MIG table needs GPU-instance profiles, each with compute-instance profiles")
+        return cls(memory_slices=int(document["memory_slices"]), gi_profiles=profiles)
 
 
 @dataclass(frozen=True)

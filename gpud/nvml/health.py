@@ -6,87 +6,186 @@ serves every other call; NVML is thread-safe. Events reach the asyncio loop thro
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from gpud.logs import get_logger
-from gpud.nvml.reader import text
+from gpud.nvml.reader import is_lost_error, text
 
 log = get_logger("health")
 WAIT_MS = 500  # how long one wait blocks: bounds how long stopping the thread takes
 NOT_ATTRIBUTED = 0xFFFFFFFF  # NVML's GPU/compute-instance id when an event is not a MIG device's
+BACKOFF_INITIAL_S = 0.05  # the pause after a first failure; it doubles with each failure in a row
+BACKOFF_MAX_S = 5.0
+RETRY_UNREGISTERED_S = 5.0  # how often GPUs that could not be registered (lost) are tried again
 
 EventCallback = Callable[[dict], None]
 
 
 class EventListener:
     """Registers XID and ECC events on every GPU and reports each as a dict through `deliver`:
-    {"kind": "xid"|"ecc-sbe"|"ecc-dbe"|"lost"|"error", "gpu": uuid, "xid": n, "gi_id": …, "ci_id": …}."""
+    {"kind": "xid"|"ecc-sbe"|"ecc-dbe"|"lost"|"back"|"error", "gpu": uuid, "xid": n, "gi_id": …, "ci_id": …}.
 
-    def __init__(self, nvml: Any, deliver: EventCallback):
+    No NVML error ends the thread. A set with a lost GPU registered answers every wait with
+    GPU_IS_LOST at once (nvml.h: nvmlEventSetWait_v2 "may return NVML_ERROR_GPU_IS_LOST"; reference
+    mig-profiles.md §8; the simulator models the repeat), so on GPU_IS_LOST the set is rebuilt with
+    the GPUs that still answer: the others keep reporting, and the lost ones are tried again every
+    RETRY_UNREGISTERED_S. Failures in a row back off exponentially up to BACKOFF_MAX_S.
+    """
+
+    def __init__(self, nvml: Any, deliver: EventCallback, *, retry_unregistered_s: float = RETRY_UNREGISTERED_S,
+                 backoff_max_s: float = BACKOFF_MAX_S):
         self.nvml = nvml
         self.deliver = deliver
+        self._retry_unregistered_s = retry_unregistered_s
+        self._backoff_max_s = backoff_max_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.registered: dict[str, int] = {}  # GPU UUID -> event mask registered
+        self.registered: dict[str, int] = {}  # GPU UUID -> event mask registered in the current set
+        self._last_registered: set[str] = set()  # in the last set that had any: a GPU missing now is lost
+        self.unregistered: dict[int, str] = {}  # GPU index -> why it could not be registered
+        self.rebuilds = 0  # event sets made after the first: how often a failure was recovered from
+        self._uuid_by_handle: dict[int, str] = {}  # handle address -> GPU UUID: events name GPUs by handle
+        self._uuid_by_index: dict[int, str] = {}  # every GPU ever registered, to name a lost one
+        self._failures = 0  # in a row
+        self._next_retry = 0.0
 
     def start(self) -> None:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops the thread and frees its event set (before an nvmlShutdown, for a GPU reset)."""
         self._stop.set()
         if self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=WAIT_MS / 1000 + self._backoff_max_s + 1)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._listen()
+            except Exception as exc:  # whatever NVML (or a bad handle) raises, the thread lives on
+                self._failed(exc)
+
+    def _listen(self) -> None:
+        """One event set's life: made, registered, waited on until stopped or GPU_IS_LOST."""
         nvml = self.nvml
         event_set = nvml.nvmlEventSetCreate()
         try:
             self._register_all(event_set)
             while not self._stop.is_set():
+                if self.unregistered and time.monotonic() >= self._next_retry:
+                    self._register_returning(event_set)
                 try:
                     data = nvml.nvmlEventSetWait_v2(event_set, WAIT_MS)
                 except nvml.NVMLError_Timeout:
+                    self._failures = 0
                     continue
                 except nvml.NVMLError_GpuIsLost:
-                    self.deliver({"kind": "lost", "gpu": None})
-                    continue
-                except nvml.NVMLError as exc:
-                    if self._stop.is_set():
-                        return
-                    self.deliver({"kind": "error", "gpu": None, "error": str(exc)})
-                    self._stop.wait(1.0)
-                    continue
+                    self._lost_in_wait()
+                    return  # a new set, without the GPUs that no longer answer
+                self._failures = 0
                 self.deliver(self._describe(data))
         finally:
+            if self.registered:
+                self._last_registered = set(self.registered)
+            self.registered = {}
             try:
                 nvml.nvmlEventSetFree(event_set)
-            except nvml.NVMLError:
+            except Exception:  # NVMLError, or NVML already shut down: the set is gone either way
                 pass
 
+    # -- registration ----------------------------------------------------------------------------
+
     def _register_all(self, event_set: Any) -> None:
+        """Registers every GPU that answers; a GPU registered before that does not is lost."""
+        self.unregistered, self._uuid_by_handle = {}, {}
+        for index in range(self.nvml.nvmlDeviceGetCount()):
+            self._register(event_set, index)
+        for index, why in self.unregistered.items():
+            uuid = self._uuid_by_index.get(index)
+            if uuid in self._last_registered:
+                log.error("nvml_events_gpu_lost", gpu=index, uuid=uuid, error=why)
+                self.deliver({"kind": "lost", "gpu": uuid, "error": why})
+            else:
+                log.warning("nvml_events_not_registered", gpu=index, error=why)
+        self._next_retry = time.monotonic() + self._retry_unregistered_s
+
+    def _register_returning(self, event_set: Any) -> None:
+        """Tries the GPUs that could not be registered again: one that answers now is back."""
+        for index in list(self.unregistered):
+            self._register(event_set, index)
+            uuid = self._uuid_by_index.get(index)
+            if index not in self.unregistered and uuid:
+                log.info("nvml_events_gpu_back", gpu=index, uuid=uuid)
+                self.deliver({"kind": "back", "gpu": uuid})
+        self._next_retry = time.monotonic() + self._retry_unregistered_s
+
+    def _register(self, event_set: Any, index: int) -> None:
         nvml = self.nvml
         wanted = nvml.nvmlEventTypeXidCriticalError | nvml.nvmlEventTypeSingleBitEccError | \
             nvml.nvmlEventTypeDoubleBitEccError
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                mask = wanted & nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                nvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
-                self.registered[text(nvml.nvmlDeviceGetUUID(handle))] = mask
-            except nvml.NVMLError as exc:
-                log.warning("nvml_events_not_registered", gpu=index, error=str(exc))
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = text(nvml.nvmlDeviceGetUUID(handle))
+            mask = wanted & nvml.nvmlDeviceGetSupportedEventTypes(handle)
+            nvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
+        except nvml.NVMLError as exc:
+            self.unregistered[index] = f"{exc} (NVML error {exc.value})"
+            return
+        self.unregistered.pop(index, None)
+        self.registered[uuid] = mask
+        self._uuid_by_index[index] = uuid
+        self._uuid_by_handle[_address(handle)] = uuid
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _lost_in_wait(self) -> None:
+        """GPU_IS_LOST: rebuild at once the first time; in a row (the rebuilt set still has a lost
+        GPU in it), back off like any failure so the thread never spins."""
+        self._failures += 1
+        self.rebuilds += 1
+        if self._failures > 1:
+            self._stop.wait(self._backoff(self._failures - 1))
+
+    def _failed(self, exc: Exception) -> None:
+        self._failures += 1
+        self.rebuilds += 1
+        delay = self._backoff(self._failures)
+        error = f"{exc} (NVML error {exc.value})" if isinstance(getattr(exc, "value", None), int) else repr(exc)
+        if self._failures == 1 or self._failures & (self._failures - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+            log.warning("nvml_events_failed", error=error, failures_in_a_row=self._failures,
+                        retry_in_s=round(delay, 3))
+        if self._failures == 1:
+            self.deliver({"kind": "error", "gpu": None, "error": error})
+        self._stop.wait(delay)
+
+    def _backoff(self, failures: int) -> float:
+        return min(BACKOFF_INITIAL_S * 2 ** (failures - 1), self._backoff_max_s)
 
     def _describe(self, data: Any) -> dict:
         nvml = self.nvml
-        uuid = text(nvml.nvmlDeviceGetUUID(data.device))
+        uuid = self._uuid_by_handle.get(_address(data.device)) or text(nvml.nvmlDeviceGetUUID(data.device))
         kind = {nvml.nvmlEventTypeXidCriticalError: "xid", nvml.nvmlEventTypeSingleBitEccError: "ecc-sbe",
                 nvml.nvmlEventTypeDoubleBitEccError: "ecc-dbe"}.get(data.eventType, "other")
         return {"kind": kind, "gpu": uuid, "xid": data.eventData,
                 "gi_id": None if data.gpuInstanceId == NOT_ATTRIBUTED else data.gpuInstanceId,
                 "ci_id": None if data.computeInstanceId == NOT_ATTRIBUTED else data.computeInstanceId}
+
+
+def _address(handle: Any) -> int:
+    """What a device handle points at: the same GPU gives the same address for the whole session
+    (an event's data.device is a new pointer object to the same device)."""
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
 
 
 @dataclass(frozen=True)
@@ -118,12 +217,15 @@ def read_readings(nvml: Any, uuids: list[str]) -> dict[str, Readings | None]:
     return {uuid: _read_one(nvml, uuid) for uuid in uuids}
 
 
+class _GpuLost(Exception):
+    """A reading answered what a lost GPU answers."""
+
+
 def _read_one(nvml: Any, uuid: str) -> Readings | None:
     try:
         handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
     except nvml.NVMLError:
         return None
-
     reset_required = False
 
     def optional(read):
@@ -133,10 +235,21 @@ def _read_one(nvml: Any, uuid: str) -> Readings | None:
         except nvml.NVMLError_ResetRequired:
             reset_required = True
             return None
-        except nvml.NVMLError:
-            return None  # NOT_SUPPORTED on this GPU, or it vanished between calls: no reading
+        except nvml.NVMLError as exc:
+            if is_lost_error(nvml, exc):
+                raise _GpuLost from exc
+            return None  # NOT_SUPPORTED on this GPU, NO_PERMISSION, a call the driver lacks: no reading
+        except nvml.NVMLLibraryMismatchError:
+            return None
 
-    memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+    try:
+        return _readings(nvml, handle, optional, lambda: reset_required)
+    except _GpuLost:
+        return None
+
+
+def _readings(nvml: Any, handle: Any, optional: Callable, reset_required: Callable[[], bool]) -> Readings:
+    memory = _memory(nvml, handle, optional)
     remap = optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
     power = optional(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
     limit = optional(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
@@ -162,8 +275,17 @@ def _read_one(nvml: Any, uuid: str) -> Readings | None:
         fb_free_mib=memory.free >> 20 if memory else None,
         retired_pages_pending=_flag(optional(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)), nvml),
         nvlinks_up=_nvlinks(nvml, handle),
-        reset_required=reset_required,
+        reset_required=reset_required(),
     )
+
+
+def _memory(nvml: Any, handle: Any, optional: Callable) -> Any:
+    """Memory info v2, whose `used` leaves out what the driver reserves, as nvidia-smi shows it
+    (our H100 capture on 580: v1 used = 480 MiB = v2 reserved, v2 used = 0). v1 where the driver
+    has no v2 (its `used` then includes the reserved memory)."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=version)) if version else None
+    return memory if memory is not None else optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
 
 
 def _flag(value: int | None, nvml: Any) -> bool | None:
@@ -171,13 +293,17 @@ def _flag(value: int | None, nvml: Any) -> bool | None:
 
 
 def _nvlinks(nvml: Any, handle: Any) -> tuple[bool, ...] | None:
-    """Each link's state, from link 0 until NVML says there is no such link."""
+    """Each link's state (active or not), from link 0 until NVML says there is no such link.
+    None when the GPU has no NVLink at all: NOT_SUPPORTED on link 0, as on a PCIe board or in a VM
+    without NVLink (our H100 capture: NOT_SUPPORTED on every link)."""
     states = []
     for link in range(nvml.NVML_NVLINK_MAX_LINKS):
         try:
             states.append(nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED)
         except (nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotSupported):
             break
-        except nvml.NVMLError:
+        except nvml.NVMLError as exc:
+            if is_lost_error(nvml, exc):
+                raise _GpuLost from exc
             return None
     return tuple(states) or None

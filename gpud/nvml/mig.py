@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import shutil
-import signal
-import subprocess
-import time
+from dataclasses import replace
 from typing import Any
 
 from gpud.mig.capabilities import derive_ci_profiles
-from gpud.mig.model import ComputeInstanceState, GiProfile, GpuInstanceState, MigCapabilities, Placement
+from gpud.mig.model import (
+    CiProfile,
+    ComputeInstanceState,
+    GiProfile,
+    GpuInstanceState,
+    MigCapabilities,
+    Placement,
+)
 
 # GPU-instance profile constants whose instances carry an attribute in their name.
 _PROFILE_SUFFIXES = {
@@ -29,6 +32,7 @@ _PROFILE_SUFFIXES = {
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX": "+gfx",
     "NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX": "+gfx",
     "NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX": "+gfx",
+    "NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX": "+gfx",  # 0x11, nvml.h 13.x (pynvml 13.615 has it)
 }
 
 
@@ -52,28 +56,41 @@ _CI_SLICE_CONSTANTS = {1: "1_SLICE", 2: "2_SLICE", 3: "3_SLICE", 4: "4_SLICE", 6
 
 
 def read_capabilities(nvml: Any, handle: Any, device_mib: int) -> MigCapabilities:
-    """The GPU's MIG profile table. NVML answers it with MIG off too, and it never changes for a GPU."""
+    """The GPU's MIG profile table as the driver answers it under the current MIG mode.
+
+    nvml.h fixes the table only for the lifetime of a MIG mode, and R535 answers NOT_SUPPORTED for
+    every profile while MIG is disabled (NVIDIA mig-parted commit 219e780d; reference README.md
+    corrections), R580 answers (our H100 capture): an empty table means "not answered now".
+    Constants the GPU lacks answer NOT_SUPPORTED, past the last one INVALID_ARGUMENT (our capture:
+    0x11 on H100). Compute-instance profiles are derived here; `read_instances` replaces them with
+    NVML's once a GPU instance of the profile exists.
+    """
     suffixes = {getattr(nvml, name): suffix for name, suffix in _PROFILE_SUFFIXES.items() if hasattr(nvml, name)}
     ci_constants = {slices: getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{name}")
                     for slices, name in _CI_SLICE_CONSTANTS.items()
                     if hasattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{name}")}
-    double_memory = getattr(nvml, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2", None)
     profiles = []
     for constant in range(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
         try:
             info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, constant)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
             continue
-        whole_ci = nvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 if constant == double_memory else None
         profiles.append(GiProfile(
             id=info.id, constant=constant,
             name=mig_profile_name(info.sliceCount, info.sliceCount, info.memorySizeMB, device_mib, suffixes.get(constant, "")),
             slices=info.sliceCount, memory_mib=info.memorySizeMB, instance_count=info.instanceCount,
             placements=_gi_placements(nvml, handle, info.id),
-            ci_profiles=derive_ci_profiles(info.sliceCount, ci_constants, whole_ci),
+            ci_profiles=derive_ci_profiles(info.sliceCount, ci_constants, _whole_ci_constant(nvml, constant)),
         ))
     memory_slices = max((p.start + p.size for g in profiles for p in g.placements), default=0)
     return MigCapabilities(memory_slices=memory_slices, gi_profiles=tuple(profiles))
+
+
+def _whole_ci_constant(nvml: Any, gi_constant: int) -> int | None:
+    """§4.2: a double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1."""
+    if gi_constant == getattr(nvml, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2", None):
+        return nvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
+    return None
 
 
 def _gi_placements(nvml: Any, handle: Any, profile_id: int) -> tuple[Placement, ...]:
@@ -84,39 +101,87 @@ def _gi_placements(nvml: Any, handle: Any, profile_id: int) -> tuple[Placement, 
     return tuple(Placement(p.start, p.size) for p in array[:count.value])
 
 
+def read_ci_profiles(nvml: Any, gi: Any, profile: GiProfile) -> tuple[CiProfile, ...] | None:
+    """The compute-instance profiles a GPU instance offers, as NVML answers through it: every
+    constant is asked (nvml.h: NOT_SUPPORTED for one the GI does not offer, INVALID_ARGUMENT past
+    the last), with its placements. Smallest first; of the profiles that take the whole GI, the
+    one nvidia-smi creates by default last (§4.2: 1_SLICE_REV1 in a REV2 GI). None when the driver
+    cannot answer (an older one without the calls): the derived profiles stay."""
+    whole = profile.whole_ci.constant
+    found = []
+    try:
+        for constant in range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, constant, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+                continue
+            found.append(CiProfile(constant=constant, slices=info.sliceCount,
+                                   starts=_ci_starts(nvml, gi, info.id, profile.slices)))
+    except nvml.NVMLError_FunctionNotFound:
+        return None
+    found = [ci for ci in found if ci.starts]
+    if not any(ci.slices == profile.slices for ci in found):
+        return None  # no profile takes the whole GI: not a table gpud can plan with
+    return tuple(sorted(found, key=lambda ci: (ci.slices, ci.constant == whole)))
+
+
+def _ci_starts(nvml: Any, gi: Any, profile_id: int, gi_slices: int) -> tuple[int, ...]:
+    count = ctypes.c_uint(0)
+    nvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, profile_id, None, ctypes.byref(count))
+    array = (nvml.c_nvmlComputeInstancePlacement_t * max(count.value, gi_slices, 1))()
+    nvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, profile_id, array, ctypes.byref(count))
+    return tuple(sorted(p.start for p in array[:count.value]))
+
+
 def read_instances(nvml: Any, handle: Any, capabilities: MigCapabilities,
-                   mig_devices: dict[tuple[int, int], tuple[str, tuple[int, ...]]]) -> tuple[GpuInstanceState, ...]:
+                   mig_devices: dict[tuple[int, int], tuple[str, tuple[int, ...]]]
+                   ) -> tuple[tuple[GpuInstanceState, ...], MigCapabilities]:
     """The GPU's GPU instances with their compute instances, empty ones included (a MIG device list
-    shows only GIs that have a compute instance). mig_devices: (gi_id, ci_id) -> (MIG UUID, PIDs)."""
-    instances = []
+    shows only GIs that have a compute instance). mig_devices: (gi_id, ci_id) -> (MIG UUID, PIDs).
+
+    Also the table completed with what only a GPU instance tells: the compute-instance profiles of
+    every GI profile that has an instance now, read from NVML (the others keep derived ones)."""
+    instances, profiles = [], []
     for profile in capabilities.gi_profiles:
-        for gi in _gpu_instances(nvml, handle, profile):
-            info = nvml.nvmlGpuInstanceGetInfo(gi)
-            cis = tuple(sorted(
-                (_compute_instance_state(nvml, ci, info.id, mig_devices)
-                 for ci_profile in profile.ci_profiles for ci in _compute_instances(nvml, gi, ci_profile.constant)),
-                key=lambda c: c.ci_id))
-            instances.append(GpuInstanceState(gi_id=info.id, profile_id=info.profileId,
-                                              placement=Placement(info.placement.start, info.placement.size),
-                                              compute_instances=cis))
-    return tuple(sorted(instances, key=lambda gi: gi.gi_id))
+        gis = _gpu_instances(nvml, handle, profile, capabilities.memory_slices)
+        if gis and profile.ci_source != "nvml":
+            read = read_ci_profiles(nvml, gis[0], profile)
+            profile = replace(profile, ci_profiles=read, ci_source="nvml") if read else profile
+        profiles.append(profile)
+        instances += [_gpu_instance_state(nvml, gi, profile, mig_devices) for gi in gis]
+    return (tuple(sorted(instances, key=lambda gi: gi.gi_id)),
+            replace(capabilities, gi_profiles=tuple(profiles)))
 
 
-def _gpu_instances(nvml: Any, handle: Any, profile: GiProfile) -> list:
-    count = ctypes.c_uint(profile.instance_count)
-    array = (nvml.c_nvmlGpuInstance_t * profile.instance_count)()
+def _gpu_instance_state(nvml: Any, gi: Any, profile: GiProfile, mig_devices: dict) -> GpuInstanceState:
+    info = nvml.nvmlGpuInstanceGetInfo(gi)
+    cis = tuple(sorted((_compute_instance_state(nvml, ci, info.id, mig_devices)
+                        for ci_profile in profile.ci_profiles
+                        for ci in _compute_instances(nvml, gi, ci_profile.constant, profile.slices)),
+                       key=lambda c: c.ci_id))
+    return GpuInstanceState(gi_id=info.id, profile_id=info.profileId,
+                            placement=Placement(info.placement.start, info.placement.size), compute_instances=cis)
+
+
+def _gpu_instances(nvml: Any, handle: Any, profile: GiProfile, memory_slices: int) -> list:
+    # Sized for as many GIs as memory slices: the count NVML reports can be wrong (A30, §3.3).
+    size = max(profile.instance_count, memory_slices, 1)
+    count = ctypes.c_uint(size)
+    array = (nvml.c_nvmlGpuInstance_t * size)()
     nvml.nvmlDeviceGetGpuInstances(handle, profile.id, array, ctypes.byref(count))
     return list(array[:count.value])
 
 
-def _compute_instances(nvml: Any, gi: Any, constant: int) -> list:
+def _compute_instances(nvml: Any, gi: Any, constant: int, gi_slices: int) -> list:
     try:
         profile = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
             gi, constant, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
     except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
         return []
-    count = ctypes.c_uint(profile.instanceCount)
-    array = (nvml.c_nvmlComputeInstance_t * max(profile.instanceCount, 1))()
+    size = max(profile.instanceCount, gi_slices, 1)
+    count = ctypes.c_uint(size)
+    array = (nvml.c_nvmlComputeInstance_t * size)()
     nvml.nvmlGpuInstanceGetComputeInstances(gi, profile.id, array, ctypes.byref(count))
     return list(array[:count.value])
 
@@ -131,27 +196,23 @@ def _compute_instance_state(nvml: Any, ci: Any, gi_id: int, mig_devices: dict) -
 # -- changes ---------------------------------------------------------------------------------
 
 
-def set_mig_mode(nvml: Any, index: int, enabled: bool) -> bool:
-    """Requests the MIG mode. True when it is active now; False when it waits for a GPU reset (Ampere)."""
+def set_mig_mode(nvml: Any, index: int, enabled: bool) -> str:
+    """Requests the MIG mode: "active" when it took effect, "needs-reset" when it waits for a GPU
+    reset, "needs-reboot" when only a reboot can apply it.
+
+    The activation status SetMigMode returns says which (nvml.h, nvmlDeviceSetMigMode): the driver
+    resets the GPU itself when it is idle; IN_USE when it is not (other clients hold it: NVIDIA's
+    DRA driver logs it as "in use by another client"); RESET_REQUIRED where the platform does not
+    expose a reset (pass-through VMs), which needs a reboot. GetMigMode confirms it, as mig-parted
+    does (/work/shared/reference/mig-profiles.md §7.2).
+    """
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE)
+    wanted = nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE
+    status = nvml.nvmlDeviceSetMigMode(handle, wanted)
     current, _pending = nvml.nvmlDeviceGetMigMode(handle)
-    return (current == nvml.NVML_DEVICE_MIG_ENABLE) == enabled
-
-
-def reset_gpu(nvml: Any, index: int) -> None:
-    """What `nvidia-smi -r` does: needed on Ampere for a MIG mode change to take effect."""
-    if hasattr(nvml, "sim_reset_gpu"):
-        nvml.sim_reset_gpu(index)
-        return
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        raise RuntimeError("nvidia-smi is not installed: cannot reset the GPU")
-    bus_id = nvml.nvmlDeviceGetPciInfo_v3(nvml.nvmlDeviceGetHandleByIndex(index)).busId
-    bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
-    result = subprocess.run([smi, "-r", "-i", bus_id], capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise RuntimeError(f"nvidia-smi -r -i {bus_id} failed: {(result.stdout + result.stderr).strip()}")
+    if status == nvml.NVML_SUCCESS and current == wanted:
+        return "active"
+    return "needs-reboot" if status == nvml.NVML_ERROR_RESET_REQUIRED else "needs-reset"
 
 
 def _gpu_instance(nvml: Any, index: int, gi_id: int) -> Any:
@@ -185,32 +246,3 @@ def create_compute_instance(nvml: Any, index: int, gi_id: int, constant: int, st
     where.start, where.size = start, slices
     ci = nvml.nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi, profile.id, ctypes.byref(where))
     return nvml.nvmlComputeInstanceGetInfo(ci).id
-
-
-def end_processes(nvml: Any, mig_uuid: str, pids: tuple[int, ...], grace_s: float = 10.0) -> None:
-    """Ends the compute processes on a MIG device that a forced apply destroys: SIGTERM, then SIGKILL."""
-    if hasattr(nvml, "sim_set_processes"):
-        nvml.sim_set_processes(mig_uuid, [])  # simulated processes are not host processes: never signal them
-        return
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.1)
-    for pid in pids:
-        _signal(pid, signal.SIGKILL)
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -1,84 +1,239 @@
-"""Reads the whole node through NVML into an immutable Inventory. Runs on the NVML thread."""
+"""Reads the whole node through NVML into an immutable Inventory. Runs on the NVML thread.
+
+Real drivers answer differently from what a client may expect, and the reader keeps each answer
+to its field:
+- a GPU that fell off the bus mostly answers NVML_ERROR_UNKNOWN ("Unable to determine the device
+  handle for GPU ...: Unknown Error", nvidia-smi), otherwise GPU_IS_LOST (nvml.h): both mark it
+  lost, with the last known identity;
+- NOT_SUPPORTED leaves a field out; NO_PERMISSION (a non-root user: MIG instance enumeration
+  needs the MIG capabilities, MIG user guide "Device Nodes and Capabilities") leaves it out and
+  says so in `Gpu.unreadable`, never failing the GPU;
+- a call the driver lacks (NVMLError_FunctionNotFound, or pynvml's NVMLLibraryMismatchError,
+  which is not an NVMLError) leaves an optional field out, and fails the read with the call's
+  name when gpud cannot do without it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
 
 from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, unknown_gpu
+from gpud.logs import get_logger
+from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
 from gpud.mig.model import MigCapabilities
 from gpud.nvml import mig
+from gpud.nvml.driver import MINIMUM_BRANCH
 
 MIB = 1 << 20
 _ARCHITECTURES = ("kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell")
 _COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
+# What a GPU that cannot be reached answers (nvml.h, nvmlDeviceGetHandleByIndex: GPU_IS_LOST "if
+# the target GPU has fallen off the bus or is otherwise inaccessible"; UNKNOWN is what a GPU lost
+# to XID 79 gives in nvidia-smi's "Unable to determine the device handle ... Unknown Error").
+_LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
+NEEDS_ROOT = "needs root (NVML NO_PERMISSION)"
+log = get_logger("inventory")
+
+
 def text(value: Any) -> str:
     """NVML strings arrive as str or bytes depending on the call and the binding's version."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-class NodeReader:
-    """Reads snapshots. Keeps each GPU's MIG profile table, which never changes for a GPU."""
+def is_lost_error(nvml: Any, exc: BaseException) -> bool:
+    """Whether an NVML error says the GPU cannot be reached any more."""
+    return getattr(exc, "value", None) in {getattr(nvml, name, None) for name in _LOST_ERRORS}
 
-    def __init__(self) -> None:
-        self._capabilities: dict[str, MigCapabilities] = {}
+
+def nvml_error_text(exc: BaseException) -> str:
+    """'Unknown Error (NVML error 999)': the driver's words and code."""
+    return f"{exc} (NVML error {exc.value})" if isinstance(getattr(exc, "value", None), int) else repr(exc)
+
+
+class MissingNvmlCall(RuntimeError):
+    """The driver lacks an NVML call gpud cannot do without."""
+
+
+class _Calls:
+    """The backend, remembering which NVML function was fetched last: when the driver lacks one,
+    the error can name it (pynvml's error says only "Function Not Found")."""
+
+    def __init__(self, nvml: Any):
+        self._nvml = nvml
+        self.last_call: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._nvml, name)
+        if name.startswith("nvml") and callable(value) and not isinstance(value, type):
+            self.last_call = name
+        return value
+
+
+@dataclass(frozen=True)
+class _Table:
+    mode: int  # the MIG mode (current) it was read under: the table holds for that mode only (nvml.h)
+    capabilities: MigCapabilities | None
+    source: str | None  # MigInfo.profiles_source
+
+
+class NodeReader:
+    """Reads snapshots. Keeps each GPU's MIG profile table for as long as its MIG mode stays, and
+    the last table read from NVML on each GPU in `profiles_path` for when the driver stops
+    answering it."""
+
+    def __init__(self, profiles_path: Path | None = None) -> None:
+        self._tables: dict[str, _Table] = {}  # by GPU UUID
+        self._read_tables = ReadTables(profiles_path)
 
     def read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
         """known: the last good description of each GPU, used for a GPU NVML cannot describe now."""
-        gpus = tuple(self._read_gpu(nvml, index, known) for index in range(nvml.nvmlDeviceGetCount()))
+        calls = _Calls(nvml)
+        try:
+            return self._read(calls, known)
+        except (nvml.NVMLError_FunctionNotFound, nvml.NVMLLibraryMismatchError) as exc:
+            raise MissingNvmlCall(f"the NVIDIA driver lacks {calls.last_call or 'an NVML call'}, which gpud "
+                                  f"needs ({exc}): install driver R{MINIMUM_BRANCH} or newer") from exc
+
+    def _read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
+        driver = text(nvml.nvmlSystemGetDriverVersion())
+        gpus = tuple(self._read_gpu(nvml, index, known, driver) for index in range(nvml.nvmlDeviceGetCount()))
         return Inventory(
-            driver_version=text(nvml.nvmlSystemGetDriverVersion()),
+            driver_version=driver,
             cuda_version=_cuda_version(nvml.nvmlSystemGetCudaDriverVersion_v2()),
             nvml_version=text(nvml.nvmlSystemGetNVMLVersion()),
             gpus=gpus,
         )
 
-    def _read_gpu(self, nvml: Any, index: int, known: dict[int, Gpu]) -> Gpu:
+    def _read_gpu(self, nvml: Any, index: int, known: dict[int, Gpu], driver: str) -> Gpu:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            return self._describe_gpu(nvml, index, handle)
+            return self._describe_gpu(nvml, index, handle, driver)
+        except nvml.NVMLError_FunctionNotFound:
+            raise
         except nvml.NVMLError as exc:
             last = known.get(index) or unknown_gpu(index)
-            return replace(last, lost=isinstance(exc, nvml.NVMLError_GpuIsLost),
-                           error=f"{exc} (NVML error {exc.value})")
+            lost = is_lost_error(nvml, exc)
+            if lost:
+                self._tables.pop(last.uuid, None)  # whatever brings it back (a reset) may change it
+            if isinstance(exc, nvml.NVMLError_NoPermission):
+                return replace(last, lost=False, error=f"this user may not open the GPU: {nvml_error_text(exc)}",
+                               unreadable=(f"gpu: {NEEDS_ROOT}",))
+            return replace(last, lost=lost, error=nvml_error_text(exc))
 
-    def _describe_gpu(self, nvml: Any, index: int, handle: Any) -> Gpu:
+    def _describe_gpu(self, nvml: Any, index: int, handle: Any, driver: str) -> Gpu:
+        unreadable: list[str] = []
         pci = nvml.nvmlDeviceGetPciInfo_v3(handle)
         memory_mib = nvml.nvmlDeviceGetMemoryInfo(handle).total // MIB
         uuid = text(nvml.nvmlDeviceGetUUID(handle))
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        pci_device_id = f"0x{pci.pciDeviceId:08X}"
+        optional = _Optional(nvml, unreadable)
         return Gpu(
             index=index,
             uuid=uuid,
             name=text(nvml.nvmlDeviceGetName(handle)),
             pci_bus_id=text(pci.busId),
-            pci_device_id=f"0x{pci.pciDeviceId:08X}",
+            pci_device_id=pci_device_id,
             memory_total_mib=memory_mib,
             compute_mode=_COMPUTE_MODES.get(nvml.nvmlDeviceGetComputeMode(handle), "unknown"),
             architecture=_architecture(nvml, nvml.nvmlDeviceGetArchitecture(handle)),
             cuda_compute_capability=f"{major}.{minor}",
-            serial=_optional(nvml, lambda: text(nvml.nvmlDeviceGetSerial(handle))),
-            mig=self._read_mig(nvml, handle, uuid, memory_mib),
+            serial=optional("serial", lambda: text(nvml.nvmlDeviceGetSerial(handle))),
+            minor_number=optional("minor_number", lambda: nvml.nvmlDeviceGetMinorNumber(handle)),
+            mig=self._read_mig(nvml, handle, _Identity(index, uuid, pci_device_id, memory_mib, driver), optional),
+            unreadable=tuple(unreadable),
         )
 
-    def _read_mig(self, nvml: Any, handle: Any, uuid: str, device_mib: int) -> MigInfo:
+    # -- MIG ---------------------------------------------------------------------------------
+
+    def _read_mig(self, nvml: Any, handle: Any, gpu: _Identity, optional: _Optional) -> MigInfo:
         try:
             current, pending = nvml.nvmlDeviceGetMigMode(handle)
         except nvml.NVMLError_NotSupported:
             return MigInfo(capable=False, mode=None, pending_mode=None)
-        capabilities = self._capabilities.get(uuid)
-        if capabilities is None:
-            capabilities = self._capabilities[uuid] = mig.read_capabilities(nvml, handle, device_mib)
+        table = self._table(nvml, handle, gpu, current, optional)
         mode = lambda value: "enabled" if value == nvml.NVML_DEVICE_MIG_ENABLE else "disabled"  # noqa: E731
         devices: tuple[MigDevice, ...] = ()
         instances: tuple = ()
-        if current == nvml.NVML_DEVICE_MIG_ENABLE:
-            handles = _read_mig_handles(nvml, handle)
-            instances = mig.read_instances(nvml, handle, capabilities,
-                                           {ids: (h["uuid"], h["pids"]) for ids, h in handles.items()})
-            devices = _mig_devices(instances, handles, capabilities)
+        capabilities = table.capabilities
+        if current == nvml.NVML_DEVICE_MIG_ENABLE and capabilities is not None:
+            read = optional("mig.instances", lambda: self._read_instances(nvml, handle, gpu, table))
+            if read is not None:
+                instances, devices, capabilities = read
         return MigInfo(capable=True, mode=mode(current), pending_mode=mode(pending), devices=devices,
-                       capabilities=capabilities, instances=instances)
+                       profiles_source=table.source, capabilities=capabilities, instances=instances)
+
+    def _read_instances(self, nvml: Any, handle: Any, gpu: _Identity, table: _Table) -> tuple:
+        handles = _read_mig_handles(nvml, handle)
+        instances, capabilities = mig.read_instances(nvml, handle, table.capabilities,
+                                                     {ids: (h["uuid"], h["pids"]) for ids, h in handles.items()})
+        if capabilities != table.capabilities:  # compute-instance profiles read through a new GPU instance
+            self._tables[gpu.uuid] = replace(table, capabilities=capabilities)
+            if table.source == "nvml":
+                self._remember(gpu, table.mode, capabilities)
+        return instances, _mig_devices(instances, handles, capabilities), capabilities
+
+    def _table(self, nvml: Any, handle: Any, gpu: _Identity, current: int, optional: _Optional) -> _Table:
+        """The GPU's profile table under its current MIG mode: read again after any mode change."""
+        cached = self._tables.get(gpu.uuid)
+        if cached is None or cached.mode != current:
+            read = optional("mig.profiles", lambda: mig.read_capabilities(nvml, handle, gpu.memory_mib))
+            cached = self._tables[gpu.uuid] = self._choose_table(gpu, current, read)
+        return cached
+
+    def _choose_table(self, gpu: _Identity, current: int, read: MigCapabilities | None) -> _Table:
+        """NVML's table when it answers one; else the one last read on this GPU; else gpud's own."""
+        if read is not None and read.gi_profiles:
+            read = with_true_instance_counts(read, gpu.pci_device_id)
+            self._remember(gpu, current, read)
+            return _Table(current, read, "nvml")
+        why = "the driver answers no MIG profile table under the current MIG mode"
+        last = self._read_tables.get(gpu.uuid)
+        if last is not None:
+            log.info("mig_profiles_fallback", gpu=gpu.index, uuid=gpu.uuid, source="last-read", why=why)
+            return _Table(current, last, "last-read")
+        shipped = shipped_table(gpu.pci_device_id)
+        if shipped is not None:
+            log.info("mig_profiles_fallback", gpu=gpu.index, uuid=gpu.uuid, source="shipped", model=shipped.model,
+                     table_source=shipped.source, why=why)
+            return _Table(current, shipped.capabilities, "shipped")
+        log.warning("mig_profiles_unknown", gpu=gpu.index, uuid=gpu.uuid, pci_device_id=gpu.pci_device_id,
+                    why=why + ", gpud has not read it before and ships none for this GPU")
+        return _Table(current, None, None)
+
+    def _remember(self, gpu: _Identity, mode: int, capabilities: MigCapabilities) -> None:
+        self._read_tables.remember(gpu.uuid, capabilities, pci_device_id=gpu.pci_device_id,
+                                   driver_version=gpu.driver_version, mig_mode_when_read=mode)
+
+
+@dataclass(frozen=True)
+class _Identity:
+    index: int
+    uuid: str
+    pci_device_id: str
+    memory_mib: int
+    driver_version: str
+
+
+class _Optional:
+    """Reads a field gpud can do without: None when the driver does not support it, lacks the call,
+    or refuses it to this user (noted in `unreadable`). Other errors (a lost GPU) propagate."""
+
+    def __init__(self, nvml: Any, unreadable: list[str]):
+        self._nvml = nvml
+        self._unreadable = unreadable
+
+    def __call__(self, field: str, read: Callable[[], Any]) -> Any:
+        nvml = self._nvml
+        try:
+            return read()
+        except nvml.NVMLError_NoPermission:
+            self._unreadable.append(f"{field}: {NEEDS_ROOT}")
+            return None
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound, nvml.NVMLLibraryMismatchError):
+            return None
 
 
 def _read_mig_handles(nvml: Any, handle: Any) -> dict[tuple[int, int], dict]:
@@ -92,35 +247,37 @@ def _read_mig_handles(nvml: Any, handle: Any) -> dict[tuple[int, int], dict]:
         attrs = nvml.nvmlDeviceGetAttributes(device)
         ids = (nvml.nvmlDeviceGetGpuInstanceId(device), nvml.nvmlDeviceGetComputeInstanceId(device))
         found[ids] = {"index": mig_index, "uuid": text(nvml.nvmlDeviceGetUUID(device)), "attrs": attrs,
-                      "pids": tuple(sorted(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(device)))}
+                      "pids": _pids(nvml, device)}
     return found
+
+
+def _pids(nvml: Any, device: Any) -> tuple[int, ...]:
+    """The compute processes on a MIG device; none listed where the driver will not tell."""
+    try:
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(device)
+    except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission, nvml.NVMLLibraryMismatchError):
+        return ()
+    return tuple(sorted(p.pid for p in processes))
 
 
 def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabilities: MigCapabilities):
     """The MIG devices for the API: the instance tree (already read) joined with their handles."""
     devices = []
     for gi in instances:
-        gi_name = capabilities.gi_profile_by_id(gi.profile_id).name
+        gi_profile = capabilities.gi_profile_by_id(gi.profile_id)
         for ci in gi.compute_instances:
             found = handles.get((gi.gi_id, ci.ci_id))
-            if found is None:
+            if found is None or gi_profile is None:
                 continue  # being created or destroyed right now: the next read shows it
             attrs = found["attrs"]
             ci_slices, gi_slices = attrs.computeInstanceSliceCount, attrs.gpuInstanceSliceCount
             devices.append(MigDevice(
                 uuid=found["uuid"], index=found["index"],
-                profile=gi_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_name}",
+                profile=gi_profile.name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_profile.name}",
                 gi_id=gi.gi_id, ci_id=ci.ci_id, gi_profile_id=gi.profile_id, ci_profile_id=ci.profile_id,
                 placement=gi.placement, memory_total_mib=attrs.memorySizeMB, sm_count=attrs.multiprocessorCount,
                 pids=found["pids"]))
     return tuple(sorted(devices, key=lambda d: d.index))
-
-
-def _optional(nvml: Any, read):
-    try:
-        return read()
-    except nvml.NVMLError_NotSupported:
-        return None
 
 
 def _cuda_version(value: int) -> str:
