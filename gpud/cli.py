@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpud import __version__
+from gpud import __version__, doctor
 from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="run on a simulated node: dgx-a100, dgx-a100-80gb, hgx-h100, hgx-h200, a30, t4, "
                             "rtx-2080ti, or MODEL:COUNT[,MODEL:COUNT…]")
     serve.add_argument("--sim-state", help="file holding the simulated GPUs' state (default: in the runtime dir)")
+    serve.add_argument("--sim-driver", metavar="VERSION",
+                       help="NVIDIA driver version the simulated node behaves as, e.g. 535.183.01, 550.90.07, "
+                            "580.65.06 (branches differ in what NVML answers)")
     serve.add_argument("--log-level", choices=LOG_LEVELS)
     serve.add_argument("--log-format", choices=LOG_FORMATS)
     serve.set_defaults(run=_serve)
@@ -89,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     validate = config_commands.add_parser("validate", help="check a config file without starting anything")
     validate.add_argument("path", nargs="?", type=Path, default=Path("/etc/gpud/gpud.yaml"))
     validate.set_defaults(run=_config_validate)
+
+    doctor.register(commands)
     return parser
 
 
@@ -108,7 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
     from gpud.nvml.sim import PresetError, parse_preset
 
     overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
-                 "sim_state": args.sim_state, "log.level": args.log_level, "log.format": args.log_format}
+                 "sim_state": args.sim_state, "sim_driver": args.sim_driver, "log.level": args.log_level,
+                 "log.format": args.log_format}
     try:
         config = load_config(args.config).with_overrides(**overrides)
         if config.simulate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -18,6 +19,15 @@ from gpud.client import Client, DaemonUnreachable
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
+
+
+def real_nvml_library_present() -> bool:
+    """NVIDIA's real libnvidia-ml loads here (Debian's libnvidia-ml1: NVML without a driver)."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture

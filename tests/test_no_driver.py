@@ -4,22 +4,12 @@ Debian 12's libnvidia-ml1 (non-free) loads here and answers nvmlInit with Driver
 as on a GPU host whose kernel module is missing. .ci/run installs it; elsewhere the test is skipped.
 """
 
-import ctypes
-
 import pytest
-from conftest import IN_CI
-
-
-def _real_library_present() -> bool:
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
+from conftest import IN_CI, real_nvml_library_present
 
 
 def test_gpud_serves_503_and_retries_while_the_driver_is_not_loaded(run_gpud, tmp_path):
-    if not _real_library_present():
+    if not real_nvml_library_present():
         if IN_CI:
             pytest.fail("CI must have libnvidia-ml1 installed (.ci/run installs it)")
         pytest.skip("libnvidia-ml.so.1 is not installed (apt-get install libnvidia-ml1 from non-free)")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import IN_CI, REPO
+from conftest import IN_CI, REPO, real_nvml_library_present
 
 from gpud.client import Client, DaemonUnreachable
 
@@ -68,9 +68,7 @@ def test_ready_status_watchdog_reload_and_stopping(run_gpud, short_tmp, notify_s
 
 def test_ready_comes_even_without_a_driver(run_gpud, short_tmp, notify_socket):
     """With no NVML, gpud still starts (and says why in STATUS): systemd must not time it out."""
-    from test_no_driver import _real_library_present
-
-    if not _real_library_present():
+    if not real_nvml_library_present():
         pytest.skip("libnvidia-ml.so.1 is not installed")
     sock, path = notify_socket
     run_gpud(env={"NOTIFY_SOCKET": str(path)})

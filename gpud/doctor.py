@@ -1,0 +1,422 @@
+"""`gpud doctor`: a read-only self-check of this node, run by an operator, with or without a gpud daemon.
+
+It opens its own NVML session, reads what gpud relies on, compares that with what nvidia-smi
+prints, and says what would block a GPU reset and which reads need root. It changes nothing:
+NVML queries only (gpud.nvml.doctor_reads), nvidia-smi listing commands only (gpud.nvml.smi),
+and /proc reads (gpud.host).
+
+Exit codes: 0 nothing wrong, 1 problems found (one line each, with what to do), 2 cannot run
+(no NVML library, driver not loaded, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from gpud.host import Holder, describe_holder, device_holders, module_blockers
+from gpud.inventory import normal_bus_id
+from gpud.nvml import smi
+from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
+from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
+from gpud.nvml.session import describe_error, load_backend
+
+SCHEMA = "gpud-doctor/1"
+EXIT_OK, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2
+_EXIT_CODES = {"ok": EXIT_OK, "problems": EXIT_PROBLEMS, "cannot-run": EXIT_CANNOT_RUN}
+NVML_NO_PERMISSION = 4  # nvml.h NVML_ERROR_NO_PERMISSION
+
+# What gpud cannot do when a read answers NO_PERMISSION (doctor_reads' read names).
+_LOSSES = {
+    "mig.gpu_instances": "the MIG instance tree: gpud cannot show, plan or reconcile MIG devices",
+    "mig.devices": "the MIG devices (UUIDs, processes) in /v1/gpus and health",
+    "mig.profiles": "the MIG profile table read from the driver (gpud falls back to its last or shipped table)",
+    "mig.mode": "the MIG mode: gpud cannot tell whether MIG is on",
+    "processes": "the compute processes per GPU (MIG apply safety checks, reset preflight)",
+    "process_name": "the names of compute processes",
+    "fabric": "the NVLink fabric state",
+    "nvlink": "the NVLink link states (health)",
+    "memory": "the GPU memory size",
+    "minor_number": "the device node (/dev/nvidia<minor>) needed to find who holds the GPU before a reset",
+}
+
+
+class _Findings:
+    """Problems (each makes doctor exit 1) and notes (for information); a note that holds for several
+    GPUs is said once, naming them all."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self._notes: dict[str, list[int]] = {}
+
+    def note(self, text: str, gpu: int | None = None) -> None:
+        self._notes.setdefault(text, []).extend([] if gpu is None else [gpu])
+
+    def notes(self) -> list[str]:
+        return [text if not gpus else f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}: {text}"
+                for text, gpus in self._notes.items()]
+
+
+def register(subparsers: Any) -> None:
+    """Adds `doctor` to the `gpud` command's subcommands."""
+    doctor = subparsers.add_parser("doctor", help="check this node read-only: driver, GPUs, nvidia-smi, resets, "
+                                                  "NVLink, permissions (exit 0 ok, 1 problems, 2 cannot run)")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--simulate", metavar="PRESET", help="check a simulated node instead of the real NVML")
+    doctor.add_argument("--sim-state", type=Path, help="the simulated node's state file (default: the one "
+                                                       "`gpud serve --simulate PRESET` uses, if it exists)")
+    doctor.add_argument("--sim-driver", metavar="VERSION", help="driver version the simulated node behaves as")
+    doctor.set_defaults(run=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpud")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
+    return args.run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    with ExitStack() as stack:
+        try:
+            nvml = _backend(args, stack)
+        except Exception as exc:  # no pynvml; PresetError, SimError, a driver the simulator does not know
+            report = cannot_run(f"cannot load {'the simulated node' if args.simulate else 'pynvml'}: {exc}")
+        else:
+            report = examine(nvml, simulated=bool(args.simulate), smi_path=smi.find())
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return _EXIT_CODES[report["status"]]
+
+
+def _backend(args: argparse.Namespace, stack: ExitStack) -> Any:
+    if not args.simulate:
+        return load_backend(None, None)
+    from gpud.config import Config
+
+    state = args.sim_state or Config(simulate=args.simulate).sim_state_path
+    if not state.exists() and args.sim_state is None:  # no simulated daemon's node to look at: a fresh one
+        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpud-doctor-"))) / "sim.json"
+    driver = {"driver": args.sim_driver} if args.sim_driver else {}
+    return load_backend(args.simulate, state, **driver)
+
+
+# -- the check -----------------------------------------------------------------------------------
+
+
+def cannot_run(error: str) -> dict:
+    return {"schema": SCHEMA, "status": "cannot-run", "error": error, "problems": [], "notes": []}
+
+
+def examine(nvml: Any, *, simulated: bool, smi_path: str | None, proc: Path = Path("/proc"),
+            dev: Path = Path("/dev")) -> dict:
+    """The whole report for this backend. Opens and closes its own NVML session."""
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError (LibraryNotFound, DriverNotLoaded, ...), OSError, SimError
+        if simulated:
+            return cannot_run(f"the simulated node cannot start: {describe_error(exc)}")
+        return cannot_run(f"NVML cannot start: {describe_error(exc)}: is the NVIDIA driver installed and loaded "
+                          "(lsmod | grep nvidia; nvidia-smi)?")
+    try:
+        reading = read_node(nvml)
+        holders = _simulated_holders(nvml, reading) if simulated else None
+    except nvml.NVMLError as exc:
+        return cannot_run(f"NVML answers nvmlInit but not the node's first reads: {describe_error(exc)}")
+    finally:
+        _shutdown(nvml)
+    return _report(reading, simulated=simulated, smi_path=smi_path, holders=holders, proc=proc, dev=dev)
+
+
+def _shutdown(nvml: Any) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception:  # nothing left to do about it: doctor is finishing
+        pass
+
+
+def _simulated_holders(nvml: Any, reading: NodeReading) -> dict[int, list[Holder]]:
+    """A simulated node's device holders are the simulator's, not this host's processes."""
+    listed = getattr(nvml, "sim_holders", None)
+    if listed is None:
+        return {}
+    return {gpu.index: [Holder(pid, name, f"/dev/nvidia{gpu.minor_number}") for pid, name in listed(gpu.index)]
+            for gpu in reading.gpus if gpu.error is None}
+
+
+def _report(reading: NodeReading, *, simulated: bool, smi_path: str | None,
+            holders: dict[int, list[Holder]] | None, proc: Path, dev: Path) -> dict:
+    findings = _Findings()
+    root = os.geteuid() == 0
+    report = {
+        "schema": SCHEMA,
+        "backend": "simulated" if simulated else "nvml",
+        "running_as_root": root,
+        "driver": _driver(reading, findings),
+        "gpus": [_gpu(gpu, findings, holders, proc, dev) for gpu in reading.gpus],
+        "nvidia_smi": _compare_with_smi(reading, smi_path, findings),
+        "permissions": _permissions(reading, root, findings),
+    }
+    findings.problems += [f"reading {f.read} failed: {f.error}" for f in reading.failures
+                          if f.code != NVML_NO_PERMISSION]
+    findings.note("doctor's own NVML session is not counted as a reset blocker: it ends when doctor exits")
+    report.update(status="problems" if findings.problems else "ok", problems=findings.problems,
+                  notes=findings.notes())
+    return report
+
+
+def _driver(reading: NodeReading, findings: _Findings) -> dict:
+    problem = driver_problem(reading.driver_version)
+    if problem:
+        findings.problems.append(problem)
+    return {"version": reading.driver_version, "nvml_version": reading.nvml_version,
+            "cuda_version": reading.cuda_version, "minimum_branch": MINIMUM_BRANCH, "supported": problem is None}
+
+
+# -- one GPU -------------------------------------------------------------------------------------
+
+
+def _gpu(gpu: GpuReading, findings: _Findings, holders: dict[int, list[Holder]] | None, proc: Path,
+         dev: Path) -> dict:
+    where = f"GPU {gpu.index}"
+    if gpu.error:
+        findings.problems.append(f"{where}: NVML gives no handle for it ({gpu.error}): look for Xid 79 in the "
+                                 "kernel log (GPU fallen off the bus); a GPU reset or a reboot may bring it back")
+        return {"index": gpu.index, "error": gpu.error}
+    findings.problems += [f"{where}: reading {f.read} failed: {f.error}" for f in gpu.failures
+                          if f.code != NVML_NO_PERMISSION]
+    return {
+        "index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "bus_id": gpu.bus_id,
+        "minor_number": gpu.minor_number, "memory_total_mib": gpu.memory_total_mib,
+        "mig": _mig(gpu, findings),
+        "compute_processes": [{"pid": p.pid, "name": p.name} for p in gpu.processes],
+        "reset_blockers": _reset_blockers(gpu, holders, proc, dev),
+        "nvlink": _nvlink(gpu, findings),
+        "fabric": _fabric(gpu, findings),
+    }
+
+
+def _mig(gpu: GpuReading, findings: _Findings) -> dict:
+    if gpu.mig_current is None:
+        return {"capable": False}
+    if gpu.mig_pending != gpu.mig_current:
+        findings.note(f"MIG mode {gpu.mig_pending} is pending: it takes effect after a GPU reset", gpu.index)
+    if not gpu.gi_profiles_answered:
+        findings.note(f"the driver does not give the MIG profile table while MIG is {gpu.mig_current} (R535 "
+                      "drivers answer NOT_SUPPORTED with MIG off): gpud uses the table it last read, or the one "
+                      "shipped with it", gpu.index)
+    return {"capable": True, "current": gpu.mig_current, "pending": gpu.mig_pending,
+            "profiles_readable": gpu.gi_profiles_answered,
+            "profiles": [{"id": p.id, "name": p.name, "slices": p.slices, "instances": p.instances,
+                          "memory_mib": p.memory_mib} for p in gpu.gi_profiles],
+            "gpu_instance_count": gpu.gpu_instance_count,
+            "devices": [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in gpu.mig_devices]}
+
+
+def _reset_blockers(gpu: GpuReading, holders: dict[int, list[Holder]] | None, proc: Path, dev: Path) -> list[str]:
+    """Who would make `nvidia-smi -r` refuse this GPU now: holders of its device node, kernel modules
+    that hold every GPU, and its compute processes (nvidia-smi(1): a reset needs the GPU free of
+    every application). holders None: this host's processes, found in /proc."""
+    if holders is not None:
+        found, lines = holders.get(gpu.index, []), []
+    elif gpu.minor_number is not None:
+        found = device_holders([str(dev / f"nvidia{gpu.minor_number}")], exclude_pids={os.getpid()}, proc=proc)
+        lines = module_blockers(proc)
+    else:
+        found, lines = [], ["the GPU's minor number is unknown, so its device node's holders cannot be looked up"]
+    held_by = {h.pid for h in found}
+    return [describe_holder(h) for h in found] + lines + \
+        [f"PID {p.pid} ({p.name or '?'}) runs on the GPU: stop it, or wait for it to finish"
+         for p in gpu.processes if p.pid not in held_by]
+
+
+def _nvlink(gpu: GpuReading, findings: _Findings) -> dict:
+    links = gpu.nvlinks
+    inactive = links.present - links.active
+    if links.present == 0:
+        summary = "no NVLink"
+    elif links.active == 0:
+        # NVLink-capable PCIe boards without a bridge report every link inactive: not a fault
+        # (/work/shared/reference/README.md, corrections).
+        summary = f"no bridge: all {links.present} links inactive"
+    elif inactive:
+        summary = f"{inactive} of {links.present} links inactive"
+        findings.note(f"{summary} while the others are active: if every link should be up (NVSwitch systems, "
+                      "full bridges), check nvidia-smi nvlink -s and the kernel log", gpu.index)
+    else:
+        summary = f"all {links.present} links active"
+    return {"links": links.present, "active": links.active, "inactive": inactive, "summary": summary}
+
+
+def _fabric(gpu: GpuReading, findings: _Findings) -> dict:
+    fabric = gpu.fabric
+    if fabric is None:
+        return {"state": "unknown", "summary": "this driver does not offer the fabric query"}
+    if fabric.state == "not-supported":
+        return {"state": fabric.state, "summary": "not applicable (no NVLink fabric)"}
+    if fabric.state in ("not-started", "in-progress") or fabric.status not in (None, "Success"):
+        # Fabric Manager registers each GPU of an NVSwitch system; until it has, CUDA cannot use the GPU there.
+        detail = fabric.status if fabric.state == "completed" else f"registration {fabric.state}"
+        findings.problems.append(f"GPU {gpu.index}: NVLink fabric {detail}: check nvidia-fabricmanager "
+                        "(systemctl status nvidia-fabricmanager) and its log")
+    return {"state": fabric.state, "summary": fabric.status or fabric.state}
+
+
+# -- nvidia-smi ----------------------------------------------------------------------------------
+
+
+def _compare_with_smi(reading: NodeReading, smi_path: str | None, findings: _Findings) -> dict:
+    if smi_path is None:
+        return {"path": None, "compared": False, "summary": "nvidia-smi is not on PATH: comparison skipped",
+                "mismatches": []}
+    try:
+        mismatches = smi_mismatches(reading, smi.parse_query_xml(smi.run(smi_path, ("-q", "-x"))),
+                                    smi.parse_lgip(smi.run(smi_path, ("mig", "-lgip"))))
+    except smi.SmiError as exc:
+        findings.problems.append(f"nvidia-smi: {exc}: check the driver installation (nvidia-smi and NVML come with it)")
+        return {"path": smi_path, "compared": False, "summary": str(exc), "mismatches": []}
+    findings.problems += [f"nvidia-smi disagrees with NVML: {m}: check that gpud and nvidia-smi use the same "
+                          "driver (nvidia-smi --version; ldconfig -p | grep libnvidia-ml)" for m in mismatches]
+    summary = "agrees with NVML (-q -x and mig -lgip)" if not mismatches else f"{len(mismatches)} mismatches"
+    return {"path": smi_path, "compared": True, "summary": summary, "mismatches": mismatches}
+
+
+def smi_mismatches(reading: NodeReading, report: smi.SmiReport, profiles: list[smi.SmiGiProfile]) -> list[str]:
+    """Where nvidia-smi's `-q -x` report and `mig -lgip` table disagree with what NVML answered."""
+    return _compare_query(reading, report) + _compare_profiles(reading, profiles)
+
+
+def _compare_query(reading: NodeReading, report: smi.SmiReport) -> list[str]:
+    mismatches = []
+    if report.driver_version and report.driver_version != reading.driver_version:
+        mismatches.append(f"driver version: NVML {reading.driver_version}, nvidia-smi {report.driver_version}")
+    readable = [gpu for gpu in reading.gpus if gpu.error is None]
+    if len(report.gpus) != len(reading.gpus):
+        mismatches.append(f"GPU count: NVML {len(reading.gpus)}, nvidia-smi {len(report.gpus)}")
+    by_uuid = {gpu.uuid: gpu for gpu in report.gpus if gpu.uuid}
+    for gpu in readable:
+        listed = by_uuid.get(gpu.uuid)
+        if listed is None:
+            mismatches.append(f"GPU {gpu.index} ({gpu.uuid}) is not in nvidia-smi -q -x")
+            continue
+        mismatches += _compare_gpu(gpu, listed)
+    return mismatches
+
+
+def _compare_gpu(gpu: GpuReading, listed: smi.SmiGpu) -> list[str]:
+    theirs_mig_devices = len(listed.mig_devices) if listed.mig_current == "enabled" else 0
+    pairs = (("name", gpu.name, listed.name),
+             ("bus id", normal_bus_id(gpu.bus_id or ""), normal_bus_id(listed.bus_id)),
+             ("MIG mode", gpu.mig_current, listed.mig_current),
+             ("memory total (MiB)", gpu.memory_total_mib, listed.memory_total_mib),
+             ("MIG device count", len(gpu.mig_devices), theirs_mig_devices))
+    return [f"GPU {gpu.index} {what}: NVML {ours}, nvidia-smi {theirs}" for what, ours, theirs in pairs
+            if theirs is not None and ours != theirs]
+
+
+def _compare_profiles(reading: NodeReading, profiles: list[smi.SmiGiProfile]) -> list[str]:
+    mismatches = []
+    for gpu in reading.gpus:
+        listed = {p.id: p for p in profiles if p.gpu == gpu.index}
+        ours = {p.id: p for p in gpu.gi_profiles}
+        if not listed or not gpu.gi_profiles_answered:
+            continue  # one side lists no table for it (no MIG, or an R535 driver with MIG off): nothing to compare
+        for profile_id in sorted(ours.keys() ^ listed.keys()):
+            side = "NVML" if profile_id in ours else "nvidia-smi mig -lgip"
+            mismatches.append(f"GPU {gpu.index} GPU-instance profile {profile_id} is listed only by {side}")
+        for profile_id in sorted(ours.keys() & listed.keys()):
+            mismatches += _compare_profile(gpu.index, ours[profile_id], listed[profile_id])
+    return mismatches
+
+
+def _compare_profile(index: int, ours: GiProfile, theirs: smi.SmiGiProfile) -> list[str]:
+    where = f"GPU {index} profile {ours.id}"
+    found = []
+    if ours.name and ours.name != theirs.name:
+        found.append(f"{where} name: NVML {ours.name}, nvidia-smi {theirs.name}")
+    if ours.instances != theirs.total:
+        found.append(f"{where} instances: NVML {ours.instances}, nvidia-smi {theirs.total}")
+    if abs(ours.memory_mib / 1024 - theirs.memory_gib) > 0.006:  # -lgip prints GiB with two decimals
+        found.append(f"{where} memory: NVML {ours.memory_mib} MiB, nvidia-smi {theirs.memory_gib} GiB")
+    return found
+
+
+# -- permissions ---------------------------------------------------------------------------------
+
+
+def _permissions(reading: NodeReading, root: bool, findings: _Findings) -> dict:
+    denied = [{"gpu": gpu.index, "read": f.read, "loses": _LOSSES.get(f.read, f.read)}
+              for gpu in reading.gpus for f in gpu.failures if f.code == NVML_NO_PERMISSION]
+    if root:
+        summary = "running as root"
+    else:
+        summary = (f"running as uid {os.geteuid()}: " + (f"{len(denied)} reads need root" if denied
+                                                          else "every read answered"))
+        findings.note("not root: other users' processes holding the GPUs cannot be seen; run doctor as root "
+                      "for the full list of reset blockers")
+    return {"root": root, "summary": summary, "denied": denied}
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+def render(report: dict) -> str:
+    if report["status"] == "cannot-run":
+        return f"gpud doctor: cannot run: {report['error']}\nResult: cannot run (exit {EXIT_CANNOT_RUN})"
+    driver = report["driver"]
+    lines = [f"gpud doctor ({report['backend']} backend)", "",
+             f"driver       {driver['version']} (NVML {driver['nvml_version']}, CUDA {driver['cuda_version']}): "
+             + ("supported" if driver["supported"] else "NOT supported") + f", minimum R{driver['minimum_branch']}"]
+    for gpu in report["gpus"]:
+        lines += ["", *_render_gpu(gpu)]
+    smi_part, permissions = report["nvidia_smi"], report["permissions"]
+    lines += ["", f"nvidia-smi   {smi_part['path'] or '-'}: {smi_part['summary']}",
+              f"permissions  {permissions['summary']}"]
+    lines += _render_denied(permissions["denied"])
+    lines += _render_list("Problems", report["problems"]) + _render_list("Notes", report["notes"])
+    count = len(report["problems"])
+    lines += ["", f"Result: {count} problem{'s' if count != 1 else ''} (exit {EXIT_PROBLEMS})" if count
+              else f"Result: OK (exit {EXIT_OK})"]
+    return "\n".join(lines)
+
+
+def _render_gpu(gpu: dict) -> list[str]:
+    if "error" in gpu:
+        return [f"GPU {gpu['index']}        cannot be read: {gpu['error']}"]
+    mig = gpu["mig"]
+    if mig["capable"]:
+        table = f"{len(mig['profiles'])} profiles" if mig["profiles_readable"] else "profile table not readable"
+        mig_line = (f"{mig['current']} (pending {mig['pending']}), {table}, {len(mig['devices'])} MIG devices"
+                    + "".join(f"\n               {d['index']}: {d['name']} {d['uuid']}" for d in mig["devices"]))
+    else:
+        mig_line = "not supported"
+    blockers = gpu["reset_blockers"] or ["nothing would block a reset now"]
+    return [f"GPU {gpu['index']}        {gpu['name']}",
+            f"  UUID       {gpu['uuid']}",
+            f"  bus id     {gpu['bus_id']}   minor {gpu['minor_number']}   memory {gpu['memory_total_mib']} MiB",
+            f"  MIG        {mig_line}",
+            f"  NVLink     {gpu['nvlink']['summary']}",
+            f"  fabric     {gpu['fabric']['summary']}",
+            f"  reset      {blockers[0]}", *(f"             {line}" for line in blockers[1:])]
+
+
+def _render_denied(denied: list[dict]) -> list[str]:
+    """One line per read that needs root, naming every GPU it was refused on."""
+    gpus: dict[tuple[str, str], list[str]] = {}
+    for entry in denied:
+        gpus.setdefault((entry["read"], entry["loses"]), []).append(str(entry["gpu"]))
+    return [f"  {read} needs root (GPU {', '.join(indexes)}): without it gpud loses {loses}"
+            for (read, loses), indexes in gpus.items()]
+
+
+def _render_list(title: str, items: list[str]) -> list[str]:
+    return ["", f"{title}:", *(f"  - {item}" for item in items)] if items else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
