@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 from dataclasses import replace
@@ -14,6 +15,7 @@ from aiohttp import web
 from gpud import __version__
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, error_response
+from gpud.api.gpus import GpuRoutes
 from gpud.api.health import HealthRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
@@ -23,12 +25,14 @@ from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.views import encode
 from gpud.config import Config, ConfigError
 from gpud.events import EventBus
+from gpud.gpu_reset import GpuResetter
 from gpud.health.catalog import load_catalog
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
 from gpud.mig.reconciler import ApplyRefused, MigReconciler
 from gpud.mps.manager import MpsManager
+from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.sharing.config import SharingConfigError
@@ -43,10 +47,10 @@ class Daemon:
     def __init__(self, config: Config, notifier: Notifier | None = None):
         self.config = config
         self.notifier = notifier or Notifier({})
-        self.session = NvmlSession(load_backend(config.simulate, config.sim_state_path),
+        self.session = NvmlSession(load_backend(config.simulate, config.sim_state_path, config.sim_driver),
                                    retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
-        reader = NodeReader()
+        reader = NodeReader(profiles_path=config.state_path / "mig-profiles.json")
         self.inventory = InventoryService(lambda known: self.session.call(reader.read, known),
                                           config.inventory.refresh_interval_s,
                                           config.state_path / "known-gpus.json")
@@ -57,11 +61,16 @@ class Daemon:
         self.inventory.subscribe(self.sharing.update)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=lambda inventory: mps_replicas(self.sharing.config, inventory))
+        around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
+        self.resetter = GpuResetter(self.session, self.inventory,
+                                    host_tools_for(self.session.nvml, self.session.simulated),
+                                    own_pids=self._own_pids, around=around_gpu_change,
+                                    health_reasons=self._health_reasons)
         hooks = config.mig.hooks
-        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json",
+        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json", self.resetter,
                                  allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
                                  post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
-                                 around_gpu_change=(self.mps.before_mig_change, self.mps.after_mig_change))
+                                 around_gpu_change=around_gpu_change)
         mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
         self.bus = EventBus()
         self.latency = RequestLatency()
@@ -71,16 +80,18 @@ class Daemon:
         self.health = HealthService(self.session, self.inventory, self.bus, catalog,
                                     check_interval_s=health.check_interval_s,
                                     clear_after_passes=health.clear_after_passes,
-                                    mps_failures=self.mps.failures)
+                                    mps_failures=self.mps.failures,
+                                    nvlinks_path=config.state_path / "nvlinks-seen-up.json")
         self.sharing.unhealthy = lambda: {uuid for uuid, state in self.health.tracker.gpu_states().items()
                                           if state == "unhealthy"}
-        self.mig.after_gpu_reset = self.health.gpu_was_reset
+        self.resetter.after_gpu_reset = self.health.gpu_was_reset
         self.health.listeners.append(lambda: self.sharing.update(self.inventory.current, reason="health"))
         for source in (self.mig, self.mps, self.sharing):
             source.notify = self.bus.publish
         self.inventory.subscribe(self._publish_inventory)
         self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s, more_routes=(
-            mig_routes.register, MpsRoutes(self.mps).register, self.sharing.register,
+            mig_routes.register, GpuRoutes(self.mig, self.inventory, config.api.body_timeout_s).register,
+            MpsRoutes(self.mps).register, self.sharing.register,
             HealthRoutes(self.health, self.inventory, self.bus, config.api.body_timeout_s).register,
             MetricsRoute(self.inventory, self.health, self.mig, self.mps, self.latency).register,
             self._register_reload), admin_group=config.api.admin_group)
@@ -121,6 +132,19 @@ class Daemon:
         await self.mps.converge("startup")
         self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
         await self.inventory.run()
+
+    def _own_pids(self) -> set[int]:
+        """gpud and the MPS daemons it started: they hold the GPUs, and go away for a reset."""
+        mps = {pid for d in self.mps.daemons.values() for pid in (d.pid, *d.server_pids) if pid is not None}
+        return {os.getpid(), *mps}
+
+    def _health_reasons(self) -> dict[str, list[dict]]:
+        """Device UUID -> its health reasons now, GPUs and MIG devices."""
+        reasons = {}
+        for gpu in self.health.view()["gpus"]:
+            reasons[gpu["uuid"]] = gpu["reasons"]
+            reasons.update({device["uuid"]: device["reasons"] for device in gpu["mig_devices"]})
+        return reasons
 
     def _register_reload(self, app: web.Application) -> None:
         app.router.add_post("/v1/reload", self._reload_route)

@@ -191,7 +191,8 @@ async def test_lost_gpu_is_reported_and_the_rest_still_answers(node):
     _, after = await node.get("/v1/gpus")
     assert_matches_openapi("GET", "/v1/gpus", 200, after)
     lost = after["gpus"][5]
-    assert lost["lost"] is True and "GPU is lost" in lost["error"]
+    # What a GPU that fell off the bus mostly answers (the simulator cites its sources)
+    assert lost["lost"] is True and "Unknown Error" in lost["error"]
     assert lost["uuid"] == before["gpus"][5]["uuid"]  # last known identity is kept
     assert [g["lost"] for g in after["gpus"]].count(True) == 1
     for ident in ("0", "5", before["gpus"][7]["uuid"]):

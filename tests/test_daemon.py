@@ -57,7 +57,7 @@ def test_restart_keeps_the_simulated_gpu_state(run_gpud, short_tmp):
     first.wait_healthy()
     before = first.client.get("/v1/gpus")["gpus"]
     assert all(len(g["mig"]["devices"]) == 2 for g in before)  # two 3g.40gb per H100
-    first.client.request("POST", "/v1/sim/gpu-lost", {"gpu": 6})
+    first.client.request("POST", "/v1/sim/gpu-lost", {"gpu": 6, "how": "is-lost"})
     assert first.stop() == 0
     assert not first.socket.exists()
 

@@ -188,6 +188,10 @@ async def test_running_processes_block_destruction_unless_forced(short_tmp):
 async def test_ampere_reset_can_be_left_to_the_operator(short_tmp):
     node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2", allow_gpu_reset=False))
     try:
+        # An idle A100 switches MIG mode by itself (the driver resets it); one another process holds
+        # stays pending until a reset (reference migparted.md §3, gpu-operator#351).
+        for gpu in (0, 1):
+            node.daemon.session.nvml.sim_add_holder(gpu, "nvidia-persistenced", 900)
         status, body = await put_layout(node, "all-1g.5gb")
         assert status == 409 and body["error"]["code"] == "reset-required"
         _, mig = await node.get("/v1/mig")

@@ -16,7 +16,7 @@ import yaml
 from aiohttp import web
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy, admin_only
-from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route, read_json_object
+from gpud.api.errors import MAX_BODY_BYTES, ApiError, error_response, json_errors, no_such_route, read_json_object
 from gpud.api.views import RenderedInventory, encode, node_view
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
@@ -64,10 +64,7 @@ class Api:
         app.router.add_get("/v1/gpus", self.gpus)
         app.router.add_get("/v1/gpus/{id}", self.gpu)
         app.router.add_get("/v1/openapi.json", self.openapi)
-        app.router.add_post("/v1/sim/xid", self.sim_xid)
-        app.router.add_post("/v1/sim/gpu-lost", self.sim_gpu_lost)
-        app.router.add_post("/v1/sim/processes", self.sim_processes)
-        app.router.add_post("/v1/sim/ecc", self.sim_ecc)
+        self._register_sim_routes(app)
         for register in self.more_routes:
             register(app)
         app.router.add_route("*", "/{path:.*}", no_such_route)  # last: only what nothing else matched
@@ -90,6 +87,9 @@ class Api:
         return web.Response(status=503, body=encode(body), content_type=JSON)
 
     async def node(self, request: web.Request) -> web.Response:
+        if self.rendered is None:  # no inventory: NVML may still have said which driver it found
+            return web.Response(body=encode(node_view(None, self.node_base, self.session.driver_version)),
+                                content_type=JSON)
         return web.Response(body=self._node_body, content_type=JSON)
 
     @json_errors
@@ -116,11 +116,25 @@ class Api:
 
     # -- simulator faults ----------------------------------------------------------------------
 
+    def _register_sim_routes(self, app: web.Application) -> None:
+        """Fault injection exists only on a simulated node; elsewhere /v1/sim/* says why it is absent."""
+        if not self.session.simulated:
+            app.router.add_route("*", "/v1/sim/{what:.*}", self.not_simulated)
+            return
+        for name, handler in (("xid", self.sim_xid), ("gpu-lost", self.sim_gpu_lost),
+                              ("gpu-recover", self.sim_gpu_recover), ("processes", self.sim_processes),
+                              ("holders", self.sim_holders), ("ecc", self.sim_ecc)):
+            app.router.add_post(f"/v1/sim/{name}", handler)
+
+    async def not_simulated(self, request: web.Request) -> web.Response:
+        return error_response(404, "not-simulated", "fault injection exists only on a simulated node (--simulate)")
+
     @admin_only
     @json_errors
     async def sim_xid(self, request: web.Request) -> web.Response:
-        body = await self._sim_body(request, {"gpu": (int, str), "xid": (int,), "gi_id": (int, type(None)),
-                                              "ci_id": (int, type(None))})
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "xid": (int,),
+                                                                     "gi_id": (int, type(None)),
+                                                                     "ci_id": (int, type(None))})
         if not 0 < body["xid"] < 1 << 16:
             raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
         await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"))
@@ -131,16 +145,47 @@ class Api:
     @admin_only
     @json_errors
     async def sim_gpu_lost(self, request: web.Request) -> web.Response:
-        body = await self._sim_body(request, {"gpu": (int, str)})
-        await self._sim_call("sim_set_gpu_lost", body["gpu"])
-        log.warning("sim_gpu_lost", gpu=body["gpu"])
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "how": (str, type(None))})
+        how = {"how": body["how"]} if body.get("how") is not None else {}  # else the simulator's default
+        await self._sim_call("sim_set_gpu_lost", body["gpu"], **how)
+        log.warning("sim_gpu_lost", gpu=body["gpu"], how=body.get("how"))
         await self.inventory.refresh("simulated GPU loss")
         return _accepted({"injected": "gpu-lost", **body})
 
     @admin_only
     @json_errors
+    async def sim_gpu_recover(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str)})
+        await self._sim_call("sim_recover_gpu", body["gpu"])
+        log.warning("sim_gpu_recovered", gpu=body["gpu"])
+        await self.inventory.refresh("simulated GPU recovery")
+        return _accepted({"injected": "gpu-recovered", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_holders(self, request: web.Request) -> web.Response:
+        """Another host process holds the GPU's device node (a monitoring agent, a CUDA app), or
+        every such process lets go (release)."""
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "process": (str, type(None)),
+                                                                     "pid": (int, type(None)),
+                                                                     "release": (bool, type(None))})
+        _check_holder(body)
+        if body.get("release"):
+            await self._sim_call("sim_release_holders", body["gpu"])
+            log.info("sim_holders_released", gpu=body["gpu"])
+            injected = "holders-released"
+        else:
+            await self._sim_call("sim_add_holder", body["gpu"], body["process"], body["pid"])
+            log.info("sim_holder_added", gpu=body["gpu"], process=body["process"], pid=body["pid"])
+            injected = "holder"
+        holders = await self._sim_call("sim_holders", body["gpu"])
+        return _accepted({"injected": injected, **body,
+                          "holders": [{"pid": pid, "process": process} for pid, process in holders]})
+
+    @admin_only
+    @json_errors
     async def sim_processes(self, request: web.Request) -> web.Response:
-        body = await self._sim_body(request, {"gpu": (int, str), "pids": (list,)})
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list,)})
         pids = body["pids"]
         if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 22 for p in pids):
             raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
@@ -152,25 +197,34 @@ class Api:
     @admin_only
     @json_errors
     async def sim_ecc(self, request: web.Request) -> web.Response:
-        body = await self._sim_body(request, {"gpu": (int, str), "double_bit": (bool,)})
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "double_bit": (bool,)})
         await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
         log.warning("sim_ecc_injected", gpu=body["gpu"], double_bit=body["double_bit"])
         return _accepted({"injected": "ecc", **body})
 
-    async def _sim_body(self, request: web.Request, fields: dict) -> dict:
-        if not self.session.simulated:
-            raise ApiError(404, "not-simulated", "fault injection exists only on a simulated node (--simulate)")
-        return await read_json_object(request, self.body_timeout_s, fields)
-
-    async def _sim_call(self, method: str, *args: Any) -> None:
+    async def _sim_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            await self.session.call(lambda nvml: getattr(nvml, method)(*args))
+            return await self.session.call(lambda nvml: getattr(nvml, method)(*args, **kwargs))
         except SimError as exc:
             raise ApiError(422, "invalid-target", str(exc)) from None
         except NvmlUnavailable as exc:
             raise ApiError(503, "nvml-unavailable", str(exc)) from None
         except self.session.nvml.NVMLError as exc:
             raise ApiError(409, "nvml-error", describe_error(exc)) from None
+
+
+def _check_holder(body: dict) -> None:
+    process, pid = body.get("process"), body.get("pid")
+    if body.get("release"):
+        if process is not None or pid is not None:
+            raise ApiError(400, "invalid-body", "give either release: true, or process and pid")
+        return
+    if process is None or pid is None:
+        raise ApiError(400, "missing-field", "a holder needs 'process' and 'pid' (or give release: true)")
+    if not 0 < pid < 1 << 22:
+        raise ApiError(400, "invalid-field", f"field 'pid' must be a process id (a positive integer), got {pid}")
+    if not process.strip() or not process.isprintable() or len(process) > 64:
+        raise ApiError(400, "invalid-field", "field 'process' must be a program name (1 to 64 printable characters)")
 
 
 def _accepted(document: dict) -> web.Response:

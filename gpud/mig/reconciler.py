@@ -15,15 +15,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
+from gpud.gpu_reset import GpuResetter, ResetBlocked, ResetBusy, ResetOutcome
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.mig.layouts import Layout, LayoutEntry, LayoutError
 from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
-from gpud.nvml.session import NvmlSession, describe_error
+from gpud.nvml.host_tools import ResetFailed
+from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
 from gpud.persist import write_json_atomic
 
 log = get_logger("mig")
@@ -83,6 +85,24 @@ def in_sync(gpu: Gpu, desired: GpuDesired) -> bool:
     return actual_of(gpu) == desired.as_dict() and not leftovers and pending_ok
 
 
+def mode_change_needs_reset(gpu: Gpu, desired: GpuDesired) -> bool:
+    """Whether applying desired changes the GPU's MIG mode on a GPU that needs a reset for it.
+
+    Ampere GPUs (A100, A30) apply a MIG mode change at a GPU reset; Hopper and later switch at
+    once (MIG user guide; /work/shared/reference/mig-profiles.md §1 item 8). mig-parted tells them
+    apart by compute capability below 9.0 (/work/shared/reference/migparted.md §3).
+    """
+    wanted = "enabled" if desired.mig_enabled else "disabled"
+    return gpu.mig.capable and gpu.mig.mode != wanted and _compute_major(gpu) < 9
+
+
+def _compute_major(gpu: Gpu) -> int:
+    try:
+        return int(gpu.cuda_compute_capability.split(".")[0])
+    except ValueError:
+        return 0  # unknown: assume the stricter older GPU
+
+
 def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired]:
     """GPU UUID -> what the layout wants of it; GPUs the layout does not select are absent (left alone)."""
     desired = {}
@@ -94,11 +114,12 @@ def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired
 
 
 class MigReconciler:
-    def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, *,
-                 allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
+    def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, resetter: GpuResetter,
+                 *, allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
                  hook_timeout_s: float = 300.0, around_gpu_change: tuple | None = None):
         self.session = session
         self.inventory = inventory
+        self.resetter = resetter
         self._state_path = state_path
         self._allow_reset = allow_reset
         self._hooks = {"pre_apply": pre_apply, "post_apply": post_apply}
@@ -106,7 +127,6 @@ class MigReconciler:
         # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
         self._around_gpu_change = around_gpu_change
         self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
-        self.after_gpu_reset: Callable[[str], object] = lambda uuid: None  # health clears what a reset clears
         self._lock = asyncio.Lock()
         self.status = ApplyStatus()
         self.desired: dict[str, GpuDesired] = {}
@@ -195,12 +215,41 @@ class MigReconciler:
         if inventory is None:
             raise ApplyRefused(503, "nvml-unavailable", self.session.error or "no inventory yet")
         desired, plans = self.plan(layout, inventory, force)
+        await self._refuse_blocked_reset(layout, inventory, desired, force)
         self._persist_desired(layout.name, desired, force, source)
         self.status = ApplyStatus(layout=layout.name, state="applying", started_at=time.time(),
                                   gpus={g.uuid: GpuProgress(g.index, g.uuid) for g in inventory.gpus
                                         if g.uuid in desired})
         self._task = asyncio.create_task(self._run_locked())
         return plans
+
+    async def _refuse_blocked_reset(self, layout: Layout, inventory: Inventory, desired: dict[str, GpuDesired],
+                                    force: bool) -> None:
+        """Refuses, before any change, a layout whose MIG mode change needs a GPU reset that would be
+        refused: the GPU would be left half-changed, its mode pending until someone frees it."""
+        if not self._allow_reset:
+            return  # the mode change is left pending for the operator: state reset-required
+        needing = [g.index for g in inventory.gpus if g.uuid in desired and mode_change_needs_reset(g, desired[g.uuid])]
+        if not needing:
+            return
+        group, blockers = await self.resetter.preflight(needing, inventory, force=force)
+        if blockers:
+            refused = ResetBlocked(blockers, tuple(g.index for g in group), tuple(needing))
+            raise ApplyRefused(409, "reset-blocked", f"layout '{layout.name}' changes the MIG mode of Ampere GPUs, "
+                                                     f"which may take a GPU reset, and {refused}. Nothing was "
+                                                     "changed; free the GPU and apply again, or set "
+                                                     "mig.allow_gpu_reset: false to leave the reset to you",
+                               blockers=[b.as_dict() for b in blockers], reset_gpus=list(refused.group))
+
+    async def reset_gpus(self, indices: list[int], *, force: bool = False) -> ResetOutcome:
+        """A GPU reset asked for through the API: the GPUs with their NVLink peers, MIG layouts
+        brought back afterwards (a reset destroys every MIG instance)."""
+        if self._lock.locked():
+            raise ApplyRefused(409, "apply-in-progress", f"a MIG apply of '{self.status.layout}' is in progress; "
+                                                         "reset after it")
+        async with self._lock:
+            return await self.resetter.reset(indices, "asked through the API", force=force,
+                                             restore=lambda gpus, after: self._restore_after_reset(gpus, after, ()))
 
     async def wait(self) -> ApplyStatus:
         task = getattr(self, "_task", None)
@@ -251,8 +300,11 @@ class MigReconciler:
                 self.status.gpus[gpu.uuid].state = "unchanged"
         if changing and not await self._run_hook("pre_apply", changing):
             return
-        for gpu in changing:
-            await self._apply_gpu(gpu, self.desired[gpu.uuid])
+        # As mig-parted does: every mode is set first, then one reset takes them all, so a GPU is
+        # never reset again after its instances were made (a reset destroys them).
+        awaiting_reset = [gpu for gpu in changing if await self._apply_gpu(gpu, self.desired[gpu.uuid])]
+        if awaiting_reset:
+            await self._reset_then_finish(awaiting_reset)
         final = await self.inventory.refresh("mig apply finished")
         if changing:
             await self._run_hook("post_apply", changing)
@@ -266,59 +318,134 @@ class MigReconciler:
                  mutations=sum(p.mutations for p in self.status.gpus.values()),
                  in_sync=all(in_sync(g, self.desired[g.uuid]) for g in final.gpus if g.uuid in self.desired))
 
-    async def _apply_gpu(self, gpu: Gpu, desired: GpuDesired) -> None:
+    async def _apply_gpu(self, gpu: Gpu, desired: GpuDesired) -> bool:
+        """Changes one GPU. True when its new MIG mode waits for a GPU reset: the rest of its change
+        (and restarting its MPS daemons) comes after the reset."""
         progress = self.status.gpus[gpu.uuid]
         progress.state = "applying"
         self.notify("mig", {"layout": self.status.layout, "state": "applying", "gpu": gpu.index})
-        bound = log.bind(gpu=gpu.index, uuid=gpu.uuid, layout=self.status.layout)
-        original = gpu.mig.instances
-        if self._around_gpu_change:
-            await self._around_gpu_change[0](gpu.uuid)
+        await self._around(0, gpu.uuid)
+        awaiting_reset = False
         try:
-            await self._change_gpu(gpu, desired, progress, bound, original)
+            awaiting_reset = await self._change_gpu(gpu, desired, progress)
         finally:
-            if self._around_gpu_change:
-                await self._around_gpu_change[1](gpu.uuid)
+            if not awaiting_reset:
+                await self._around(1, gpu.uuid)
+        return awaiting_reset
 
-    async def _change_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress, bound,
-                          original: tuple[GpuInstanceState, ...]) -> None:
+    async def _around(self, which: int, uuid: str) -> None:
+        if self._around_gpu_change:
+            await self._around_gpu_change[which](uuid)
+
+    def _bound(self, gpu: Gpu):
+        return log.bind(gpu=gpu.index, uuid=gpu.uuid, layout=self.status.layout)
+
+    async def _change_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress) -> bool:
+        bound = self._bound(gpu)
         try:
-            gpu = await self._set_mode(gpu, desired.mig_enabled, progress, bound)
-            if gpu is None:
-                return
+            outcome = await self._set_mode(gpu, desired.mig_enabled, progress, bound)
+            if outcome == "needs-reset" and self._allow_reset:
+                return True
+            if outcome != "active":
+                _mark_reset_required(progress, bound, gpu, outcome)
+                return False
+            if mode_change_needs_reset(gpu, desired):
+                # nvml.h, nvmlDeviceSetMigMode: it "may unbind or reset the device to activate the
+                # requested mode": on an idle Ampere GPU the driver reset it, and what a reset clears is gone.
+                bound.warning("gpu_reset_by_driver", why="MIG mode change on an idle Ampere GPU")
+                self.resetter.after_gpu_reset(gpu.uuid)
+            await self._finish_gpu(await self._fresh(gpu.uuid), desired, progress, gpu.mig.instances)
+        except Exception as exc:
+            await self._fail(gpu, progress, exc, gpu.mig.instances)
+        return False
+
+    async def _finish_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress,
+                          original: tuple[GpuInstanceState, ...]) -> None:
+        """Creates and destroys instances once the GPU is in the desired mode."""
+        try:
             if desired.mig_enabled:
                 plan = plan_gpu(mig_state_of(gpu), desired.devices)
-                bound.info("mig_gpu_plan", destroy=len(plan.destroy_cis) + len(plan.destroy_gis),
-                           create=len(plan.create_cis) + sum(1 + len(g.compute_instances) for g in plan.create_gis),
-                           keep=plan.kept)
+                self._bound(gpu).info("mig_gpu_plan", destroy=len(plan.destroy_cis) + len(plan.destroy_gis),
+                                      create=len(plan.create_cis) + sum(1 + len(g.compute_instances)
+                                                                        for g in plan.create_gis),
+                                      keep=plan.kept)
                 await self._execute(gpu, plan, progress)
             progress.state = "done"
-            bound.info("mig_gpu_applied", mutations=progress.mutations)
+            self._bound(gpu).info("mig_gpu_applied", mutations=progress.mutations)
         except Exception as exc:
-            progress.state, progress.error = "failed", describe_error(exc)
-            bound.error("mig_gpu_failed", error=progress.error, mutations=progress.mutations)
-            await self._roll_back(gpu.index, gpu.uuid, original, progress, bound)
+            await self._fail(gpu, progress, exc, original)
 
-    async def _set_mode(self, gpu: Gpu, enabled: bool, progress: GpuProgress, bound) -> Gpu | None:
-        """Clears the GPU and switches its MIG mode when it must change; returns its fresh state."""
+    async def _fail(self, gpu: Gpu, progress: GpuProgress, exc: Exception,
+                    original: tuple[GpuInstanceState, ...]) -> None:
+        progress.state, progress.error = "failed", describe_error(exc)
+        bound = self._bound(gpu)
+        bound.error("mig_gpu_failed", error=progress.error, mutations=progress.mutations)
+        await self._roll_back(gpu.index, gpu.uuid, original, progress, bound)
+
+    async def _set_mode(self, gpu: Gpu, enabled: bool, progress: GpuProgress, bound) -> str:
+        """Clears the GPU and requests its MIG mode when it must change: "active", "needs-reset" or
+        "needs-reboot" (gpud.nvml.mig.set_mig_mode)."""
         if gpu.mig.mode == ("enabled" if enabled else "disabled") and gpu.mig.pending_mode == gpu.mig.mode:
-            return gpu
+            return "active"
         if gpu.mig.mode == "enabled":
             await self._execute(gpu, GpuPlan(gpu.index, gpu.uuid, target=(),
                                              destroy_cis=_all_cis(gpu.mig.instances),
                                              destroy_gis=tuple(gi.gi_id for gi in gpu.mig.instances)), progress)
-        active = await self._mutate(progress, nvml_mig.set_mig_mode, gpu.index, enabled)
-        bound.info("mig_mode_set", enabled=enabled, active=active)
-        if not active:
-            if not self._allow_reset:
-                progress.state = "reset-required"
-                progress.error = "the MIG mode change waits for a GPU reset (mig.allow_gpu_reset is false)"
-                bound.warning("mig_reset_required")
-                return None
-            bound.warning("gpu_reset", why="MIG mode change pending (Ampere needs a reset)")
-            await self._mutate(progress, nvml_mig.reset_gpu, gpu.index)
-            self.after_gpu_reset(gpu.uuid)
-        return await self._fresh(gpu.uuid)
+        outcome = await self._mutate(progress, nvml_mig.set_mig_mode, gpu.index, enabled)
+        bound.info("mig_mode_set", enabled=enabled, outcome=outcome)
+        return outcome
+
+    async def _reset_then_finish(self, gpus: list[Gpu]) -> None:
+        """One reset for every GPU whose mode waits for it (with their NVLink peers), then their
+        instances; peers that had instances get them back."""
+        changing = {gpu.uuid for gpu in gpus}
+
+        async def finish(reset: tuple[Gpu, ...], after: Inventory) -> None:
+            for gpu in gpus:
+                fresh = next(g for g in after.gpus if g.uuid == gpu.uuid)
+                desired, progress = self.desired[gpu.uuid], self.status.gpus[gpu.uuid]
+                if fresh.mig.mode != ("enabled" if desired.mig_enabled else "disabled"):
+                    progress.state = "failed"
+                    progress.error = f"the GPU reset did not apply the MIG mode change (mode {fresh.mig.mode}, " \
+                                     f"pending {fresh.mig.pending_mode})"
+                    continue
+                await self._finish_gpu(fresh, desired, progress, ())
+            await self._restore_after_reset(reset, after, changing)
+
+        try:
+            await self.resetter.reset([gpu.index for gpu in gpus], "MIG mode change waits for a GPU reset (Ampere)",
+                                      force=self._force, restore=finish)
+        except ResetBlocked as exc:
+            for gpu in gpus:
+                _mark_reset_required(self.status.gpus[gpu.uuid], self._bound(gpu), gpu, "blocked", str(exc))
+        except (ResetFailed, ResetBusy, NvmlUnavailable) as exc:
+            for gpu in gpus:
+                progress = self.status.gpus[gpu.uuid]
+                progress.state, progress.error = "failed", f"GPU reset failed: {exc}"
+        finally:
+            for gpu in gpus:
+                await self._around(1, gpu.uuid)
+
+    async def _restore_after_reset(self, reset: tuple[Gpu, ...], after: Inventory, skip: Collection[str]) -> None:
+        """A reset destroys every MIG instance: GPUs the layout manages get the layout again, other
+        GPUs the instances they had (same profiles and placements; new MIG UUIDs)."""
+        for before in reset:
+            now = next((g for g in after.gpus if g.uuid == before.uuid), None)
+            if before.uuid in skip or now is None or now.lost or now.mig.mode != "enabled":
+                continue
+            wanted = self.desired.get(before.uuid)
+            try:
+                if wanted is not None and wanted.mig_enabled:
+                    plan = plan_gpu(mig_state_of(now), wanted.devices)
+                elif before.mig.instances:
+                    plan = plan_restore(mig_state_of(now), before.mig.instances)
+                else:
+                    continue
+                await self._execute(now, plan, GpuProgress(now.index, now.uuid))
+                log.info("mig_restored_after_reset", gpu=now.index, uuid=now.uuid, instances=len(plan.target),
+                         source="layout" if wanted is not None and wanted.mig_enabled else "before the reset")
+            except Exception as exc:
+                log.error("mig_restore_after_reset_failed", gpu=now.index, uuid=now.uuid, error=describe_error(exc))
 
     async def _execute(self, gpu: Gpu, plan: GpuPlan, progress: GpuProgress) -> None:
         index = gpu.index
@@ -343,7 +470,7 @@ class MigReconciler:
             for ci in gi.compute_instances:
                 if (gi.gi_id, ci.ci_id) in doomed and ci.pids:
                     log.warning("mig_forced_processes_ended", gpu=gpu.index, uuid=ci.uuid, pids=list(ci.pids))
-                    await self.session.call(nvml_mig.end_processes, ci.uuid, ci.pids)
+                    await asyncio.to_thread(self.resetter.host.end_processes, ci.uuid, ci.pids)
 
     async def _mutate(self, progress: GpuProgress, fn, *args):
         result = await self.session.call(fn, *args)
@@ -409,6 +536,19 @@ class MigReconciler:
             state = "pending"
         return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync, "error": self.status.error,
                 "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
+
+
+def _mark_reset_required(progress: GpuProgress, bound, gpu: Gpu, outcome: str, detail: str = "") -> None:
+    """The GPU's new MIG mode is pending: say what applies it."""
+    progress.state = "reset-required"
+    progress.error = {
+        "needs-reset": f"the MIG mode change waits for a GPU reset (mig.allow_gpu_reset is false): run "
+                       f"nvidia-smi -r -i {gpu.pci_bus_id} once nothing uses the GPU",
+        "needs-reboot": "the driver can apply the MIG mode change only at a reboot (activation status "
+                        "RESET_REQUIRED: this platform does not expose a GPU reset, as in a pass-through VM)",
+        "blocked": f"the MIG mode change waits for a GPU reset, which would be refused: {detail}",
+    }[outcome]
+    bound.warning("mig_reset_required", outcome=outcome, error=progress.error)
 
 
 def _all_cis(instances: tuple[GpuInstanceState, ...]) -> tuple[tuple[int, int], ...]:

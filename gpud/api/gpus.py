@@ -1,0 +1,63 @@
+"""Changing routes on a whole GPU: POST /v1/gpus/{id}/reset."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gpud.api.auth import admin_only
+from gpud.api.errors import ApiError, json_errors, read_json_object
+from gpud.api.views import encode
+from gpud.gpu_reset import ResetBlocked, ResetBusy
+from gpud.inventory import InventoryService
+from gpud.mig.reconciler import ApplyRefused, MigReconciler
+from gpud.nvml.host_tools import ResetFailed
+from gpud.nvml.session import NvmlUnavailable
+
+JSON = "application/json"
+
+
+class GpuRoutes:
+    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, body_timeout_s: float):
+        self.reconciler = reconciler
+        self.inventory = inventory
+        self.body_timeout_s = body_timeout_s
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/gpus/{id}/reset", self.reset)
+
+    @admin_only
+    @json_errors
+    async def reset(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"force": (bool, type(None))}) \
+            if request.body_exists else {}
+        ident = request.match_info["id"]
+        inventory = self.inventory.current
+        if inventory is None:
+            raise ApiError(503, "nvml-unavailable", "no inventory yet: NVML is not available")
+        gpu = inventory.find_gpu(ident)
+        if gpu is None:
+            raise ApiError(404, "gpu-not-found", f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
+                                                 "or a PCI bus id)")
+        if gpu.uuid != ident and any(device.uuid == ident for device in gpu.mig.devices):
+            raise ApiError(422, "not-a-gpu", f"'{ident}' is a MIG device: a reset takes its whole GPU "
+                                             f"({gpu.index}, {gpu.uuid}); name the GPU")
+        try:
+            outcome = await self.reconciler.reset_gpus([gpu.index], force=bool(body.get("force")))
+        except ResetBlocked as exc:
+            raise ApiError(409, "reset-blocked", f"{exc}. Nothing was changed", blockers=[b.as_dict() for b in
+                                                                                        exc.blockers],
+                           reset_gpus=list(exc.group)) from None
+        except ApplyRefused as exc:
+            raise ApiError(exc.status, exc.code, exc.message, **exc.details) from None
+        except ResetBusy as exc:
+            raise ApiError(409, "reset-in-progress", str(exc)) from None
+        except ResetFailed as exc:
+            raise ApiError(409, "reset-failed", f"{exc}; gpud's NVML session is back, the GPUs are as the "
+                                                "driver left them") from None
+        except NvmlUnavailable as exc:
+            raise ApiError(503, "nvml-unavailable", str(exc)) from None
+        after = self.inventory.current
+        gpus = [{"index": g.index, "uuid": g.uuid, "lost": g.lost, "mig_mode": g.mig.mode}
+                for g in after.gpus if g.index in outcome.gpus]
+        return web.Response(body=encode({"gpu": gpu.index, "uuid": gpu.uuid, **outcome.as_dict(), "gpus": gpus}),
+                            content_type=JSON)
