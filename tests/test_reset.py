@@ -107,6 +107,21 @@ async def test_allow_gpu_reset_false_leaves_the_reset_to_the_operator_without_a_
         await stop_daemon(node)
 
 
+async def test_in_a_passthrough_vm_an_ampere_mode_change_waits_for_a_reboot(short_tmp):
+    # SetMigMode's activation status RESET_REQUIRED (nvml.h: pass-through VMs expose no reset) means
+    # only a reboot applies the mode: gpud says so and does not try a reset.
+    node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:1"))
+    try:
+        node.daemon.session.nvml.sim_set_passthrough(True)
+        status, body = await put_layout(node, "all-1g.5gb")
+        assert status == 409 and body["error"]["code"] == "reset-required", body
+        assert "reboot" in body["error"]["message"]
+        _, gpu = await node.get("/v1/gpus/0")
+        assert gpu["mig"]["mode"] == "disabled" and gpu["mig"]["pending_mode"] == "enabled"
+    finally:
+        await stop_daemon(node)
+
+
 # -- gpud lets go of NVML for the reset ----------------------------------------------------------
 
 

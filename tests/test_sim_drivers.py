@@ -742,3 +742,27 @@ def test_a30_reports_wrong_instance_counts_but_creates_only_the_real_number(stat
             nvml.nvmlDeviceCreateGpuInstance(device, info.id)
             created += 1
     assert created == 4
+
+
+# --- a GPU passed through to a virtual machine ---------------------------------------------------
+
+
+def test_passthrough_ampere_mig_mode_waits_for_a_reboot_and_resets_are_not_offered(state_path):
+    # nvml.h, nvmlDeviceSetMigMode: on pass-through virtualization "reset functionality may not be
+    # exposed directly, VM reboot is required. activationStatus would return NVML_ERROR_RESET_REQUIRED".
+    nvml = started("A100-SXM4-40GB:1", state_path)
+    nvml.sim_set_passthrough(True)
+    device = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetVirtualizationMode(device) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH
+    status = nvml.nvmlDeviceSetMigMode(device, pynvml.NVML_DEVICE_MIG_ENABLE)
+    assert status == pynvml.NVML_ERROR_RESET_REQUIRED
+    assert nvml.nvmlDeviceGetMigMode(device) == [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+    nvml.nvmlShutdown()
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.sim_reset_gpu(0)
+    with pytest.raises(SimError, match="true or false"):
+        nvml.sim_set_passthrough("yes")
+    # the node stays a VM for the next simulator on the same machine
+    again = started("A100-SXM4-40GB:1", state_path)
+    assert again.nvmlDeviceGetVirtualizationMode(again.nvmlDeviceGetHandleByIndex(0)) == \
+        pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH

@@ -7,7 +7,7 @@ work whether or not NVML is initialised here (see `sim_control`).
 from __future__ import annotations
 
 import pynvml
-from pynvml import NVML_ERROR_IN_USE, NVMLError
+from pynvml import NVML_ERROR_IN_USE, NVML_ERROR_NOT_SUPPORTED, NVMLError
 
 from ._core import SimCore, sim_control
 from .errors import SimError
@@ -147,13 +147,21 @@ class SimControls(SimCore):
         every NVLink peer must be reset in the same command (nvidia-smi manual, -r)."""
         if not isinstance(running, bool):
             raise SimError(f"running must be true or false, got {running!r}")
-        self._fabric_manager = running
+        self._node.fabric_manager = running
         self._commit()
 
     @sim_control
     def sim_fabric_manager_running(self) -> bool:
         """Whether nvidia-fabricmanager runs on the node (what a look at the host's processes tells)."""
-        return self._fabric_manager
+        return self._node.fabric_manager
+
+    @sim_control
+    def sim_set_passthrough(self, passthrough: bool) -> None:
+        """The GPUs are passed through to a virtual machine (or not) that this node is."""
+        if not isinstance(passthrough, bool):
+            raise SimError(f"passthrough must be true or false, got {passthrough!r}")
+        self._node.passthrough = passthrough
+        self._commit()
 
     @sim_control
     def sim_reset_gpu(self, gpus: int | str | list[int | str]) -> None:
@@ -174,6 +182,11 @@ class SimControls(SimCore):
         Holders stay: they are processes, which a reset does not end.
         """
         targets = self._reset_targets(gpus)
+        if self._node.passthrough:
+            # nvml.h, nvmlDeviceSetMigMode: "On certain platforms like pass-through virtualization,
+            # where reset functionality may not be exposed directly, VM reboot is required." No source
+            # says what nvidia-smi -r answers there: modelled as the strictest, not supported.
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         if self._init_count:
             raise NVMLError(NVML_ERROR_IN_USE)
         self._check_reset(targets)
@@ -202,7 +215,7 @@ class SimControls(SimCore):
         """True when the GPU cannot be reset on its own (nvidia-smi manual, -r): Ampere GPUs on
         NVSwitches need Fabric Manager for an individual reset. No catalogue model has NVLink before
         Ampere, the other case the manual names."""
-        if self._fabric_manager or gpu.model.architecture != pynvml.NVML_DEVICE_ARCH_AMPERE:
+        if self._node.fabric_manager or gpu.model.architecture != pynvml.NVML_DEVICE_ARCH_AMPERE:
             return False
         return reaches_switches(gpu.links)
 

@@ -35,11 +35,12 @@ from .state import (
     Gpu,
     GpuInstance,
     MigDevice,
+    Node,
     dump_state,
     new_gpus,
     read_state_file,
-    restore_fabric_manager,
     restore_gpus,
+    restore_node,
 )
 
 Method = TypeVar("Method", bound=Callable)
@@ -102,7 +103,7 @@ class SimCore:
         self._event_signal = threading.Condition(self._lock)
         self._init_count = 0
         self._gpus: list[Gpu] = []
-        self._fabric_manager = True  # nvidia-fabricmanager runs (NVSwitch systems)
+        self._node = Node()
         self._event_sets: dict[int, EventSet] = {}
         self._event_set_ids = itertools.count(1)
         self._serials = itertools.count(1)
@@ -137,7 +138,7 @@ class SimCore:
         """The machine state from the state file, which is created on first use."""
         document = read_state_file(self._state_path)
         if document is None:
-            self._gpus, self._fabric_manager = new_gpus(self._preset, self._models), True
+            self._gpus, self._node = new_gpus(self._preset, self._models), Node()
             write_json_atomic(self._state_path, self._dump())
             return
         saved_preset = document.get("preset")
@@ -152,10 +153,10 @@ class SimCore:
             raise SimError(
                 f"{self._state_path}: state does not fit preset {self._preset!r}: {error!r}"
             ) from None
-        self._fabric_manager = restore_fabric_manager(document)
+        self._node = restore_node(document)
 
     def _dump(self) -> dict:
-        return dump_state(self._preset, self._gpus, self._fabric_manager)
+        return dump_state(self._preset, self._gpus, self._node)
 
     def _commit(self) -> None:
         """Persist after a mutation, before the call returns."""

@@ -163,6 +163,13 @@ class DeviceCalls(SimCore):
         self._commit()
 
     @nvml_call
+    def nvmlDeviceGetVirtualizationMode(self, handle) -> int:
+        # What `nvidia-smi -q` prints as "Virtualization Mode" (Pass-Through on the captured H100).
+        self._gpu(handle)
+        return (pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH if self._node.passthrough
+                else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
+
+    @nvml_call
     def nvmlDeviceGetPersistenceMode(self, handle) -> int:
         self._gpu(handle)
         return pynvml.NVML_FEATURE_ENABLED  # nvidia-persistenced runs on a managed node

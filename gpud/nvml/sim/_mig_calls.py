@@ -30,6 +30,7 @@ from pynvml import (
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_RESET_REQUIRED,
     NVML_SUCCESS,
     NVMLError,
 )
@@ -81,6 +82,11 @@ class MigCalls(SimCore):
             gpu.mig_pending = mode  # taking a pending change back needs no reset
         else:
             gpu.mig_pending = mode
+            if self._node.passthrough:
+                # nvml.h: where the platform does not expose a reset (pass-through virtualization) a
+                # VM reboot is required, "activationStatus would return NVML_ERROR_RESET_REQUIRED".
+                self._commit()
+                return NVML_ERROR_RESET_REQUIRED
             if not gpu.in_use():
                 gpu.reset()  # the driver resets the idle GPU itself
         self._commit()

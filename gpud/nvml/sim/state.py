@@ -178,17 +178,29 @@ def read_state_file(path: Path) -> dict[str, Any] | None:
     return document
 
 
-def dump_state(preset: str, gpus: list[Gpu], fabric_manager: bool) -> dict[str, Any]:
+@dataclass
+class Node:
+    """The simulated host beyond its GPUs: what runs on it and how the GPUs reach it."""
+
+    fabric_manager: bool = True  # nvidia-fabricmanager runs (NVSwitch systems)
+    # The GPUs are passed through to a virtual machine (`nvidia-smi -q`: "Virtualization Mode:
+    # Pass-Through", as on the H100 of tests/fixtures/hardware): the VM sees no GPU reset.
+    passthrough: bool = False
+
+
+def dump_state(preset: str, gpus: list[Gpu], node: Node) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "preset": preset,
-        "fabric_manager": fabric_manager,
+        **asdict(node),
         "gpus": [_dump_gpu(gpu) for gpu in gpus],
     }
 
 
-def restore_fabric_manager(document: dict[str, Any]) -> bool:
-    return bool(document.get("fabric_manager", True))  # absent in state files of older gpud versions
+def restore_node(document: dict[str, Any]) -> Node:
+    # The keys are absent in state files of older gpud versions: the defaults apply.
+    return Node(fabric_manager=bool(document.get("fabric_manager", True)),
+                passthrough=bool(document.get("passthrough", False)))
 
 
 def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
