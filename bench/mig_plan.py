@@ -6,7 +6,8 @@ For every ordered pair of mig-parted's standard A100-40GB layouts (config-defaul
 start in the first layout (all-disabled: MIG off, no instances) and are planned to the second. Prints
 the planning time of plan_gpu (median and worst µs per GPU over all rounds; the worst includes the
 first, cold call) and the NVML mutations (creates + destroys) over the 8 GPUs of plan_gpu beside
-plan_full_recreate, then totals and the ratio. Nothing is run on a GPU: plans only.
+plan_full_recreate (mig-parted's way, the baseline defined here), then totals and the ratio. The MIG
+table is what gpud reads from a simulated A100 with MIG on. Nothing is run on a GPU: plans only.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpud.mig.capabilities import reference_capabilities  # noqa: E402
-from gpud.mig.model import GpuMigState  # noqa: E402
-from gpud.mig.planner import plan_full_recreate, plan_gpu, state_after  # noqa: E402
+import pynvml  # noqa: E402
+
+from gpud.mig.model import GpuMigState, GpuPlan, MigCapabilities  # noqa: E402
+from gpud.mig.planner import plan_gpu, plan_restore, state_after  # noqa: E402
+from gpud.nvml.reader import NodeReader  # noqa: E402
+from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 
 GPUS = 8
 LAYOUTS = {
@@ -38,13 +46,46 @@ LAYOUTS = {
 }
 
 
+def simulated_capabilities(model: str) -> MigCapabilities:
+    """The MIG table gpud reads from a simulated `model` GPU (gpud/nvml/sim/models.yaml) with MIG on."""
+    with tempfile.TemporaryDirectory() as state:
+        sim = SimulatedNvml(f"{model}:1", Path(state) / "sim.json")
+        sim.nvmlInit()
+        sim.nvmlDeviceSetMigMode(sim.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_DEVICE_MIG_ENABLE)
+        sim.nvmlShutdown()
+        sim.sim_reset_gpu(0)  # Ampere switches MIG mode at a GPU reset (§7.2); later GPUs already have
+        sim.nvmlInit()
+        try:
+            return NodeReader().read(sim, {}).gpus[0].mig.capabilities
+        finally:
+            sim.nvmlShutdown()
+
+
+def plan_full_recreate(gpu: GpuMigState, desired: Mapping[str, int]) -> GpuPlan:
+    """mig-parted's apply: the same target as plan_gpu, but every instance destroyed and created anew.
+
+    Like mig-parted it leaves a GPU alone whose devices already match the wanted counts.
+    """
+    plan = plan_gpu(gpu, desired)
+    current = tuple(sorted(gpu.instances, key=lambda gi: gi.gi_id)) if gpu.mode_enabled else ()
+    as_is = plan_restore(gpu, current)  # keeps every current instance
+    if Counter(ci.name for gi in as_is.target for ci in gi.compute_instances) == +Counter(desired):
+        return as_is
+    fresh = tuple(replace(gi, keep_gi_id=None, compute_instances=tuple(replace(ci, keep_ci_id=None)
+                                                                       for ci in gi.compute_instances))
+                  for gi in plan.target)
+    return GpuPlan(index=gpu.index, uuid=gpu.uuid, target=fresh,
+                   destroy_cis=tuple((gi.gi_id, ci.ci_id) for gi in current for ci in gi.compute_instances),
+                   destroy_gis=tuple(gi.gi_id for gi in current), create_gis=fresh)
+
+
 def node_in(layout: str) -> list[GpuMigState]:
     """8 GPUs carrying `layout`, as gpud would have built it from an empty GPU."""
-    capabilities = reference_capabilities("A100-SXM4-40GB")
+    capabilities = simulated_capabilities("A100-SXM4-40GB")
     gpus = []
     for index in range(GPUS):
         empty = GpuMigState(index=index, uuid=f"GPU-bench-{index}", pci_device_id="0x20B010DE", capable=True,
-                            mode_enabled=layout != "all-disabled", pending_enabled=False, capabilities=capabilities)
+                            mode_enabled=layout != "all-disabled", capabilities=capabilities)
         gpus.append(state_after(empty, plan_gpu(empty, LAYOUTS[layout])) if empty.mode_enabled else empty)
     return gpus
 

@@ -10,27 +10,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from aiohttp import web
-
 from gpud import __version__
-from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, error_response
 from gpud.api.gpus import GpuRoutes
 from gpud.api.health import HealthRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
+from gpud.api.reload import ReloadRoute
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
-from gpud.api.views import encode
+from gpud.api.sharing import SharingRoutes
+from gpud.api.sim import SimRoutes, register_not_simulated
 from gpud.config import Config, ConfigError
+from gpud.errors import GpudError
 from gpud.events import EventBus
 from gpud.gpu_reset import GpuResetter
 from gpud.health.catalog import load_catalog
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
-from gpud.mig.reconciler import ApplyRefused, MigReconciler
+from gpud.mig.layouts import LayoutsFile
+from gpud.mig.reconciler import MigReconciler
 from gpud.mps.manager import MpsManager
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
@@ -44,11 +44,12 @@ log = get_logger("daemon")
 
 
 class Daemon:
-    def __init__(self, config: Config, notifier: Notifier | None = None):
+    def __init__(self, config: Config, notifier: Notifier | None = None,
+                 reread: Callable[[], Config] | None = None):
         self.config = config
         self.notifier = notifier or Notifier({})
-        self.session = NvmlSession(load_backend(config.simulate, config.sim_state_path, config.sim_driver),
-                                   retry_initial_s=config.nvml.init_retry_initial_s,
+        nvml, simulated = load_backend(config.simulate, config.sim_state_path, config.sim_driver)
+        self.session = NvmlSession(nvml, simulated=simulated, retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
         reader = NodeReader(profiles_path=config.state_path / "mig-profiles.json")
         self.inventory = InventoryService(lambda known: self.session.call(reader.read, known),
@@ -56,24 +57,15 @@ class Daemon:
                                           config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
-        sharing_path = Path(config.sharing.file)
-        self.sharing = SharingView(read_sharing_file(sharing_path), sharing_path)
-        self.inventory.subscribe(self.sharing.update)
-        self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
-                              replicas=lambda inventory: mps_replicas(self.sharing.config, inventory))
-        around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
-        self.resetter = GpuResetter(self.session, self.inventory,
-                                    host_tools_for(self.session.nvml, self.session.simulated),
-                                    own_pids=self._own_pids, around=around_gpu_change,
-                                    health_reasons=self._health_reasons)
-        hooks = config.mig.hooks
-        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json", self.resetter,
-                                 allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
-                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
-                                 around_gpu_change=around_gpu_change)
-        mig_routes = MigRoutes(self.mig, self.inventory, Path(config.mig.layouts_file), config.api.body_timeout_s)
         self.bus = EventBus()
         self.latency = RequestLatency()
+        sharing_path = Path(config.sharing.file)
+        self.sharing = SharingView(read_sharing_file(sharing_path), sharing_path, unhealthy=self._unhealthy_devices,
+                                   notify=self.bus.publish)
+        self.inventory.subscribe(self.sharing.update)
+        self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
+                              replicas=lambda inventory: mps_replicas(self.sharing.config, inventory),
+                              notify=self.bus.publish)
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
                                unhealthy_xids=health.unhealthy_xids)
@@ -81,24 +73,32 @@ class Daemon:
                                     check_interval_s=health.check_interval_s,
                                     clear_after_passes=health.clear_after_passes,
                                     mps_failures=self.mps.failures,
-                                    nvlinks_path=config.state_path / "nvlinks-seen-up.json")
-        self.sharing.unhealthy = lambda: {uuid for uuid, state in self.health.tracker.gpu_states().items()
-                                          if state == "unhealthy"}
-        self.resetter.after_gpu_reset = self.health.gpu_was_reset
-        self.health.listeners.append(lambda: self.sharing.update(self.inventory.current, reason="health"))
-        for source in (self.mig, self.mps, self.sharing):
-            source.notify = self.bus.publish
+                                    nvlinks_path=config.state_path / "nvlinks-seen-up.json",
+                                    on_change=lambda: self.sharing.update(self.inventory.current, reason="health"))
+        around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
+        self.resetter = GpuResetter(self.session, self.inventory,
+                                    host_tools_for(self.session.nvml, self.session.simulated),
+                                    own_pids=self._own_pids, around=around_gpu_change,
+                                    health_reasons=self._health_reasons, on_gpu_reset=self.health.gpu_was_reset)
+        hooks = config.mig.hooks
+        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json", self.resetter,
+                                 allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
+                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
+                                 around_gpu_change=around_gpu_change, notify=self.bus.publish)
+        self._mig_layouts = LayoutsFile(Path(config.mig.layouts_file))
+        mig_routes = MigRoutes(self.mig, self.inventory, self._mig_layouts, config.api.body_timeout_s)
         self.inventory.subscribe(self._publish_inventory)
-        self.api = Api(self.session, self.inventory, node_base, config.api.body_timeout_s, more_routes=(
-            mig_routes.register, GpuRoutes(self.mig, self.inventory, config.api.body_timeout_s).register,
-            MpsRoutes(self.mps).register, self.sharing.register,
-            HealthRoutes(self.health, self.inventory, self.bus, config.api.body_timeout_s).register,
-            MetricsRoute(self.inventory, self.health, self.mig, self.mps, self.latency).register,
-            self._register_reload), admin_group=config.api.admin_group)
-        self.reread: Callable[[], Config] | None = None  # how SIGHUP and POST /v1/reload re-read the config
-        self._mig_routes = mig_routes
+        self._reread = reread  # how SIGHUP and POST /v1/reload re-read the config
+        body_timeout_s = config.api.body_timeout_s
+        sim_routes = SimRoutes(self.session, self.inventory, body_timeout_s).register if self.session.simulated \
+            else register_not_simulated
+        self.api = Api(self.session, self.inventory, node_base, more_routes=(
+            sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s).register,
+            MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register,
+            HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
+            MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps, "latency": self.latency}).register,
+            ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group)
         self._listener = UnixSocketListener(config.socket_path, group=config.api.group, inherited=inherited_socket())
-        self._runner: web.AppRunner | None = None
         self._node_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._published_inventory: tuple | None = None
@@ -106,14 +106,8 @@ class Daemon:
     async def start(self) -> None:
         """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
         sock = self._listener.open()
-        self._runner = web.AppRunner(self.api.app(), handle_signals=False, access_log=RequestLatency.logger(),
-                                     access_log_class=self.latency.access_logger_class(),
-                                     keepalive_timeout=self.config.api.idle_timeout_s,
-                                     # after an error, read the rest of an unwanted body for 1 s at most
-                                     lingering_time=1.0,
-                                     shutdown_timeout=self.config.api.shutdown_timeout_s)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await self.api.start(sock, self.latency, idle_timeout_s=self.config.api.idle_timeout_s,
+                             shutdown_timeout_s=self.config.api.shutdown_timeout_s)
         cfg = self.config
         log.info("listening", socket=str(cfg.socket_path), backend=self.session.backend_name,
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
@@ -127,7 +121,7 @@ class Daemon:
         await self.inventory.refresh("startup")
         self.health.start()
         self._background.append(asyncio.create_task(self.health.run_checks(), name="health"))
-        await self._converge_mig()
+        await self.mig.converge_at_start(self.config.mig.default_layout, self._mig_layouts)
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.converge("startup")
         self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
@@ -146,20 +140,20 @@ class Daemon:
             reasons.update({device["uuid"]: device["reasons"] for device in gpu["mig_devices"]})
         return reasons
 
-    def _register_reload(self, app: web.Application) -> None:
-        app.router.add_post("/v1/reload", self._reload_route)
+    def _unhealthy_devices(self) -> set[str]:
+        """Device UUIDs health calls unhealthy: their sharing replicas are served unhealthy. (Sharing is
+        made before health, which tells it of changes, so this asks health only when called.)"""
+        return {uuid for uuid, state in self.health.tracker.gpu_states().items() if state == "unhealthy"}
 
-    @admin_only
-    async def _reload_route(self, request: web.Request) -> web.Response:
-        if self.reread is None:
-            return error_response(501, "reload-unavailable", "this gpud was started without a config to re-read")
+    async def reload_from_files(self) -> str:
+        """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.
+        A file that is invalid changes nothing: GpudError 422 config-invalid."""
         try:
-            await self.reload(self.reread())
+            await self.reload(self._reread())
         except (ConfigError, SharingConfigError, OSError) as exc:
             log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
-            return error_response(422, "config-invalid", f"{exc}; the running config stays")
-        return web.Response(body=encode({"reloaded": True, "status": self.status_line()}),
-                            content_type="application/json")
+            raise GpudError(422, "config-invalid", f"{exc}; the running config stays") from None
+        return self.status_line()
 
     def status_line(self) -> str:
         """One line for `systemctl status`, e.g. "8 GPUs · MIG all-balanced in sync · 8 MPS daemons · healthy"."""
@@ -195,23 +189,6 @@ class Daemon:
                                            "mig_devices": sum(len(g.mig.devices) for g in inventory.gpus),
                                            "lost": [g.index for g in inventory.gpus if g.lost]})
 
-    async def _converge_mig(self) -> None:
-        """Finishes what a crash interrupted, or applies mig.default_layout when it is new."""
-        default = self.config.mig.default_layout
-        chosen_by_api = self.mig.desired_source == "api"
-        try:
-            if default and not chosen_by_api and self.mig.status.layout != default:
-                await self.mig.apply(self._mig_routes.layout(default), source="default_layout")
-                self.mig.started = True
-                await self.mig.wait()
-            else:
-                self.mig.started = True
-                await self.mig.reconcile("startup")
-        except (ApiError, ApplyRefused) as exc:
-            self.mig.started = True
-            self.mig.status.state, self.mig.status.error = "failed", f"mig.default_layout '{default}': {exc}"
-            log.error("mig_default_layout_failed", layout=default, error=str(exc))
-
     async def stop(self) -> None:
         self.notifier.stopping()
         log.info("stopping", in_flight_grace_s=self.config.api.shutdown_timeout_s)
@@ -222,8 +199,7 @@ class Daemon:
         self.health.stop()
         self.bus.close()  # open watch streams end, so in-flight requests can finish
         await self.mig.stop()  # MPS daemons are left running on purpose: their clients keep working
-        if self._runner:
-            await self._runner.cleanup()  # stops accepting, lets in-flight requests finish
+        await self.api.stop()  # stops accepting, lets in-flight requests finish
         self._listener.close()
         await self.session.close()
         log.info("stopped")
@@ -235,10 +211,9 @@ class Daemon:
         log.info("reloading")
         self.notifier.reloading()
         configure_log_level(config.log.level)
-        self.sharing.update(self.inventory.current, read_sharing_file(Path(config.sharing.file)), "reload")
+        self.sharing.set_config(read_sharing_file(Path(config.sharing.file)), self.inventory.current)
         await self.sharing.apply_time_slice(self.inventory.current)
-        self.mps.config = config.mps
-        await self.mps.converge("reload")
+        await self.mps.reconfigure(config.mps)
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)
         self.notifier.ready(self.status_line())
         log.info("reloaded")
@@ -248,8 +223,7 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
     """Runs until SIGTERM or SIGINT; SIGHUP re-reads the config (reread). Returns the exit code."""
     notifier = Notifier()  # first: it takes NOTIFY_SOCKET out of the environment children inherit
     try:
-        daemon = Daemon(config, notifier)
-        daemon.reread = reread
+        daemon = Daemon(config, notifier, reread)
     except SharingConfigError as exc:
         log.error("sharing_config_invalid", error=str(exc))
         return 2
@@ -264,7 +238,7 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
         loop.add_signal_handler(signum, stop.set)
     reloads: set[asyncio.Task] = set()
     if reread is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(reloads, _reload(daemon, reread)))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(reloads, _reload_on_signal(daemon)))
     watchdog = asyncio.create_task(notifier.watchdog(), name="watchdog")
     await stop.wait()
     watchdog.cancel()
@@ -278,8 +252,8 @@ def _spawn(tasks: set, coroutine) -> None:
     task.add_done_callback(tasks.discard)
 
 
-async def _reload(daemon: Daemon, reread: Callable[[], Config]) -> None:
+async def _reload_on_signal(daemon: Daemon) -> None:
     try:
-        await daemon.reload(reread())
-    except (ConfigError, SharingConfigError, OSError) as exc:
-        log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
+        await daemon.reload_from_files()
+    except GpudError:
+        pass  # logged by reload_from_files; the running config stays

@@ -96,14 +96,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _backend(args: argparse.Namespace, stack: ExitStack) -> Any:
     if not args.simulate:
-        return load_backend(None, None)
+        return load_backend(None, None)[0]
     from gpud.config import Config
 
     state = args.sim_state or Config(simulate=args.simulate).sim_state_path
     if not state.exists() and args.sim_state is None:  # no simulated daemon's node to look at: a fresh one
         state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpud-doctor-"))) / "sim.json"
     driver = {"driver": args.sim_driver} if args.sim_driver else {}
-    return load_backend(args.simulate, state, **driver)
+    return load_backend(args.simulate, state, **driver)[0]
 
 
 # -- the check -----------------------------------------------------------------------------------
@@ -142,10 +142,8 @@ def _shutdown(nvml: Any) -> None:
 
 def _simulated_holders(nvml: Any, reading: NodeReading) -> dict[int, list[Holder]]:
     """A simulated node's device holders are the simulator's, not this host's processes."""
-    listed = getattr(nvml, "sim_holders", None)
-    if listed is None:
-        return {}
-    return {gpu.index: [Holder(pid, name, f"/dev/nvidia{gpu.minor_number}") for pid, name in listed(gpu.index)]
+    return {gpu.index: [Holder(pid, name, f"/dev/nvidia{gpu.minor_number}")
+                        for pid, name in nvml.sim_holders(gpu.index)]
             for gpu in reading.gpus if gpu.error is None}
 
 

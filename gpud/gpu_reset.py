@@ -73,14 +73,15 @@ class GpuResetter:
     def __init__(self, session: NvmlSession, inventory: InventoryService, host: HostTools | SimHostTools, *,
                  own_pids: Callable[[], Collection[int]],
                  around: tuple[GpuHook, GpuHook] | None = None,
-                 health_reasons: Callable[[], dict[str, list[dict]]] = dict):
+                 health_reasons: Callable[[], dict[str, list[dict]]] = dict,
+                 on_gpu_reset: Callable[[str], object] = lambda uuid: None):
         self.session = session
         self.inventory = inventory
         self.host = host
         self._own_pids = own_pids  # gpud and the MPS daemons it started: they go away for the reset
         self._around = around  # stops gpud's MPS daemons on a GPU, and starts them again
         self._health_reasons = health_reasons  # device UUID -> its health reasons now
-        self.after_gpu_reset: Callable[[str], object] = lambda uuid: None  # health clears what a reset clears
+        self._on_gpu_reset = on_gpu_reset  # health clears what a reset clears
         self._lock = asyncio.Lock()
 
     async def group(self, targets: Collection[int], inventory: Inventory) -> tuple[tuple[Gpu, ...], bool]:
@@ -148,6 +149,10 @@ class GpuResetter:
                             together_with=[g.index for g in gpus if g.index != gpu.index],
                             nvlink_peer=gpu.index in outcome.peers)
             return outcome
+
+    def after_gpu_reset(self, uuid: str) -> None:
+        """A GPU was reset, by gpud or by the driver (a MIG mode change on an idle Ampere GPU)."""
+        self._on_gpu_reset(uuid)
 
     async def _reset_released(self, gpus: tuple[Gpu, ...], why: str) -> tuple[str, Inventory]:
         """The reset, with gpud's NVML session shut down: its own handles and event sets would

@@ -6,14 +6,12 @@ from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
-from gpud.api.views import encode
+from gpud.api.responses import json_response
 from gpud.gpu_reset import ResetBlocked, ResetBusy
 from gpud.inventory import InventoryService
-from gpud.mig.reconciler import ApplyRefused, MigReconciler
+from gpud.mig.reconciler import MigReconciler
 from gpud.nvml.host_tools import ResetFailed
 from gpud.nvml.session import NvmlUnavailable
-
-JSON = "application/json"
 
 
 class GpuRoutes:
@@ -47,8 +45,6 @@ class GpuRoutes:
             raise ApiError(409, "reset-blocked", f"{exc}. Nothing was changed", blockers=[b.as_dict() for b in
                                                                                         exc.blockers],
                            reset_gpus=list(exc.group)) from None
-        except ApplyRefused as exc:
-            raise ApiError(exc.status, exc.code, exc.message, **exc.details) from None
         except ResetBusy as exc:
             raise ApiError(409, "reset-in-progress", str(exc)) from None
         except ResetFailed as exc:
@@ -59,5 +55,4 @@ class GpuRoutes:
         after = self.inventory.current
         gpus = [{"index": g.index, "uuid": g.uuid, "lost": g.lost, "mig_mode": g.mig.mode}
                 for g in after.gpus if g.index in outcome.gpus]
-        return web.Response(body=encode({"gpu": gpu.index, "uuid": gpu.uuid, **outcome.as_dict(), "gpus": gpus}),
-                            content_type=JSON)
+        return json_response({"gpu": gpu.index, "uuid": gpu.uuid, **outcome.as_dict(), "gpus": gpus})

@@ -8,12 +8,12 @@ from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
-from gpud.api.views import encode
-from gpud.events import EVENT_TYPES, EventBus
+from gpud.api.responses import json_response
+from gpud.encoding import encode
+from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
 
-JSON = "application/json"
 HEARTBEAT_S = 15.0
 
 
@@ -28,7 +28,7 @@ class HealthRoutes:
         app.router.add_get("/v1/watch", self.watch)
 
     async def node(self, request: web.Request) -> web.Response:
-        return web.Response(body=encode(self.health.view()), content_type=JSON)
+        return json_response(self.health.view())
 
     def _gpu(self, ident: str):
         gpu = self.inventory.current.find_gpu(ident) if self.inventory.current else None
@@ -40,7 +40,7 @@ class HealthRoutes:
     async def gpu(self, request: web.Request) -> web.Response:
         uuid = self._gpu(request.match_info["id"]).uuid
         gpu = next(g for g in self.health.view()["gpus"] if g["uuid"] == uuid)
-        return web.Response(body=encode(gpu), content_type=JSON)
+        return json_response(gpu)
 
     @admin_only
     @json_errors
@@ -51,7 +51,7 @@ class HealthRoutes:
         gpu = self._gpu(ident)
         uuid = ident if any(dev.uuid == ident for dev in gpu.mig.devices) else gpu.uuid  # a MIG device: only it
         self.health.clear(uuid, body.get("kind"))
-        return web.Response(body=encode(self.health.tracker.device(uuid)), content_type=JSON)
+        return json_response(self.health.tracker.device(uuid))
 
     @json_errors
     async def watch(self, request: web.Request) -> web.StreamResponse:
@@ -72,31 +72,29 @@ class HealthRoutes:
                 await response.write(encode({"seq": start, "type": "gap", "data": {
                     "message": "events after the given sequence number were dropped from the backlog"}}) + b"\n")
             last = start
-            for line in backlog:
-                last = await _write_if_wanted(response, line, types, last)
+            for event in backlog:
+                last = await _write_if_wanted(response, event, types, last)
             while True:
                 try:
-                    line = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
+                    item = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
                 except asyncio.TimeoutError:
                     await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat"}) + b"\n")
                     continue
-                if line == b"":  # gpud is stopping
+                if item is CLOSED:
                     return response
-                if line is None:  # this watcher fell too far behind
+                if item is OVERFLOW:
                     await response.write(encode({"seq": last, "type": "overflow", "data": {
                         "message": "too slow: reconnect with ?since=" + str(last)}}) + b"\n")
                     return response
-                last = await _write_if_wanted(response, line, types, last)
+                last = await _write_if_wanted(response, item, types, last)
         finally:
             self.bus.unsubscribe(subscription)
 
 
-async def _write_if_wanted(response: web.StreamResponse, line: bytes, types: set[str], last: int) -> int:
-    """Writes an event line unless it is older than `last` (already sent) or of an unwanted type."""
-    seq = int(line[7:line.index(b",")])  # lines start with {"seq":N,
-    if seq <= last:
+async def _write_if_wanted(response: web.StreamResponse, event: Event, types: set[str], last: int) -> int:
+    """Writes an event unless it is older than `last` (already sent) or of an unwanted type."""
+    if event.seq <= last:
         return last
-    kind = line.split(b'"type":"', 1)[1].split(b'"', 1)[0].decode()
-    if kind in types:
-        await response.write(line)
-    return seq
+    if event.type in types:
+        await response.write(event.line)
+    return event.seq

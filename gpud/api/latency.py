@@ -9,8 +9,11 @@ import asyncio
 import bisect
 import collections
 import logging
+from typing import Iterator
 
 from aiohttp.abc import AbstractAccessLogger
+
+from gpud.samples import HOSTNAME, Family
 
 SAMPLE_EVERY = 8
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
@@ -58,6 +61,25 @@ class RequestLatency:
             entry[index] += 1
         entry[-2] += seconds
         entry[-1] += 1
+
+    def collect(self) -> Iterator[Family]:
+        """Requests served and the sampled latency histogram per route, for /metrics."""
+        requests = Family("gpud_http_requests_total", "API requests served.", "counter")
+        requests.add({"hostname": HOSTNAME}, self.requests)
+        yield requests
+        name = "gpud_http_request_duration_seconds"
+        durations = Family(name, f"API request latency by method and route, sampled: one request in {SAMPLE_EVERY}.",
+                           "histogram")
+        for (method, route), entry in sorted(self.routes.items()):
+            labels = {"method": method, "route": route}
+            cumulative = 0
+            for bound, count in zip(BUCKETS_S, entry):
+                cumulative += count
+                durations.add({**labels, "le": f"{bound:g}"}, cumulative, f"{name}_bucket")
+            durations.add({**labels, "le": "+Inf"}, entry[-1], f"{name}_bucket")
+            durations.add(labels, entry[-2], f"{name}_sum")
+            durations.add(labels, entry[-1], f"{name}_count")
+        yield durations
 
     def access_logger_class(self) -> type[AbstractAccessLogger]:
         note, requests = self._pending.append, self._requests

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
-from gpud.api.views import encode
+from gpud.api.responses import json_response
 from gpud.inventory import InventoryService
-from gpud.mig.layouts import Layout, LayoutError, default_layouts, export_layout, load_layouts
+from gpud.mig.layouts import LayoutsFile, export_layout
 from gpud.mig.model import GpuPlan
 from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of
-
-JSON = "application/json"
 
 
 def plan_view(plans: dict[str, GpuPlan]) -> list[dict]:
@@ -30,7 +26,7 @@ def plan_view(plans: dict[str, GpuPlan]) -> list[dict]:
 
 
 class MigRoutes:
-    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, layouts_file: Path,
+    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, layouts_file: LayoutsFile,
                  body_timeout_s: float):
         self.reconciler = reconciler
         self.inventory = inventory
@@ -43,32 +39,17 @@ class MigRoutes:
         app.router.add_get("/v1/mig/layouts", self.layouts)
         app.router.add_get("/v1/mig/export", self.export)
 
-    def _layouts(self) -> tuple[str, dict[str, Layout]]:
-        """The operator's layouts file when there is one, else the layouts shipped with gpud."""
-        if not self.layouts_file.exists():
-            return "builtin", default_layouts()
-        try:
-            return str(self.layouts_file), load_layouts(self.layouts_file)
-        except LayoutError as exc:
-            raise ApiError(422, "layouts-file-invalid", str(exc)) from None
-
-    def layout(self, name: str) -> Layout:
-        source, layouts = self._layouts()
-        if name not in layouts:
-            raise ApiError(404, "layout-not-found", f"no layout '{name}' in {source}; known: {', '.join(layouts)}")
-        return layouts[name]
-
     def _inventory(self):
         if self.inventory.current is None:
             raise ApiError(503, "nvml-unavailable", "no inventory yet: NVML is not available")
         return self.inventory.current
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.Response(body=encode(self.reconciler.view(self.inventory.current)), content_type=JSON)
+        return json_response(self.reconciler.view(self.inventory.current))
 
     @json_errors
     async def layouts(self, request: web.Request) -> web.Response:
-        source, layouts = self._layouts()
+        source, layouts = self.layouts_file.layouts()
         inventory = self._inventory()
         views = []
         for layout in layouts.values():
@@ -79,7 +60,7 @@ class MigRoutes:
             except ApplyRefused as exc:
                 views.append({"name": layout.name, "fits": False, "reason": exc.message, "gpus_changed": None,
                               "active": layout.name == self.reconciler.status.layout})
-        return web.Response(body=encode({"source": source, "layouts": views}), content_type=JSON)
+        return json_response({"source": source, "layouts": views})
 
     @admin_only
     @json_errors
@@ -89,21 +70,18 @@ class MigRoutes:
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
             raise ApiError(400, "invalid-query", f"query 'wait' must be true or false, got {wait!r}")
-        layout = self.layout(body["layout"])
+        layout = self.layouts_file.layout(body["layout"])
         force = bool(body.get("force"))
-        try:
-            if body.get("dry_run"):
-                _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
-                return _json({"layout": layout.name, "dry_run": True, "plan": plan_view(plans)})
-            plans = await self.reconciler.apply(layout, force=force)
-        except ApplyRefused as exc:
-            raise ApiError(exc.status, exc.code, exc.message, **exc.details) from None
+        if body.get("dry_run"):
+            _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
+            return json_response({"layout": layout.name, "dry_run": True, "plan": plan_view(plans)})
+        plans = await self.reconciler.apply(layout, force=force)
         if wait in ("false", "0"):
-            return _json({"layout": layout.name, "state": "applying", "plan": plan_view(plans)}, status=202)
+            return json_response({"layout": layout.name, "state": "applying", "plan": plan_view(plans)}, status=202)
         await self.reconciler.wait()
         view = self.reconciler.view(self.inventory.current)
         if view["state"] == "success":
-            return _json({**view, "plan": plan_view(plans)})
+            return json_response({**view, "plan": plan_view(plans)})
         code = "reset-required" if view["state"] == "reset-required" else "apply-failed"
         raise ApiError(409, code, view["error"] or f"MIG apply ended in state {view['state']}", mig=view)
 
@@ -114,7 +92,3 @@ class MigRoutes:
                    for g in inventory.gpus if g.mig.capable and not g.lost]
         name = request.query.get("name", "current")
         return web.Response(text=export_layout(name, per_gpu), content_type="application/yaml")
-
-
-def _json(document: dict, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=encode(document), content_type=JSON)

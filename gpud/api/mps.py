@@ -6,10 +6,8 @@ from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors
-from gpud.api.views import encode
+from gpud.api.responses import json_response
 from gpud.mps.manager import DaemonState, MpsManager
-
-JSON = "application/json"
 
 
 class MpsRoutes:
@@ -23,7 +21,7 @@ class MpsRoutes:
             app.router.add_post(f"/v1/mps/{{name}}/{action}", self.control)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.Response(body=encode(self.manager.view()), content_type=JSON)
+        return json_response(self.manager.view())
 
     def _daemon(self, request: web.Request) -> DaemonState:
         name = request.match_info["name"]
@@ -54,11 +52,11 @@ class MpsRoutes:
         if thread_share is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{thread_share:g}"
         pipe = str(daemon.control.directories.pipe)
-        return web.Response(body=encode({
+        return json_response({
             "daemon": spec.name, "state": daemon.state, "env": env,
             "mounts": [{"source": pipe, "target": pipe, "read_only": False}],
             "host_ipc": True,  # MPS clients and the server share memory through /dev/shm
-        }), content_type=JSON)
+        })
 
     @admin_only
     @json_errors
@@ -69,7 +67,7 @@ class MpsRoutes:
         view = self.manager.daemon_view(daemon)
         if action != "stop" and daemon.state != "running":
             raise ApiError(502, "mps-start-failed", daemon.last_error or "the MPS daemon did not start", daemon=view)
-        return web.Response(body=encode(view), content_type=JSON)
+        return json_response(view)
 
 
 def _query_number(request: web.Request, name: str, kind: type):

@@ -10,21 +10,22 @@ import os
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import yaml
 from aiohttp import web
 
-from gpud.api.auth import ADMIN_POLICY, AdminPolicy, admin_only
-from gpud.api.errors import MAX_BODY_BYTES, ApiError, error_response, json_errors, no_such_route, read_json_object
-from gpud.api.views import RenderedInventory, encode, node_view
+from gpud.api.auth import ADMIN_POLICY, AdminPolicy
+from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route
+from gpud.api.latency import RequestLatency
+from gpud.api.responses import encoded_json_response, json_response
+from gpud.api.views import RenderedInventory, node_view
+from gpud.encoding import encode
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
-from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState, describe_error
-from gpud.nvml.sim import SimError
+from gpud.nvml.session import NvmlSession, SessionState
 
 log = get_logger("api")
-JSON = "application/json"
 
 
 def load_openapi() -> dict:
@@ -39,17 +40,17 @@ class SocketInUse(RuntimeError):
 class Api:
     """The routes, and the rendered snapshot they answer from."""
 
-    def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict, body_timeout_s: float,
+    def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict,
                  more_routes: tuple[Callable[[web.Application], None], ...] = (), admin_group: str = "gpud-admin"):
         self.session = session
         self.more_routes = more_routes
         self.admin_policy = AdminPolicy(admin_group)
         self.inventory = inventory
         self.node_base = node_base
-        self.body_timeout_s = body_timeout_s
         self.rendered: RenderedInventory | None = None
         self._node_body = encode(node_view(None, node_base))
         self._openapi = encode(load_openapi())
+        self._runner: web.AppRunner | None = None
         inventory.subscribe(self._render)
 
     def _render(self, snapshot: Inventory) -> None:
@@ -64,18 +65,34 @@ class Api:
         app.router.add_get("/v1/gpus", self.gpus)
         app.router.add_get("/v1/gpus/{id}", self.gpu)
         app.router.add_get("/v1/openapi.json", self.openapi)
-        self._register_sim_routes(app)
         for register in self.more_routes:
             register(app)
         app.router.add_route("*", "/{path:.*}", no_such_route)  # last: only what nothing else matched
         return app
+
+    async def start(self, sock: socket.socket, latency: RequestLatency, *, idle_timeout_s: float,
+                    shutdown_timeout_s: float) -> None:
+        """Serves the app on the listening socket; every request is counted in latency."""
+        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=RequestLatency.logger(),
+                                     access_log_class=latency.access_logger_class(),
+                                     keepalive_timeout=idle_timeout_s,
+                                     # after an error, read the rest of an unwanted body for 1 s at most
+                                     lingering_time=1.0,
+                                     shutdown_timeout=shutdown_timeout_s)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+
+    async def stop(self) -> None:
+        """Stops accepting, lets in-flight requests finish (for shutdown_timeout_s at most)."""
+        if self._runner:
+            await self._runner.cleanup()
 
     # -- read routes ------------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
         state = self.session.state
         if state is SessionState.READY and self.rendered is not None and not self.inventory.error:
-            return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+            return encoded_json_response(b'{"status":"ok"}')
         if self.inventory.error:
             status, code, message = "unavailable", "inventory-failed", self.inventory.error
         elif state in (SessionState.READY, SessionState.STARTING):
@@ -84,17 +101,16 @@ class Api:
             status, code = "unavailable", "nvml-unavailable"
             message = self.session.error or f"NVML is {state.value}"
         body = {"status": status, "reason": message, "error": {"code": code, "message": message}}
-        return web.Response(status=503, body=encode(body), content_type=JSON)
+        return json_response(body, 503)
 
     async def node(self, request: web.Request) -> web.Response:
         if self.rendered is None:  # no inventory: NVML may still have said which driver it found
-            return web.Response(body=encode(node_view(None, self.node_base, self.session.driver_version)),
-                                content_type=JSON)
-        return web.Response(body=self._node_body, content_type=JSON)
+            return json_response(node_view(None, self.node_base, self.session.driver_version))
+        return encoded_json_response(self._node_body)
 
     @json_errors
     async def gpus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._require_inventory().gpus_body, content_type=JSON)
+        return encoded_json_response(self._require_inventory().gpus_body)
 
     @json_errors
     async def gpu(self, request: web.Request) -> web.Response:
@@ -103,132 +119,16 @@ class Api:
         if body is None:
             raise ApiError(404, "gpu-not-found", f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
                                                  "or a PCI bus id)")
-        return web.Response(body=body, content_type=JSON)
+        return encoded_json_response(body)
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._openapi, content_type=JSON)
+        return encoded_json_response(self._openapi)
 
     def _require_inventory(self) -> RenderedInventory:
         if self.rendered is None:
             raise ApiError(503, "nvml-unavailable" if self.session.error else "starting",
                            self.session.error or "gpud is starting: the first inventory is not read yet")
         return self.rendered
-
-    # -- simulator faults ----------------------------------------------------------------------
-
-    def _register_sim_routes(self, app: web.Application) -> None:
-        """Fault injection exists only on a simulated node; elsewhere /v1/sim/* says why it is absent."""
-        if not self.session.simulated:
-            app.router.add_route("*", "/v1/sim/{what:.*}", self.not_simulated)
-            return
-        for name, handler in (("xid", self.sim_xid), ("gpu-lost", self.sim_gpu_lost),
-                              ("gpu-recover", self.sim_gpu_recover), ("processes", self.sim_processes),
-                              ("holders", self.sim_holders), ("ecc", self.sim_ecc)):
-            app.router.add_post(f"/v1/sim/{name}", handler)
-
-    async def not_simulated(self, request: web.Request) -> web.Response:
-        return error_response(404, "not-simulated", "fault injection exists only on a simulated node (--simulate)")
-
-    @admin_only
-    @json_errors
-    async def sim_xid(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "xid": (int,),
-                                                                     "gi_id": (int, type(None)),
-                                                                     "ci_id": (int, type(None))})
-        if not 0 < body["xid"] < 1 << 16:
-            raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
-        await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"))
-        log.warning("sim_xid_injected", gpu=body["gpu"], xid=body["xid"], gi_id=body.get("gi_id"),
-                    ci_id=body.get("ci_id"))
-        return _accepted({"injected": "xid", **body})
-
-    @admin_only
-    @json_errors
-    async def sim_gpu_lost(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "how": (str, type(None))})
-        how = {"how": body["how"]} if body.get("how") is not None else {}  # else the simulator's default
-        await self._sim_call("sim_set_gpu_lost", body["gpu"], **how)
-        log.warning("sim_gpu_lost", gpu=body["gpu"], how=body.get("how"))
-        await self.inventory.refresh("simulated GPU loss")
-        return _accepted({"injected": "gpu-lost", **body})
-
-    @admin_only
-    @json_errors
-    async def sim_gpu_recover(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str)})
-        await self._sim_call("sim_recover_gpu", body["gpu"])
-        log.warning("sim_gpu_recovered", gpu=body["gpu"])
-        await self.inventory.refresh("simulated GPU recovery")
-        return _accepted({"injected": "gpu-recovered", **body})
-
-    @admin_only
-    @json_errors
-    async def sim_holders(self, request: web.Request) -> web.Response:
-        """Another host process holds the GPU's device node (a monitoring agent, a CUDA app), or
-        every such process lets go (release)."""
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "process": (str, type(None)),
-                                                                     "pid": (int, type(None)),
-                                                                     "release": (bool, type(None))})
-        _check_holder(body)
-        if body.get("release"):
-            await self._sim_call("sim_release_holders", body["gpu"])
-            log.info("sim_holders_released", gpu=body["gpu"])
-            injected = "holders-released"
-        else:
-            await self._sim_call("sim_add_holder", body["gpu"], body["process"], body["pid"])
-            log.info("sim_holder_added", gpu=body["gpu"], process=body["process"], pid=body["pid"])
-            injected = "holder"
-        holders = await self._sim_call("sim_holders", body["gpu"])
-        return _accepted({"injected": injected, **body,
-                          "holders": [{"pid": pid, "process": process} for pid, process in holders]})
-
-    @admin_only
-    @json_errors
-    async def sim_processes(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list,)})
-        pids = body["pids"]
-        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 22 for p in pids):
-            raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
-        await self._sim_call("sim_set_processes", body["gpu"], pids)
-        log.info("sim_processes_set", gpu=body["gpu"], pids=pids)
-        await self.inventory.refresh("simulated processes")
-        return _accepted({"injected": "processes", **body})
-
-    @admin_only
-    @json_errors
-    async def sim_ecc(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "double_bit": (bool,)})
-        await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
-        log.warning("sim_ecc_injected", gpu=body["gpu"], double_bit=body["double_bit"])
-        return _accepted({"injected": "ecc", **body})
-
-    async def _sim_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await self.session.call(lambda nvml: getattr(nvml, method)(*args, **kwargs))
-        except SimError as exc:
-            raise ApiError(422, "invalid-target", str(exc)) from None
-        except NvmlUnavailable as exc:
-            raise ApiError(503, "nvml-unavailable", str(exc)) from None
-        except self.session.nvml.NVMLError as exc:
-            raise ApiError(409, "nvml-error", describe_error(exc)) from None
-
-
-def _check_holder(body: dict) -> None:
-    process, pid = body.get("process"), body.get("pid")
-    if body.get("release"):
-        if process is not None or pid is not None:
-            raise ApiError(400, "invalid-body", "give either release: true, or process and pid")
-        return
-    if process is None or pid is None:
-        raise ApiError(400, "missing-field", "a holder needs 'process' and 'pid' (or give release: true)")
-    if not 0 < pid < 1 << 22:
-        raise ApiError(400, "invalid-field", f"field 'pid' must be a process id (a positive integer), got {pid}")
-    if not process.strip() or not process.isprintable() or len(process) > 64:
-        raise ApiError(400, "invalid-field", "field 'process' must be a program name (1 to 64 printable characters)")
-
-
-def _accepted(document: dict) -> web.Response:
-    return web.Response(body=encode(document), content_type=JSON)
 
 
 # -- the socket ------------------------------------------------------------------------------

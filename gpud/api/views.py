@@ -6,16 +6,11 @@ request path, so a busy client costs gpud almost nothing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
-from typing import Any
 
+from gpud.encoding import encode
 from gpud.inventory import Gpu, Inventory, normal_bus_id
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
-
-
-def encode(document: Any) -> bytes:
-    return json.dumps(document, separators=(",", ":")).encode()
 
 
 def gpu_view(gpu: Gpu) -> dict:

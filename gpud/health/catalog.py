@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gpud.yamlfile import at_line, load_yaml
@@ -27,7 +27,9 @@ class CatalogError(ValueError):
 
 
 @dataclass(frozen=True)
-class XidInfo:
+class XidEntry:
+    """One XID as xids.yaml describes it."""
+
     xid: int
     name: str
     severity: str  # one of SEVERITIES
@@ -35,7 +37,14 @@ class XidInfo:
     application: bool  # normally caused by an application, not the GPU
 
 
-XidTable = dict[int, XidInfo]
+@dataclass(frozen=True)
+class XidInfo(XidEntry):
+    """One XID as this node counts it: its entry with the config's overrides applied."""
+
+    affects_health: bool  # makes a device degraded or unhealthy
+
+
+XidTable = dict[int, XidEntry]
 
 
 class XidCatalog:
@@ -48,19 +57,15 @@ class XidCatalog:
         self._forced = unhealthy_xids
 
     def info(self, xid: int) -> XidInfo:
-        """What the XID is, with the config's overrides applied."""
-        known = self._table.get(xid) or XidInfo(xid, UNKNOWN_NAME, "critical", "reset-gpu", application=False)
+        """What the XID is and whether it counts, with the config's overrides applied: all that a
+        reported XID needs, in one lookup."""
+        known = self._table.get(xid) or XidEntry(xid, UNKNOWN_NAME, "critical", "reset-gpu", application=False)
+        forced, application = xid in self._forced, xid in self._application
         severity = known.severity
-        if xid in self._forced and severity in ("warning", "info"):
+        if forced and severity in ("warning", "info"):
             severity = "critical"  # forced XIDs make the device unhealthy, not merely degraded
-        return replace(known, severity=severity, application=xid in self._application)
-
-    def affects_health(self, xid: int) -> bool:
-        if xid in self._forced:
-            return True
-        if xid in self._ignored or xid in self._application:
-            return False
-        return self.info(xid).severity != "info"
+        affects_health = forced or (xid not in self._ignored and not application and known.severity != "info")
+        return XidInfo(xid, known.name, severity, known.action, application, affects_health)
 
 
 def load_catalog(application_xids: Iterable[int] | None = None, ignored_xids: Iterable[int] = (),
@@ -91,7 +96,7 @@ def parse_catalog(text: str, source: str) -> XidTable:
         for xid in range(first, last + 1):
             if xid in target:
                 raise CatalogError(f"{where}: XID {xid} is already listed")
-            target[xid] = XidInfo(xid, **entry)
+            target[xid] = XidEntry(xid, **entry)
     return dict(sorted((ranged | singles).items()))  # a single XID refines the range it falls in
 
 

@@ -7,37 +7,55 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gpud.events import EventBus
 from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
 from gpud.health.tracker import Change, HealthTracker
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
-from gpud.nvml.health import EventListener, Readings, read_readings
+from gpud.nvml.health import EventListener, NvmlEvent, Readings, read_readings
 from gpud.nvml.session import NvmlSession
 from gpud.persist import write_json_atomic
+from gpud.samples import HOSTNAME, Family
 
 log = get_logger("health")
+HEALTH_VALUES = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+# What /metrics says of the readings, with dcgm-exporter's names: (metric, help, type, reading attribute)
+GPU_READINGS = (
+    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (C).", "gauge", "temperature_c"),
+    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (W).", "gauge", "power_w"),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (MiB).", "gauge", "fb_used_mib"),
+    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (MiB).", "gauge", "fb_free_mib"),
+    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Single-bit ECC errors since the last reset.", "counter", "ecc_sbe_volatile"),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Double-bit ECC errors since the last reset.", "counter", "ecc_dbe_volatile"),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Rows remapped for correctable errors.", "counter",
+     "remapped_correctable"),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Rows remapped for uncorrectable errors.", "counter",
+     "remapped_uncorrectable"),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether row remapping has failed.", "gauge", "remap_failed"),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "PCIe replays.", "counter", "pcie_replays"),
+)
 
 
 class HealthService:
     def __init__(self, session: NvmlSession, inventory: InventoryService, bus: EventBus, catalog: XidCatalog, *,
                  check_interval_s: float = 5.0, clear_after_passes: int = 3,
-                 mps_failures: Callable[[], dict[str, str]] = dict, nvlinks_path: Path | None = None):
+                 mps_failures: Callable[[], dict[str, str]] = dict, nvlinks_path: Path | None = None,
+                 on_change: Callable[[], object] = lambda: None):
         self.session = session
         self.inventory = inventory
         self.bus = bus
         self.catalog = catalog
-        self.tracker = HealthTracker(catalog, clear_after_passes=clear_after_passes)
+        self.tracker = HealthTracker(clear_after_passes=clear_after_passes)
         self.check_interval_s = check_interval_s
         self.readings: dict[str, Readings | None] = {}
         self.last_xid: dict[str, tuple[int, float]] = {}  # GPU UUID -> (XID, when): dcgm-exporter's gauge
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._mps_failures = mps_failures  # device UUID -> why its MPS daemon is down
         self._mps_watched: set[str] = set()
-        self.listeners: list[Callable[[], None]] = []  # told after any health change (sharing follows)
+        self._on_change = on_change  # told after any health change (sharing follows)
         self._listener: EventListener | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # NVLink links seen active on each GPU (since gpud started, or kept in nvlinks_path): only
@@ -73,35 +91,35 @@ class HealthService:
         if self._listener:
             self._listener.start()
 
-    def _from_thread(self, event: dict) -> None:
+    def _from_thread(self, event: NvmlEvent) -> None:
         self._loop.call_soon_threadsafe(self._on_event, event)
 
-    def _on_event(self, event: dict) -> None:
-        kind, gpu = event["kind"], event.get("gpu")
+    def _on_event(self, event: NvmlEvent) -> None:
+        kind, gpu = event.kind, event.gpu
         if kind == "xid":
-            self._on_xid(gpu, event["xid"], event["gi_id"], event["ci_id"])
+            self._on_xid(event)
         elif kind == "ecc-dbe":
             self._publish(self.tracker.observe(gpu, "ecc", "dbe-event", (
                 "unhealthy", "reset-gpu", "an uncorrectable (double-bit) ECC error was reported")), "NVML event")
         elif kind == "lost":
-            log.error("gpu_lost", gpu=gpu, error=event.get("error"), noticed_by="NVML event wait")
+            log.error("gpu_lost", gpu=gpu, error=event.error, noticed_by="NVML event wait")
             asyncio.ensure_future(self.inventory.refresh("a GPU stopped answering NVML events"))
         elif kind == "back":
             log.info("gpu_back", gpu=gpu, noticed_by="NVML event registration")
             asyncio.ensure_future(self.inventory.refresh("a lost GPU answers NVML again"))
         elif kind == "error":
-            log.error("nvml_event_wait_failed", error=event.get("error"))
+            log.error("nvml_event_wait_failed", error=event.error)
             asyncio.ensure_future(self.inventory.refresh("NVML event wait failed"))
 
-    def _on_xid(self, gpu: str, xid: int, gi_id: int | None, ci_id: int | None) -> None:
+    def _on_xid(self, event: NvmlEvent) -> None:
+        gpu, xid = event.gpu, event.xid
         info = self.catalog.info(xid)
         self.last_xid[gpu] = (xid, time.time())
         self.xid_counts[(gpu, xid)] = self.xid_counts.get((gpu, xid), 0) + 1
-        affects = self.catalog.affects_health(xid)
-        (log.warning if affects else log.info)("xid", gpu=gpu, xid=xid, name=info.name, gi_id=gi_id, ci_id=ci_id,
-                                               severity=info.severity, action=info.action,
-                                               affects_health=affects)
-        self._publish(self.tracker.record_xid(gpu, xid, gi_id, ci_id), f"XID {xid}")
+        (log.warning if info.affects_health else log.info)(
+            "xid", gpu=gpu, xid=xid, name=info.name, gi_id=event.gi_id, ci_id=event.ci_id, severity=info.severity,
+            action=info.action, affects_health=info.affects_health)
+        self._publish(self.tracker.record_xid(gpu, info, event.gi_id, event.ci_id), f"XID {xid}")
 
     async def run_checks(self) -> None:
         while True:
@@ -166,8 +184,7 @@ class HealthService:
                                         "previous": change.previous, "state": change.state, "cause": cause,
                                         "reasons": [_reason(r) for r in change.reasons]})
         if changes:
-            for listener in self.listeners:
-                listener()
+            self._on_change()
 
     def gpu_was_reset(self, uuid: str) -> None:
         self._publish(self.tracker.record_reset(uuid), "GPU reset")
@@ -177,6 +194,48 @@ class HealthService:
 
     def view(self) -> dict[str, Any]:
         return self.tracker.view(self.inventory.current) if self.inventory.current else {"status": "unknown", "gpus": []}
+
+    def collect(self) -> Iterator[Family]:
+        """The readings, XIDs and health of every GPU, for /metrics."""
+        inventory = self.inventory.current
+        gpus = inventory.gpus if inventory else ()
+        for name, help_text, kind, attribute in GPU_READINGS:
+            family = Family(name, help_text, kind)
+            for gpu in gpus:
+                value = getattr(self.readings.get(gpu.uuid), attribute, None)
+                if value is not None:
+                    family.add(_gpu_labels(gpu), float(value))
+            yield family
+        last_xid = Family("DCGM_FI_DEV_XID_ERRORS", "The last XID error seen on the GPU.", "gauge")
+        for gpu in gpus:
+            if gpu.uuid in self.last_xid:
+                last_xid.add(_gpu_labels(gpu), self.last_xid[gpu.uuid][0])
+        yield last_xid
+        xids = Family("gpud_xid_errors_total", "XID errors seen, by GPU and XID.", "counter")
+        by_uuid = {gpu.uuid: gpu for gpu in gpus}
+        for (uuid, xid), count in sorted(self.xid_counts.items()):
+            if uuid in by_uuid:
+                xids.add({**_gpu_labels(by_uuid[uuid]), "xid": str(xid)}, count)
+        yield xids
+        states = self.tracker.gpu_states()
+        health = Family("gpud_gpu_health", "Device health: 0 healthy, 1 degraded, 2 unhealthy.", "gauge")
+        for gpu in gpus:
+            labels = _gpu_labels(gpu)
+            health.add(labels, HEALTH_VALUES.get(states.get(gpu.uuid, "healthy"), 2))
+            for dev in gpu.mig.devices:
+                mig_labels = {**labels, "GPU_I_ID": str(dev.gi_id), "GPU_I_PROFILE": dev.profile, "mig_uuid": dev.uuid}
+                health.add(mig_labels, HEALTH_VALUES.get(states.get(dev.uuid, "healthy"), 2))
+        yield health
+        lost = Family("gpud_gpu_lost", "1 when NVML reports the GPU lost.", "gauge")
+        for gpu in gpus:
+            lost.add(_gpu_labels(gpu), 1 if gpu.lost else 0)
+        yield lost
+
+
+def _gpu_labels(gpu: Gpu) -> dict[str, str]:
+    """dcgm-exporter's labels of a GPU."""
+    return {"gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "device": f"nvidia{gpu.index}",
+            "modelName": gpu.name, "hostname": HOSTNAME}
 
 
 def _reason(reason: Any) -> dict:

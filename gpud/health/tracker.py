@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
-from gpud.health.catalog import XidCatalog
+from gpud.health.catalog import XidInfo
 from gpud.inventory import Gpu, Inventory
 
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
-NOT_ATTRIBUTED = 0xFFFFFFFF  # NVML's GPU/compute-instance id for an event that is not one MIG device's
 LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
 
 Key = tuple[str, str]  # (kind, code)
@@ -65,8 +64,7 @@ class _Device:
 
 
 class HealthTracker:
-    def __init__(self, catalog: XidCatalog, clear_after_passes: int = 3, clock: Callable[[], float] = time.time):
-        self._catalog = catalog
+    def __init__(self, clear_after_passes: int = 3, clock: Callable[[], float] = time.time):
         self._clear_after_passes = clear_after_passes
         self._clock = clock
         self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
@@ -81,15 +79,15 @@ class HealthTracker:
             self._update_lost(self._devices[gpu.uuid], gpu)
         return self._changes_since(before)
 
-    def record_xid(self, gpu_uuid: str, xid: int, gi_id: int | None, ci_id: int | None) -> list[Change]:
-        """An XID on a GPU; with GPU/compute-instance ids that name MIG devices of it, only on those."""
-        if gpu_uuid not in self._devices or not self._catalog.affects_health(xid):
+    def record_xid(self, gpu_uuid: str, info: XidInfo, gi_id: int | None, ci_id: int | None) -> list[Change]:
+        """An XID, as the catalog describes it, on a GPU; with GPU/compute-instance ids that name MIG
+        devices of it, only on those (None: attributed to no instance)."""
+        if gpu_uuid not in self._devices or not info.affects_health:
             return []
-        info = self._catalog.info(xid)
         severity = UNHEALTHY if info.severity in ("fatal", "critical") else DEGRADED
         # A reset cannot fix what needs a hardware inspection: only an administrator clears that.
         clears = "admin" if info.action == "inspect-hardware" else "reset"
-        reason = self._reason("xid", str(xid), f"XID {xid}: {info.name}", severity, info.action, clears)
+        reason = self._reason("xid", str(info.xid), f"XID {info.xid}: {info.name}", severity, info.action, clears)
         before = self._summaries()
         for device in self._xid_targets(gpu_uuid, gi_id, ci_id):
             self._raise(device, reason)
@@ -175,7 +173,6 @@ class HealthTracker:
     def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[_Device]:
         """The MIG devices the ids name (a GPU-instance id alone names all its compute instances);
         the whole GPU when they name none."""
-        gi_id, ci_id = _attributed(gi_id), _attributed(ci_id)
         if gi_id is not None:
             named = [device for device in self._children(gpu_uuid)
                      if device.gi_id == gi_id and ci_id in (None, device.ci_id)]
@@ -240,7 +237,3 @@ def _summary(state: str, reasons: tuple[Reason, ...]) -> tuple[str, frozenset[Ke
 
 def _worst(states: Iterable[str]) -> str:
     return max(states, key=_RANK.__getitem__, default=HEALTHY)
-
-
-def _attributed(instance_id: int | None) -> int | None:
-    return None if instance_id == NOT_ATTRIBUTED else instance_id

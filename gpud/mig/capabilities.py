@@ -5,8 +5,7 @@ exists gpud derives them from the GPU-instance size with the rule in mig-profile
 
 The shipped tables (data/mig-profiles.yaml, each row with its source) stand in for a GPU whose
 driver does not answer its MIG table while MIG is off (R535) and that gpud has never read; they
-also carry the A30 instance counts NVML misreports. Tests and benchmarks use them as reference
-tables through `reference_capabilities`.
+also carry the A30 instance counts NVML misreports.
 """
 
 from __future__ import annotations
@@ -161,20 +160,3 @@ class ReadTables:
             log.warning("mig_profiles_unreadable", path=str(self._path), error="not a JSON object")
             return {}
         return {uuid: doc for uuid, doc in documents.items() if isinstance(doc, dict)}
-
-
-def ci_constants_by_slices() -> dict[int, int]:
-    """NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE by n (nvml.h values)."""
-    return dict(_shipped()[1])
-
-
-CI_CONSTANTS_BY_SLICES = ci_constants_by_slices()
-REFERENCE_MODELS = tuple(_shipped()[2])
-
-
-def reference_capabilities(model: str) -> MigCapabilities:
-    """The shipped MIG table of `model` (one of REFERENCE_MODELS); tests and benchmarks use it."""
-    tables = _shipped()[2]
-    if model not in tables:
-        raise ValueError(f"no reference MIG table for {model!r}; known: {', '.join(REFERENCE_MODELS)}")
-    return tables[model].capabilities

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from gpud.errors import GpudError
 from gpud.mig.profile_names import MigProfileName
 from gpud.yamlfile import at_line as _at_line
 from gpud.yamlfile import load_yaml
@@ -104,6 +106,48 @@ def default_layouts() -> dict[str, Layout]:
     if packaged.is_file():
         return parse_layouts(packaged.read_text(encoding="utf-8"), str(packaged))
     return load_layouts(_REPO_LAYOUTS)
+
+
+class LayoutUnavailable(GpudError):
+    """A layout that cannot be looked up: the layouts file is invalid, or names no such layout."""
+
+
+class LayoutsFile:
+    """The operator's layouts file when there is one, else the layouts shipped with gpud; parsed
+    again only when the file changes (its inode, size or modification time)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._read: tuple[tuple[int, int, int] | None, str, dict[str, Layout] | LayoutError] | None = None
+
+    def layouts(self) -> tuple[str, dict[str, Layout]]:
+        """(where they come from: the file's path or "builtin", the layouts by name)."""
+        try:
+            stat = os.stat(self.path)
+            version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except (FileNotFoundError, NotADirectoryError):
+            version = None
+        if self._read is None or self._read[0] != version:
+            self._read = (version, *self._parse(version))
+        _, source, layouts = self._read
+        if isinstance(layouts, LayoutError):
+            raise LayoutUnavailable(422, "layouts-file-invalid", str(layouts))
+        return source, layouts
+
+    def layout(self, name: str) -> Layout:
+        source, layouts = self.layouts()
+        if name not in layouts:
+            raise LayoutUnavailable(404, "layout-not-found",
+                                    f"no layout '{name}' in {source}; known: {', '.join(layouts)}")
+        return layouts[name]
+
+    def _parse(self, version: tuple[int, int, int] | None) -> tuple[str, dict[str, Layout] | LayoutError]:
+        if version is None:
+            return "builtin", default_layouts()
+        try:
+            return str(self.path), load_layouts(self.path)
+        except LayoutError as exc:
+            return str(self.path), exc
 
 
 def export_layout(name: str, per_gpu: list[tuple[int, bool, dict[str, int]]]) -> str:

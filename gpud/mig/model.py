@@ -112,7 +112,6 @@ class GpuMigState:
     pci_device_id: str  # "0x20B010DE"
     capable: bool
     mode_enabled: bool
-    pending_enabled: bool
     capabilities: MigCapabilities | None  # None when not MIG-capable
     instances: tuple[GpuInstanceState, ...] = ()
 

@@ -14,7 +14,6 @@ Pure: it reads a GpuMigState and returns a GpuPlan, or raises PlanError before a
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache, reduce
@@ -33,6 +32,7 @@ from gpud.mig.model import (
     Placement,
     PlanError,
 )
+from gpud.mig.profile_names import mig_device_name
 
 # The compute instances of one GPU instance, as (compute slices, start) pairs.
 _Content = tuple[tuple[int, int], ...]
@@ -69,22 +69,6 @@ def plan_gpu(gpu: GpuMigState, desired: Mapping[str, int]) -> GpuPlan:
     _check_capacity(gpu, capabilities, demands)
     current = _current_instances(gpu)
     return _diff(gpu, current, _best_target(gpu, capabilities, demands, current))
-
-
-def plan_full_recreate(gpu: GpuMigState, desired: Mapping[str, int]) -> GpuPlan:
-    """mig-parted's apply, for comparison: the same target as plan_gpu, but built from scratch.
-
-    Like mig-parted it leaves a GPU alone whose devices already match the wanted counts.
-    """
-    plan = plan_gpu(gpu, desired)
-    current = _current_instances(gpu)
-    as_is = _as_targets(gpu.capabilities, current)
-    if Counter(ci.name for gi in as_is for ci in gi.compute_instances) == +Counter(desired):
-        return GpuPlan(index=gpu.index, uuid=gpu.uuid, target=as_is)
-    fresh = tuple(_new_target(gi) for gi in plan.target)
-    return GpuPlan(index=gpu.index, uuid=gpu.uuid, target=fresh,
-                   destroy_cis=tuple((gi.gi_id, ci.ci_id) for gi in current for ci in gi.compute_instances),
-                   destroy_gis=tuple(gi.gi_id for gi in current), create_gis=fresh)
 
 
 def plan_restore(gpu: GpuMigState, original: tuple[GpuInstanceState, ...]) -> GpuPlan:
@@ -151,8 +135,7 @@ def _label(gpu: GpuMigState, capabilities: MigCapabilities) -> str:
 
 
 def _device_name(profile: GiProfile, ci_slices: int) -> str:
-    """MIG device names (§4.4): the GI profile's name, prefixed by <C>c. when the CI is smaller."""
-    return profile.name if ci_slices == profile.slices else f"{ci_slices}c.{profile.name}"
+    return mig_device_name(profile.name, profile.slices, ci_slices)
 
 
 def _offered_devices(capabilities: MigCapabilities) -> dict[str, tuple[GiProfile, int]]:
@@ -438,11 +421,6 @@ def _diff(gpu: GpuMigState, current: tuple[GpuInstanceState, ...], target: tuple
                          for ci in gi.compute_instances if ci.keep_ci_id is None),
         create_gis=tuple(gi for gi in target if gi.keep_gi_id is None),
     )
-
-
-def _new_target(gi: GiTarget) -> GiTarget:
-    return replace(gi, keep_gi_id=None,
-                   compute_instances=tuple(replace(ci, keep_ci_id=None) for ci in gi.compute_instances))
 
 
 def _as_targets(capabilities: MigCapabilities, current: tuple[GpuInstanceState, ...]) -> tuple[GiTarget, ...]:

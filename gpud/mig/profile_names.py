@@ -20,6 +20,12 @@ _NUMBER = r"(?:0|[1-9][0-9]*)"
 _PATTERN = re.compile(rf"(?:(?P<ci>{_NUMBER})c\.)?(?P<gi>{_NUMBER})g\.(?P<gb>{_NUMBER})gb(?P<suffix>[+-][a-z.]+)?")
 
 
+def mig_device_name(gi_profile_name: str, gi_slices: int, ci_slices: int) -> str:
+    """A MIG device's profile name (§4.4): its GPU instance's profile name, prefixed by <C>c. when
+    the compute instance is smaller than the GPU instance."""
+    return gi_profile_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_profile_name}"
+
+
 @dataclass(frozen=True)
 class MigProfileName:
     ci_slices: int  # compute slices of the compute instance; equals gi_slices when it takes the whole GPU instance
@@ -54,6 +60,4 @@ class MigProfileName:
         return f"{self.gi_slices}g.{self.memory_gb}gb{self.suffix}"
 
     def __str__(self) -> str:
-        if self.ci_slices == self.gi_slices:
-            return self.gi_name
-        return f"{self.ci_slices}c.{self.gi_name}"
+        return mig_device_name(self.gi_name, self.gi_slices, self.ci_slices)

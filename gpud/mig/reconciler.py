@@ -10,33 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Callable, Collection, Iterator
 
+from gpud.errors import GpudError
 from gpud.gpu_reset import GpuResetter, ResetBlocked, ResetBusy, ResetOutcome
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
-from gpud.mig.layouts import Layout, LayoutEntry, LayoutError
+from gpud.mig.hooks import MigHooks
+from gpud.mig.layouts import Layout, LayoutEntry, LayoutError, LayoutsFile
 from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import ResetFailed
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
 from gpud.persist import write_json_atomic
+from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mig")
 
 
-class ApplyRefused(Exception):
-    """An apply gpud will not start: nothing was touched. status is the HTTP status that fits."""
-
-    def __init__(self, status: int, code: str, message: str, **details: Any):
-        super().__init__(message)
-        self.status, self.code, self.message, self.details = status, code, message, details
+class ApplyRefused(GpudError):
+    """An apply gpud will not start: nothing was touched."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +67,7 @@ class ApplyStatus:
 
 def mig_state_of(gpu: Gpu) -> GpuMigState:
     return GpuMigState(index=gpu.index, uuid=gpu.uuid, pci_device_id=gpu.pci_device_id, capable=gpu.mig.capable,
-                       mode_enabled=gpu.mig.mode == "enabled", pending_enabled=gpu.mig.pending_mode == "enabled",
-                       capabilities=gpu.mig.capabilities, instances=gpu.mig.instances)
+                       mode_enabled=gpu.mig.mode == "enabled", capabilities=gpu.mig.capabilities, instances=gpu.mig.instances)
 
 
 def actual_of(gpu: Gpu) -> dict:
@@ -116,23 +113,23 @@ def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired
 class MigReconciler:
     def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, resetter: GpuResetter,
                  *, allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
-                 hook_timeout_s: float = 300.0, around_gpu_change: tuple | None = None):
+                 hook_timeout_s: float = 300.0, around_gpu_change: tuple | None = None,
+                 notify: Callable[[str, dict], object] = lambda kind, data: None):
         self.session = session
         self.inventory = inventory
         self.resetter = resetter
         self._state_path = state_path
         self._allow_reset = allow_reset
-        self._hooks = {"pre_apply": pre_apply, "post_apply": post_apply}
-        self._hook_timeout_s = hook_timeout_s
+        self._hooks = MigHooks(pre_apply, post_apply, hook_timeout_s)
         # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
         self._around_gpu_change = around_gpu_change
-        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
+        self._notify = notify  # the watch stream
         self._lock = asyncio.Lock()
         self.status = ApplyStatus()
         self.desired: dict[str, GpuDesired] = {}
         self.desired_source: str | None = None  # "api" | "default_layout"
         self._force = False
-        self.started = False  # set once gpud has converged (or begun converging) the GPUs at start-up
+        self._started = False  # set once gpud has converged (or begun converging) the GPUs at start-up
         self._load_desired()
 
     # -- persisted desired state ------------------------------------------------------------
@@ -203,10 +200,6 @@ class MigReconciler:
 
     # -- applying ---------------------------------------------------------------------------
 
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
     async def apply(self, layout: Layout, *, force: bool = False, source: str = "api") -> dict[str, GpuPlan]:
         """Plans, persists the desired layout and starts applying it in the background. Returns the plans."""
         if self._lock.locked():
@@ -266,6 +259,22 @@ class MigReconciler:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    async def converge_at_start(self, default_layout: str | None, layouts: LayoutsFile) -> None:
+        """Finishes what a crash interrupted, or applies `default_layout` (mig.default_layout) when it
+        is new and no layout was chosen through the API since."""
+        try:
+            if default_layout and self.desired_source != "api" and self.status.layout != default_layout:
+                await self.apply(layouts.layout(default_layout), source="default_layout")
+                self._started = True
+                await self.wait()
+            else:
+                self._started = True
+                await self.reconcile("startup")
+        except GpudError as exc:
+            self._started = True
+            self.status.state, self.status.error = "failed", f"mig.default_layout '{default_layout}': {exc}"
+            log.error("mig_default_layout_failed", layout=default_layout, error=str(exc))
+
     async def reconcile(self, reason: str) -> None:
         """Converges the GPUs on the persisted desired layout (after a crash, or at start)."""
         if not self.desired or self._lock.locked():
@@ -298,7 +307,12 @@ class MigReconciler:
         for gpu in inventory.gpus:
             if gpu.uuid in self.status.gpus and gpu not in changing:
                 self.status.gpus[gpu.uuid].state = "unchanged"
-        if changing and not await self._run_hook("pre_apply", changing):
+        if changing and (failure := await self._hooks.run("pre_apply", self.status.layout,
+                                                          [g.index for g in changing])):
+            self.status.state, self.status.error = "failed", failure
+            for progress in self.status.gpus.values():
+                if progress.state == "pending":
+                    progress.state = "unchanged"
             return
         # As mig-parted does: every mode is set first, then one reset takes them all, so a GPU is
         # never reset again after its instances were made (a reset destroys them).
@@ -306,14 +320,15 @@ class MigReconciler:
         if awaiting_reset:
             await self._reset_then_finish(awaiting_reset)
         final = await self.inventory.refresh("mig apply finished")
-        if changing:
-            await self._run_hook("post_apply", changing)
+        if changing and (failure := await self._hooks.run("post_apply", self.status.layout,
+                                                          [g.index for g in changing])):
+            self.status.error = failure
         states = {p.state for p in self.status.gpus.values()}
         self.status.state = ("failed" if "failed" in states else "reset-required" if "reset-required" in states
                              else "success")
         errors = [f"GPU {p.index}: {p.error}" for p in self.status.gpus.values() if p.error]
         self.status.error = "; ".join(errors) or self.status.error
-        self.notify("mig", {"layout": self.status.layout, "state": self.status.state, "error": self.status.error})
+        self._notify("mig", {"layout": self.status.layout, "state": self.status.state, "error": self.status.error})
         log.info("mig_apply_finished", layout=self.status.layout, state=self.status.state,
                  mutations=sum(p.mutations for p in self.status.gpus.values()),
                  in_sync=all(in_sync(g, self.desired[g.uuid]) for g in final.gpus if g.uuid in self.desired))
@@ -323,7 +338,7 @@ class MigReconciler:
         (and restarting its MPS daemons) comes after the reset."""
         progress = self.status.gpus[gpu.uuid]
         progress.state = "applying"
-        self.notify("mig", {"layout": self.status.layout, "state": "applying", "gpu": gpu.index})
+        self._notify("mig", {"layout": self.status.layout, "state": "applying", "gpu": gpu.index})
         await self._around(0, gpu.uuid)
         awaiting_reset = False
         try:
@@ -494,30 +509,6 @@ class MigReconciler:
             progress.error = f"{progress.error}; rollback failed: {describe_error(exc)}"
             bound.error("mig_gpu_rollback_failed", error=describe_error(exc))
 
-    async def _run_hook(self, name: str, gpus: list[Gpu]) -> bool:
-        ok = True
-        env = {**os.environ, "GPUD_MIG_LAYOUT": self.status.layout or "",
-               "GPUD_MIG_GPUS": ",".join(str(g.index) for g in gpus)}
-        for command in self._hooks[name]:
-            try:
-                proc = await asyncio.create_subprocess_shell(command, env=env, stdout=asyncio.subprocess.PIPE,
-                                                             stderr=asyncio.subprocess.STDOUT)
-                output, _ = await asyncio.wait_for(proc.communicate(), self._hook_timeout_s)
-                failure = None if proc.returncode == 0 else f"exit status {proc.returncode}: {output.decode()[-500:]}"
-            except (OSError, asyncio.TimeoutError) as exc:
-                failure = str(exc) or "timed out"
-            log.info("mig_hook", hook=name, command=command, ok=failure is None, error=failure)
-            if failure:
-                ok = False
-                self.status.error = f"{name} hook '{command}' failed: {failure}"
-                if name == "pre_apply":
-                    self.status.state = "failed"
-                    for progress in self.status.gpus.values():
-                        if progress.state == "pending":
-                            progress.state = "unchanged"
-                    return False
-        return ok
-
     # -- status -------------------------------------------------------------------------------
 
     def view(self, inventory: Inventory | None) -> dict:
@@ -532,10 +523,17 @@ class MigReconciler:
                          "error": progress.error if progress else None})
         all_in_sync = bool(gpus) and all(g["in_sync"] for g in gpus)
         state = self.status.state
-        if (state == "success" and not all_in_sync and self.desired) or not self.started:
+        if (state == "success" and not all_in_sync and self.desired) or not self._started:
             state = "pending"
         return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync, "error": self.status.error,
                 "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
+
+    def collect(self) -> Iterator[Family]:
+        """Whether the GPUs have the desired layout, for /metrics (no desired layout: nothing is out of sync)."""
+        in_sync = Family("gpud_mig_in_sync", "1 when every GPU has the desired MIG layout.", "gauge")
+        synced = self.view(self.inventory.current)["in_sync"] or not self.desired
+        in_sync.add({"hostname": HOSTNAME}, 1 if synced else 0)
+        yield in_sync
 
 
 def _mark_reset_required(progress: GpuProgress, bound, gpu: Gpu, outcome: str, detail: str = "") -> None:

@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gpud.config import MpsConfig
 from gpud.inventory import Gpu, Inventory, InventoryService
@@ -16,6 +16,7 @@ from gpud.logs import get_logger
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
 from gpud.nvml.session import NvmlSession
+from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mps")
 HEALTH_PROBE_EVERY = 10  # liveness checks between two full health probes (get_server_list)
@@ -96,7 +97,8 @@ def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memo
 
 class MpsManager:
     def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
-                 pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None):
+                 pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None,
+                 notify: Callable[[str, dict], object] = lambda kind, data: None):
         self.session = session
         self.inventory = inventory
         self.config = config
@@ -107,7 +109,7 @@ class MpsManager:
         self._lock = asyncio.Lock()
         self._checks = 0
         self._replicas = replicas or (lambda inventory: {})
-        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
+        self._notify = notify  # the watch stream
 
     def _control(self, spec: DaemonSpec) -> MpsControl:
         directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
@@ -160,7 +162,7 @@ class MpsManager:
         daemon.backoff_s = 1.0
         log.info("mps_daemon_started", daemon=spec.name, pid=daemon.pid, devices=list(spec.devices),
                  pipe=str(daemon.control.directories.pipe), restarts=daemon.restarts)
-        self.notify("mps", self.daemon_view(daemon))
+        self._notify("mps", self.daemon_view(daemon))
 
     async def _set_compute_mode(self, spec: DaemonSpec, mode: str) -> None:
         if spec.gpu_indices:
@@ -173,7 +175,7 @@ class MpsManager:
         daemon.next_attempt = time.monotonic() + daemon.backoff_s
         log.error("mps_daemon_failed", daemon=daemon.spec.name, error=error, retry_in_s=daemon.backoff_s)
         daemon.backoff_s = min(daemon.backoff_s * 2, MAX_BACKOFF_S)
-        self.notify("mps", self.daemon_view(daemon))
+        self._notify("mps", self.daemon_view(daemon))
 
     async def _apply_limits(self, daemon: DaemonState) -> None:
         spec = daemon.spec
@@ -202,7 +204,7 @@ class MpsManager:
             log.error("mps_daemon_stop_failed", daemon=daemon.spec.name, error=str(exc))
         daemon.state, daemon.pid, daemon.server_pids = "stopped", None, []
         log.info("mps_daemon_stopped", daemon=daemon.spec.name, why=why)
-        self.notify("mps", self.daemon_view(daemon))
+        self._notify("mps", self.daemon_view(daemon))
 
     # -- supervision ------------------------------------------------------------------------
 
@@ -262,6 +264,11 @@ class MpsManager:
                     await self._stop(daemon, "MIG layout of its GPU changes")
                     del self.daemons[name]
 
+    async def reconfigure(self, config: MpsConfig) -> None:
+        """Takes a re-read config: daemons whose limits alone changed get them live."""
+        self.config = config
+        await self.converge("reload")
+
     async def after_mig_change(self, gpu_uuid: str) -> None:
         """Starts the daemons the GPU's new MIG devices call for."""
         await self.inventory.refresh("MIG change, for MPS")
@@ -273,6 +280,17 @@ class MpsManager:
         """Device UUID -> why its MPS daemon is down, for the health of those devices."""
         return {device: f"MPS daemon {d.spec.name} failed: {d.last_error}" for d in self.daemons.values()
                 if d.state == "failed" and not d.paused for device in d.spec.devices}
+
+    def collect(self) -> Iterator[Family]:
+        """Whether each daemon runs and how often it restarted, for /metrics."""
+        up = Family("gpud_mps_daemon_up", "1 when the MPS control daemon runs.", "gauge")
+        restarts = Family("gpud_mps_daemon_restarts_total", "Restarts of the MPS control daemon.", "counter")
+        for daemon in self.daemons.values():
+            labels = {"daemon": daemon.spec.name, "hostname": HOSTNAME}
+            up.add(labels, 1 if daemon.state == "running" else 0)
+            restarts.add(labels, daemon.restarts)
+        yield up
+        yield restarts
 
     def view(self) -> dict[str, Any]:
         return {"enabled": self.config.enabled, "control_binary": self.config.control_binary, "error": self.error,

@@ -17,17 +17,31 @@ from gpud.nvml.reader import is_lost_error, text
 
 log = get_logger("health")
 WAIT_MS = 500  # how long one wait blocks: bounds how long stopping the thread takes
-NOT_ATTRIBUTED = 0xFFFFFFFF  # NVML's GPU/compute-instance id when an event is not a MIG device's
+# NVML's GPU/compute-instance id of an event that is no MIG device's. gpud says None instead, and
+# _attributed is the one place that maps it.
+NOT_ATTRIBUTED = 0xFFFFFFFF
 BACKOFF_INITIAL_S = 0.05  # the pause after a first failure; it doubles with each failure in a row
 BACKOFF_MAX_S = 5.0
 RETRY_UNREGISTERED_S = 5.0  # how often GPUs that could not be registered (lost) are tried again
 
-EventCallback = Callable[[dict], None]
+
+@dataclass(frozen=True)
+class NvmlEvent:
+    """What the event thread reports: an event NVML delivered, or a change in what it listens to."""
+
+    kind: str  # "xid" | "ecc-sbe" | "ecc-dbe" | "other" (delivered); "lost" | "back" | "error" (the listener's own)
+    gpu: str | None  # the GPU's UUID; None for "error", which is no one GPU's
+    xid: int | None = None  # for "xid"
+    gi_id: int | None = None  # the MIG GPU/compute instance the event is attributed to; None: not attributed
+    ci_id: int | None = None
+    error: str | None = None  # for "lost" and "error": what NVML answered
+
+
+EventCallback = Callable[[NvmlEvent], None]
 
 
 class EventListener:
-    """Registers XID and ECC events on every GPU and reports each as a dict through `deliver`:
-    {"kind": "xid"|"ecc-sbe"|"ecc-dbe"|"lost"|"back"|"error", "gpu": uuid, "xid": n, "gi_id": …, "ci_id": …}.
+    """Registers XID and ECC events on every GPU and reports each as an NvmlEvent through `deliver`.
 
     No NVML error ends the thread. A set with a lost GPU registered answers every wait with
     GPU_IS_LOST at once (nvml.h: nvmlEventSetWait_v2 "may return NVML_ERROR_GPU_IS_LOST"; reference
@@ -115,7 +129,7 @@ class EventListener:
             uuid = self._uuid_by_index.get(index)
             if uuid in self._last_registered:
                 log.error("nvml_events_gpu_lost", gpu=index, uuid=uuid, error=why)
-                self.deliver({"kind": "lost", "gpu": uuid, "error": why})
+                self.deliver(NvmlEvent("lost", uuid, error=why))
             else:
                 log.warning("nvml_events_not_registered", gpu=index, error=why)
         self._next_retry = time.monotonic() + self._retry_unregistered_s
@@ -127,7 +141,7 @@ class EventListener:
             uuid = self._uuid_by_index.get(index)
             if index not in self.unregistered and uuid:
                 log.info("nvml_events_gpu_back", gpu=index, uuid=uuid)
-                self.deliver({"kind": "back", "gpu": uuid})
+                self.deliver(NvmlEvent("back", uuid))
         self._next_retry = time.monotonic() + self._retry_unregistered_s
 
     def _register(self, event_set: Any, index: int) -> None:
@@ -166,20 +180,23 @@ class EventListener:
             log.warning("nvml_events_failed", error=error, failures_in_a_row=self._failures,
                         retry_in_s=round(delay, 3))
         if self._failures == 1:
-            self.deliver({"kind": "error", "gpu": None, "error": error})
+            self.deliver(NvmlEvent("error", None, error=error))
         self._stop.wait(delay)
 
     def _backoff(self, failures: int) -> float:
         return min(BACKOFF_INITIAL_S * 2 ** (failures - 1), self._backoff_max_s)
 
-    def _describe(self, data: Any) -> dict:
+    def _describe(self, data: Any) -> NvmlEvent:
         nvml = self.nvml
         uuid = self._uuid_by_handle.get(_address(data.device)) or text(nvml.nvmlDeviceGetUUID(data.device))
         kind = {nvml.nvmlEventTypeXidCriticalError: "xid", nvml.nvmlEventTypeSingleBitEccError: "ecc-sbe",
                 nvml.nvmlEventTypeDoubleBitEccError: "ecc-dbe"}.get(data.eventType, "other")
-        return {"kind": kind, "gpu": uuid, "xid": data.eventData,
-                "gi_id": None if data.gpuInstanceId == NOT_ATTRIBUTED else data.gpuInstanceId,
-                "ci_id": None if data.computeInstanceId == NOT_ATTRIBUTED else data.computeInstanceId}
+        return NvmlEvent(kind, uuid, xid=data.eventData if kind == "xid" else None,
+                         gi_id=_attributed(data.gpuInstanceId), ci_id=_attributed(data.computeInstanceId))
+
+
+def _attributed(instance_id: int) -> int | None:
+    return None if instance_id == NOT_ATTRIBUTED else instance_id
 
 
 def _address(handle: Any) -> int:

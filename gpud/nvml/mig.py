@@ -46,9 +46,9 @@ def mig_memory_gb(instance_mib: int, device_mib: int) -> int:
     return math.floor(eighths / 8 * math.ceil(device_mib / 1024) + 0.5)  # half away from zero, not to even
 
 
-def mig_profile_name(gi_slices: int, ci_slices: int, instance_mib: int, device_mib: int, suffix: str = "") -> str:
-    base = f"{gi_slices}g.{mig_memory_gb(instance_mib, device_mib)}gb{suffix}"
-    return base if ci_slices >= gi_slices else f"{ci_slices}c.{base}"
+def gi_profile_name(slices: int, instance_mib: int, device_mib: int, suffix: str = "") -> str:
+    """A GPU-instance profile's name, e.g. "3g.20gb" or "1g.5gb+me"."""
+    return f"{slices}g.{mig_memory_gb(instance_mib, device_mib)}gb{suffix}"
 
 
 _CI_SLICE_CONSTANTS = {1: "1_SLICE", 2: "2_SLICE", 3: "3_SLICE", 4: "4_SLICE", 6: "6_SLICE", 7: "7_SLICE",
@@ -77,7 +77,7 @@ def read_capabilities(nvml: Any, handle: Any, device_mib: int) -> MigCapabilitie
             continue
         profiles.append(GiProfile(
             id=info.id, constant=constant,
-            name=mig_profile_name(info.sliceCount, info.sliceCount, info.memorySizeMB, device_mib, suffixes.get(constant, "")),
+            name=gi_profile_name(info.sliceCount, info.memorySizeMB, device_mib, suffixes.get(constant, "")),
             slices=info.sliceCount, memory_mib=info.memorySizeMB, instance_count=info.instanceCount,
             placements=_gi_placements(nvml, handle, info.id),
             ci_profiles=derive_ci_profiles(info.sliceCount, ci_constants, _whole_ci_constant(nvml, constant)),

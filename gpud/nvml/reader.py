@@ -23,6 +23,7 @@ from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, unknown_gpu
 from gpud.logs import get_logger
 from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
 from gpud.mig.model import MigCapabilities
+from gpud.mig.profile_names import mig_device_name
 from gpud.nvml import mig
 from gpud.nvml.driver import MINIMUM_BRANCH
 
@@ -273,7 +274,7 @@ def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabil
             ci_slices, gi_slices = attrs.computeInstanceSliceCount, attrs.gpuInstanceSliceCount
             devices.append(MigDevice(
                 uuid=found["uuid"], index=found["index"],
-                profile=gi_profile.name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_profile.name}",
+                profile=mig_device_name(gi_profile.name, gi_slices, ci_slices),
                 gi_id=gi.gi_id, ci_id=ci.ci_id, gi_profile_id=gi.profile_id, ci_profile_id=ci.profile_id,
                 placement=gi.placement, memory_total_mib=attrs.memorySizeMB, sm_count=attrs.multiprocessorCount,
                 pids=found["pids"]))

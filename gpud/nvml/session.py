@@ -44,14 +44,14 @@ class UnsupportedDriver(RuntimeError):
     """NVML initialised, but the driver is older than gpud supports."""
 
 
-def load_backend(simulate: str | None, sim_state: Path | None, driver: str | None = None) -> Any:
+def load_backend(simulate: str | None, sim_state: Path | None, driver: str | None = None) -> tuple[Any, bool]:
     """The pynvml module itself, or a simulated node offering the same surface (behaving as the
-    given driver version, or the simulator's default)."""
+    given driver version, or the simulator's default); and whether it is the simulated node."""
     if simulate:
         from gpud.nvml.sim import SimulatedNvml
 
-        return SimulatedNvml(simulate, sim_state, driver=driver)
-    return importlib.import_module("pynvml")
+        return SimulatedNvml(simulate, sim_state, driver=driver), True
+    return importlib.import_module("pynvml"), False
 
 
 def describe_error(exc: BaseException) -> str:
@@ -61,9 +61,10 @@ def describe_error(exc: BaseException) -> str:
 
 
 class NvmlSession:
-    def __init__(self, backend: Any, *, retry_initial_s: float = 1.0, retry_max_s: float = 60.0):
+    def __init__(self, backend: Any, *, simulated: bool = False, retry_initial_s: float = 1.0,
+                 retry_max_s: float = 60.0):
         self.nvml = backend
-        self.simulated = hasattr(backend, "sim_inject_xid")
+        self.simulated = simulated  # the simulator stands in for pynvml: faults can be injected
         self.state = SessionState.STARTING
         self.error: str | None = None
         self.driver_version: str | None = None  # as the driver reported it at the last nvmlInit

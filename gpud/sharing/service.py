@@ -6,9 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from aiohttp import web
-
-from gpud.api.views import encode
+from gpud.encoding import encode
 from gpud.inventory import Inventory
 from gpud.logs import get_logger
 from gpud.sharing.config import SharingConfig, load_sharing
@@ -29,26 +27,30 @@ def read_sharing_file(path: Path) -> SharingConfig | None:
 class SharingView:
     """Recomputes the sharing document whenever the inventory or the sharing config changes."""
 
-    def __init__(self, config: SharingConfig | None, source: Path):
+    def __init__(self, config: SharingConfig | None, source: Path, *, unhealthy: Callable[[], set[str]] = set,
+                 notify: Callable[[str, dict], object] = lambda kind, data: None):
         self.config = config
         self.source = source
         self.document: dict | None = None
         self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
-        self.unhealthy: Callable[[], set[str]] = set  # device UUIDs health calls unhealthy
-        self.notify: Callable[[str, dict], object] = lambda kind, data: None  # the watch stream
-        self._body = encode(self._empty())
+        self._unhealthy = unhealthy  # device UUIDs health calls unhealthy
+        self._notify = notify  # the watch stream
+        self.body = encode(self._empty())  # the document, encoded once per change for GET /v1/sharing
 
     def _empty(self) -> dict:
         return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
                 "error": "no inventory yet"}
 
-    def update(self, inventory: Inventory | None, config: SharingConfig | None = None, reason: str = "") -> None:
-        if reason == "reload":
-            self.config = config
+    def set_config(self, config: SharingConfig | None, inventory: Inventory | None) -> None:
+        """Takes a re-read sharing config (None: the file is gone)."""
+        self.config = config
+        self.update(inventory, "reload")
+
+    def update(self, inventory: Inventory | None, reason: str = "") -> None:
         if inventory is None:
             return
         try:
-            computed = compute_sharing(self.config, inventory, frozenset(self.unhealthy()))
+            computed = compute_sharing(self.config, inventory, frozenset(self._unhealthy()))
         except SharingError as exc:  # e.g. a `devices` selector that matches nothing on this node
             computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
                         "error": str(exc)}
@@ -58,11 +60,11 @@ class SharingView:
                 log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
                          resources={r["name"]: r["count"] for r in document["resources"]}, error=document["error"])
             self.document = document
-            self._body = encode(document)
-            self.notify("sharing", {"strategy": document["strategy"], "error": document["error"],
-                                    "resources": {r["name"]: r["count"] for r in document["resources"]},
-                                    "unhealthy": sum(not d["healthy"] for r in document["resources"]
-                                                     for d in r["devices"])})
+            self.body = encode(document)
+            self._notify("sharing", {"strategy": document["strategy"], "error": document["error"],
+                                     "resources": {r["name"]: r["count"] for r in document["resources"]},
+                                     "unhealthy": sum(not d["healthy"] for r in document["resources"]
+                                                      for d in r["devices"])})
 
     async def apply_time_slice(self, inventory: Inventory | None) -> None:
         """Sets the configured time-slice length on the GPUs (at start and after a reload)."""
@@ -71,9 +73,3 @@ class SharingView:
             self.time_slice = await apply_time_slice(interval, inventory)
             self.document = None
             self.update(inventory, reason="time slice")
-
-    def register(self, app: web.Application) -> None:
-        app.router.add_get("/v1/sharing", self.get)
-
-    async def get(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._body, content_type="application/json")

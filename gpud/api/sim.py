@@ -1,0 +1,137 @@
+"""POST /v1/sim/*: fault injection on a simulated node (--simulate). Registered only there: on a
+real node, /v1/sim/* answers why it is absent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gpud.api.auth import admin_only
+from gpud.api.errors import ApiError, error_response, json_errors, read_json_object
+from gpud.api.responses import json_response
+from gpud.inventory import InventoryService
+from gpud.logs import get_logger
+from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
+from gpud.nvml.sim import SimError
+
+log = get_logger("api")
+
+
+class SimRoutes:
+    def __init__(self, session: NvmlSession, inventory: InventoryService, body_timeout_s: float):
+        self.session = session
+        self.inventory = inventory
+        self.body_timeout_s = body_timeout_s
+
+    def register(self, app: web.Application) -> None:
+        for name, handler in (("xid", self.sim_xid), ("gpu-lost", self.sim_gpu_lost),
+                              ("gpu-recover", self.sim_gpu_recover), ("processes", self.sim_processes),
+                              ("holders", self.sim_holders), ("ecc", self.sim_ecc)):
+            app.router.add_post(f"/v1/sim/{name}", handler)
+
+    @admin_only
+    @json_errors
+    async def sim_xid(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "xid": (int,),
+                                                                     "gi_id": (int, type(None)),
+                                                                     "ci_id": (int, type(None))})
+        if not 0 < body["xid"] < 1 << 16:
+            raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
+        await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"))
+        log.warning("sim_xid_injected", gpu=body["gpu"], xid=body["xid"], gi_id=body.get("gi_id"),
+                    ci_id=body.get("ci_id"))
+        return json_response({"injected": "xid", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_gpu_lost(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "how": (str, type(None))})
+        how = {"how": body["how"]} if body.get("how") is not None else {}  # else the simulator's default
+        await self._sim_call("sim_set_gpu_lost", body["gpu"], **how)
+        log.warning("sim_gpu_lost", gpu=body["gpu"], how=body.get("how"))
+        await self.inventory.refresh("simulated GPU loss")
+        return json_response({"injected": "gpu-lost", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_gpu_recover(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str)})
+        await self._sim_call("sim_recover_gpu", body["gpu"])
+        log.warning("sim_gpu_recovered", gpu=body["gpu"])
+        await self.inventory.refresh("simulated GPU recovery")
+        return json_response({"injected": "gpu-recovered", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_holders(self, request: web.Request) -> web.Response:
+        """Another host process holds the GPU's device node (a monitoring agent, a CUDA app), or
+        every such process lets go (release)."""
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "process": (str, type(None)),
+                                                                     "pid": (int, type(None)),
+                                                                     "release": (bool, type(None))})
+        _check_holder(body)
+        if body.get("release"):
+            await self._sim_call("sim_release_holders", body["gpu"])
+            log.info("sim_holders_released", gpu=body["gpu"])
+            injected = "holders-released"
+        else:
+            await self._sim_call("sim_add_holder", body["gpu"], body["process"], body["pid"])
+            log.info("sim_holder_added", gpu=body["gpu"], process=body["process"], pid=body["pid"])
+            injected = "holder"
+        holders = await self._sim_call("sim_holders", body["gpu"])
+        return json_response({"injected": injected, **body,
+                          "holders": [{"pid": pid, "process": process} for pid, process in holders]})
+
+    @admin_only
+    @json_errors
+    async def sim_processes(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list,)})
+        pids = body["pids"]
+        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 22 for p in pids):
+            raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
+        await self._sim_call("sim_set_processes", body["gpu"], pids)
+        log.info("sim_processes_set", gpu=body["gpu"], pids=pids)
+        await self.inventory.refresh("simulated processes")
+        return json_response({"injected": "processes", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_ecc(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "double_bit": (bool,)})
+        await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
+        log.warning("sim_ecc_injected", gpu=body["gpu"], double_bit=body["double_bit"])
+        return json_response({"injected": "ecc", **body})
+
+    async def _sim_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self.session.call(lambda nvml: getattr(nvml, method)(*args, **kwargs))
+        except SimError as exc:
+            raise ApiError(422, "invalid-target", str(exc)) from None
+        except NvmlUnavailable as exc:
+            raise ApiError(503, "nvml-unavailable", str(exc)) from None
+        except self.session.nvml.NVMLError as exc:
+            raise ApiError(409, "nvml-error", describe_error(exc)) from None
+
+
+def _check_holder(body: dict) -> None:
+    process, pid = body.get("process"), body.get("pid")
+    if body.get("release"):
+        if process is not None or pid is not None:
+            raise ApiError(400, "invalid-body", "give either release: true, or process and pid")
+        return
+    if process is None or pid is None:
+        raise ApiError(400, "missing-field", "a holder needs 'process' and 'pid' (or give release: true)")
+    if not 0 < pid < 1 << 22:
+        raise ApiError(400, "invalid-field", f"field 'pid' must be a process id (a positive integer), got {pid}")
+    if not process.strip() or not process.isprintable() or len(process) > 64:
+        raise ApiError(400, "invalid-field", "field 'process' must be a program name (1 to 64 printable characters)")
+
+
+def register_not_simulated(app: web.Application) -> None:
+    """A real node: /v1/sim/* says why fault injection is absent."""
+    app.router.add_route("*", "/v1/sim/{what:.*}", _not_simulated)
+
+
+async def _not_simulated(request: web.Request) -> web.Response:
+    return error_response(404, "not-simulated", "fault injection exists only on a simulated node (--simulate)")

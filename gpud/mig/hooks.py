@@ -1,0 +1,42 @@
+"""The operator's MIG hooks (mig.hooks): shell commands run before and after gpud changes MIG layouts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from gpud.logs import get_logger
+
+log = get_logger("mig")
+
+
+class MigHooks:
+    """pre_apply runs before the first change and stops the apply when a command fails; post_apply
+    runs once the GPUs are changed. Each command gets GPUD_MIG_LAYOUT and GPUD_MIG_GPUS (indices)."""
+
+    def __init__(self, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (), timeout_s: float = 300.0):
+        self._commands = {"pre_apply": pre_apply, "post_apply": post_apply}
+        self._timeout_s = timeout_s
+
+    async def run(self, name: str, layout: str | None, gpus: list[int]) -> str | None:
+        """Runs hook `name`'s commands in order; None when all succeeded, else what failed (the last
+        failure: pre_apply stops at the first, post_apply runs every command)."""
+        failed = None
+        env = {**os.environ, "GPUD_MIG_LAYOUT": layout or "", "GPUD_MIG_GPUS": ",".join(map(str, gpus))}
+        for command in self._commands[name]:
+            failure = await self._run_command(command, env)
+            log.info("mig_hook", hook=name, command=command, ok=failure is None, error=failure)
+            if failure:
+                failed = f"{name} hook '{command}' failed: {failure}"
+                if name == "pre_apply":
+                    break
+        return failed
+
+    async def _run_command(self, command: str, env: dict[str, str]) -> str | None:
+        try:
+            proc = await asyncio.create_subprocess_shell(command, env=env, stdout=asyncio.subprocess.PIPE,
+                                                         stderr=asyncio.subprocess.STDOUT)
+            output, _ = await asyncio.wait_for(proc.communicate(), self._timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return str(exc) or "timed out"
+        return None if proc.returncode == 0 else f"exit status {proc.returncode}: {output.decode()[-500:]}"
