@@ -1,33 +1,16 @@
-"""Shared test helpers: short socket directories, and gpud run as a real process."""
+"""Fixtures shared by the test modules; the plain helpers they use are in helpers.py."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-
-from gpud.client import Client, DaemonUnreachable
-
-REPO = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI") == "true"
-
-
-def real_nvml_library_present() -> bool:
-    """NVIDIA's real libnvidia-ml loads here (Debian's libnvidia-ml1: NVML without a driver)."""
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
+from helpers import (ADMINS, IN_CI, MPS_CONTROL, READERS, SYSTEM_PATH, USERS, GpudProcess, accounts_lock,
+                     kill_mps_under)
 
 
 @pytest.fixture
@@ -36,62 +19,6 @@ def short_tmp():
     path = Path(tempfile.mkdtemp(prefix="gpt", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-class GpudProcess:
-    """`gpud serve` as a child process, with its JSON log lines collected in a file."""
-
-    def __init__(self, workdir: Path, *args: str, env: dict | None = None):
-        self.workdir = workdir
-        self.socket = workdir / "gpud.sock"
-        self.log_path = workdir / f"gpud-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json",
-               "--state-dir", str(workdir / "state"), *args]
-        self._log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, cwd=REPO)
-        self.client = Client(self.socket, timeout=10)
-
-    def wait_for(self, predicate, timeout: float = 20.0, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"gpud exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                last = predicate()
-                if last:
-                    return last
-            except DaemonUnreachable as exc:
-                last = exc
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what} (last: {last!r}):\n{self.log_text()}")
-
-    def wait_healthy(self, timeout: float = 20.0):
-        return self.wait_for(lambda: self.client.request("GET", "/healthz", ok_statuses=(503,))[0] == 200,
-                             timeout, "healthz 200")
-
-    def log_text(self) -> str:
-        if not self._log_file.closed:
-            self._log_file.flush()
-        return self.log_path.read_text()
-
-    def log_events(self) -> list[dict]:
-        events = []
-        for line in self.log_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass
-        return events
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log_file.close()
 
 
 @pytest.fixture
@@ -108,3 +35,29 @@ def run_gpud(short_tmp):
         if process.proc.poll() is None:
             process.proc.kill()
             process.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def users():
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("CI runs as root")
+        pytest.skip("needs root to create users and groups")
+    with accounts_lock():
+        for group in (READERS, ADMINS):
+            subprocess.run([shutil.which("groupadd", path=SYSTEM_PATH), "-f", group], check=True)
+        for user, groups in USERS.items():
+            subprocess.run([shutil.which("useradd", path=SYSTEM_PATH), "-M", user], capture_output=True)
+            subprocess.run([shutil.which("usermod", path=SYSTEM_PATH), "-G", ",".join(groups) or "", user],
+                           check=True)
+    return USERS
+
+
+@pytest.fixture
+def mps_tmp(short_tmp):
+    if MPS_CONTROL is None:
+        if IN_CI:
+            pytest.fail("CI must have nvidia-cuda-mps installed (scripts/test-all installs it)")
+        pytest.skip("nvidia-cuda-mps-control is not installed (apt-get install nvidia-cuda-mps, non-free)")
+    yield short_tmp
+    kill_mps_under(short_tmp)  # MPS outlives gpud by design: the test cleans up after itself

@@ -3,40 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 
-import pytest
-from conftest import IN_CI
-
-READERS, ADMINS = "gpudt-readers", "gpudt-admins"
-USERS = {"gpudt-reader": [READERS], "gpudt-admin": [READERS, ADMINS], "gpudt-other": []}
-SYSTEM_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
-
-
-@pytest.fixture(scope="module")
-def users():
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("CI runs as root")
-        pytest.skip("needs root to create users and groups")
-    for group in (READERS, ADMINS):
-        subprocess.run([shutil.which("groupadd", path=SYSTEM_PATH), "-f", group], check=True)
-    for user, groups in USERS.items():
-        subprocess.run([shutil.which("useradd", path=SYSTEM_PATH), "-M", user], capture_output=True)
-        subprocess.run([shutil.which("usermod", path=SYSTEM_PATH), "-G", ",".join(groups) or "", user], check=True)
-    return USERS
-
-
-def curl_as(user: str, socket_path, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
-    command = [shutil.which("runuser", path=SYSTEM_PATH), "-u", user, "--", "curl", "-s", "-o", "-", "-w",
-               "\n%{http_code}", "--unix-socket", str(socket_path), "-X", method, f"http://localhost{path}"]
-    if body is not None:
-        command += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    text, _, code = result.stdout.rpartition("\n")
-    return int(code or 0), text
+from helpers import ADMINS, READERS, curl_as
 
 
 def test_readers_read_admins_change_others_cannot_connect(run_gpud, short_tmp, users):

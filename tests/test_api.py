@@ -6,13 +6,12 @@ import asyncio
 import json
 import socket
 
-import aiohttp
 import pynvml
 import pytest
+from helpers import sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.config import Config
-from gpud.daemon import Daemon
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances
 
@@ -22,43 +21,10 @@ A100_1G5GB = {"memory_mib": 4864, "sms": 14}
 
 
 def make_config(tmp, preset="dgx-a100", **api) -> Config:
-    config = Config().with_overrides(**{"api.socket": str(tmp / "g.sock"), "simulate": preset,
-                                        "sim_state": str(tmp / "sim.json"), "state_dir": str(tmp / "state"),
-                                        "inventory.refresh_interval_s": 3600.0})
+    config = sim_config(tmp, preset)
     for key, value in api.items():
         config = config.with_overrides(**{f"api.{key}": value})
     return config
-
-
-class Running:
-    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession):
-        self.daemon, self.http = daemon, http
-
-    async def get(self, path: str):
-        async with self.http.get(f"http://localhost{path}") as response:
-            return response.status, await response.json()
-
-    async def post(self, path: str, body=None, data=None):
-        kwargs = {"json": body} if data is None else {"data": data}
-        async with self.http.post(f"http://localhost{path}", **kwargs) as response:
-            return response.status, await response.json()
-
-
-async def start_daemon(config: Config) -> Running:
-    daemon = Daemon(config)
-    await daemon.start()
-    http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(config.socket_path)))
-    running = Running(daemon, http)
-    for _ in range(400):
-        if (await running.get("/healthz"))[0] == 200:
-            return running
-        await asyncio.sleep(0.01)
-    raise AssertionError("gpud did not become healthy")
-
-
-async def stop_daemon(running: Running) -> None:
-    await running.http.close()
-    await running.daemon.stop()
 
 
 @pytest.fixture

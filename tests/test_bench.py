@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_api_benchmark_runs_and_prints_ratios():

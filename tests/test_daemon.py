@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
-from conftest import REPO
+from helpers import cli
 
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances
-
-
-def cli(*args: str, socket=None) -> subprocess.CompletedProcess:
-    extra = ["--socket", str(socket)] if socket else []
-    return subprocess.run([sys.executable, "-m", "gpud", *args, *extra], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
 
 
 def test_cli_tables_and_json(run_gpud, short_tmp):

@@ -19,7 +19,7 @@ from dataclasses import replace
 import jsonschema
 import pynvml
 import pytest
-from conftest import IN_CI, REPO, real_nvml_library_present
+from helpers import IN_CI, REPO, real_nvml_library_present
 
 from gpud import doctor
 from gpud.nvml import smi

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI, REPO
+from helpers import IN_CI, REPO, SYSTEM_PATH
 
 pytestmark = pytest.mark.slow
-SYSTEM_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,procps,passwd,nvidia-cuda-mps"
 
 

@@ -9,12 +9,8 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from helpers import REPO, cli, mig_config, put_layout, sharing_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
-from test_api import start_daemon, stop_daemon
-from test_daemon import cli
-from test_mig_apply import mig_config, put_layout
-from test_sharing_api import sharing_config
 
 SHARED_MIG = """version: v1
 flags:
@@ -275,7 +271,7 @@ async def test_the_watch_stream_carries_mig_inventory_and_sharing_events(short_t
         kinds = {e["type"] for e in events}
         assert {"mig", "inventory"} <= kinds
         everything, _ = node.daemon.bus.backlog_after(start)
-        seen = [json.loads(line) for line in everything]
+        seen = [json.loads(event.line) for event in everything]
         assert any(e["type"] == "mig" and e["data"]["state"] == "success" for e in seen)
         assert any(e["type"] == "inventory" and e["data"]["mig_devices"] == 2 for e in seen)
         assert any(e["type"] == "sharing" and e["data"]["resources"].get("nvidia.com/mig-3g.20gb") == 6

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.health.catalog import CatalogError, XidCatalog, load_catalog, parse_catalog, shipped_table
-from gpud.health.tracker import DEGRADED, HEALTHY, NOT_ATTRIBUTED, UNHEALTHY, HealthTracker
+from gpud.health.catalog import CatalogError, XidCatalog, XidInfo, load_catalog, parse_catalog, shipped_table
+from gpud.health.tracker import DEGRADED, HEALTHY, UNHEALTHY, HealthTracker
 from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo
 from gpud.mig.model import Placement
 
 HOT = ("degraded", "inspect-hardware", "at the slowdown limit")
+CATALOG = XidCatalog()
+
+
+def xid_info(number: int) -> XidInfo:
+    """The XID as the health service hands it to the tracker: looked up in the catalog."""
+    return CATALOG.info(number)
 
 
 class Clock:
@@ -49,7 +55,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def tracker(clock) -> HealthTracker:
-    tracker = HealthTracker(XidCatalog(), clear_after_passes=3, clock=clock)
+    tracker = HealthTracker(clear_after_passes=3, clock=clock)
     assert tracker.set_inventory(NODE) == []
     return tracker
 
@@ -67,7 +73,7 @@ def test_catalog_pinned_entries():
     assert (catalog.info(48).severity, catalog.info(48).action) == ("fatal", "reboot")
     assert (catalog.info(94).severity, catalog.info(94).action) == ("critical", "restart-app")
     assert catalog.info(13).application and catalog.info(13).action == "restart-app"
-    assert not catalog.affects_health(13) and catalog.affects_health(79)
+    assert not catalog.info(13).affects_health and catalog.info(79).affects_health
 
 
 def test_catalog_application_xids_are_the_device_plugins():
@@ -86,20 +92,20 @@ def test_catalog_unknown_xid(xid):
     info = XidCatalog().info(xid)
     assert (info.xid, info.name, info.severity, info.action, info.application) == (
         xid, "unknown XID", "critical", "reset-gpu", False)
-    assert XidCatalog().affects_health(xid)
+    assert info.affects_health
 
 
 def test_catalog_info_xid_does_not_affect_health():
-    assert not XidCatalog().affects_health(154)
+    assert not XidCatalog().info(154).affects_health
 
 
 def test_catalog_config_overrides():
     catalog = load_catalog(application_xids=[13, 94], ignored_xids=[79, 48], unhealthy_xids=[45, 48])
-    assert not catalog.affects_health(94) and catalog.info(94).application  # the list replaces the data's
-    assert catalog.affects_health(31) and not catalog.info(31).application
-    assert not catalog.affects_health(79)  # ignored
-    assert catalog.affects_health(48)  # forced wins over ignored
-    assert catalog.affects_health(45) and catalog.info(45).severity == "critical"  # forced counts as unhealthy
+    assert not catalog.info(94).affects_health and catalog.info(94).application  # the list replaces the data's
+    assert catalog.info(31).affects_health and not catalog.info(31).application
+    assert not catalog.info(79).affects_health  # ignored
+    assert catalog.info(48).affects_health  # forced wins over ignored
+    assert catalog.info(45).affects_health and catalog.info(45).severity == "critical"  # forced counts as unhealthy
 
 
 @pytest.mark.parametrize("text, error", [
@@ -123,7 +129,7 @@ def test_catalog_rejects_bad_data(text, error):
 
 
 def test_fatal_xid_makes_only_its_gpu_unhealthy(tracker):
-    changes = tracker.record_xid("GPU-2", 79, None, None)
+    changes = tracker.record_xid("GPU-2", xid_info(79), None, None)
     assert [(c.device, c.gpu_index, c.previous, c.state) for c in changes] == [("GPU-2", 2, HEALTHY, UNHEALTHY)]
     (reason,) = changes[0].reasons
     assert (reason.kind, reason.code, reason.action, reason.severity) == ("xid", "79", "reboot", UNHEALTHY)
@@ -131,51 +137,51 @@ def test_fatal_xid_makes_only_its_gpu_unhealthy(tracker):
 
 
 def test_application_xid_changes_nothing(tracker):
-    assert tracker.record_xid("GPU-1", 13, None, None) == []
+    assert tracker.record_xid("GPU-1", xid_info(13), None, None) == []
     assert states(tracker) == {}
 
 
 def test_warning_xid_degrades(tracker):
-    (change,) = tracker.record_xid("GPU-1", 92, None, None)
+    (change,) = tracker.record_xid("GPU-1", xid_info(92), None, None)
     assert change.state == DEGRADED
 
 
 def test_xid_with_mig_ids_hits_only_that_mig_device(tracker):
-    changes = tracker.record_xid("GPU-0", 94, 2, 0)
+    changes = tracker.record_xid("GPU-0", xid_info(94), 2, 0)
     assert [(c.device, c.state) for c in changes] == [("MIG-0-2-0", UNHEALTHY)]
     assert states(tracker) == {"MIG-0-2-0": UNHEALTHY}
 
 
 def test_xid_with_a_gpu_instance_id_alone_hits_its_compute_instances(tracker):
-    tracker.record_xid("GPU-0", 94, 1, NOT_ATTRIBUTED)
+    tracker.record_xid("GPU-0", xid_info(94), 1, None)
     assert states(tracker) == {"MIG-0-1-0": UNHEALTHY}
 
 
-@pytest.mark.parametrize("gi_id, ci_id", [(None, None), (NOT_ATTRIBUTED, NOT_ATTRIBUTED), (7, 0)])
+@pytest.mark.parametrize("gi_id, ci_id", [(None, None), (7, 0)])
 def test_xid_on_a_gpu_reaches_its_mig_devices(tracker, gi_id, ci_id):
-    changes = tracker.record_xid("GPU-0", 48, gi_id, ci_id)
+    changes = tracker.record_xid("GPU-0", xid_info(48), gi_id, ci_id)
     assert {c.device: c.state for c in changes} == {"GPU-0": UNHEALTHY, "MIG-0-1-0": UNHEALTHY,
                                                     "MIG-0-2-0": UNHEALTHY}
     assert tracker.device("MIG-0-1-0")["reasons"][0]["code"] == "48"
 
 
 def test_repeated_xid_bumps_count_without_a_change(tracker, clock):
-    tracker.record_xid("GPU-1", 79, None, None)
+    tracker.record_xid("GPU-1", xid_info(79), None, None)
     clock.now += 5
-    assert tracker.record_xid("GPU-1", 79, None, None) == []
+    assert tracker.record_xid("GPU-1", xid_info(79), None, None) == []
     (reason,) = tracker.device("GPU-1")["reasons"]
     assert (reason["count"], reason["first_seen"], reason["last_seen"]) == (2, 1000.0, 1005.0)
 
 
 def test_a_second_xid_is_a_change(tracker):
-    tracker.record_xid("GPU-1", 79, None, None)
-    (change,) = tracker.record_xid("GPU-1", 48, None, None)
+    tracker.record_xid("GPU-1", xid_info(79), None, None)
+    (change,) = tracker.record_xid("GPU-1", xid_info(48), None, None)
     assert (change.previous, change.state) == (UNHEALTHY, UNHEALTHY)
     assert [r.code for r in change.reasons] == ["79", "48"]
 
 
 def test_xid_for_a_device_not_in_the_inventory_is_dropped(tracker):
-    assert tracker.record_xid("GPU-9", 79, None, None) == []
+    assert tracker.record_xid("GPU-9", xid_info(79), None, None) == []
 
 
 # -- lost GPUs and inventory -----------------------------------------------------------------
@@ -192,7 +198,7 @@ def test_lost_gpu_is_unhealthy_with_its_mig_devices_until_it_is_back(tracker):
 
 
 def test_removed_mig_devices_are_forgotten(tracker):
-    tracker.record_xid("GPU-0", 94, 2, 0)
+    tracker.record_xid("GPU-0", xid_info(94), 2, 0)
     assert tracker.set_inventory(inventory(gpu(0, mig_gis=(1,)), gpu(1), gpu(2))) == []
     assert "MIG-0-2-0" not in tracker.gpu_states()
     with pytest.raises(KeyError):
@@ -229,7 +235,7 @@ def test_check_severity_rising_is_a_change(tracker):
 
 
 def test_check_passes_do_not_clear_xids(tracker):
-    tracker.record_xid("GPU-1", 79, None, None)
+    tracker.record_xid("GPU-1", xid_info(79), None, None)
     for _ in range(5):
         assert tracker.observe("GPU-1", "xid", "79", None) == []
     assert states(tracker) == {"GPU-1": UNHEALTHY}
@@ -245,17 +251,17 @@ def test_check_of_an_unknown_device_is_dropped_and_a_bad_severity_refused(tracke
 
 
 def test_reset_clears_what_a_reset_fixes(tracker):
-    tracker.record_xid("GPU-0", 79, None, None)
-    tracker.record_xid("GPU-0", 94, 1, 0)
+    tracker.record_xid("GPU-0", xid_info(79), None, None)
+    tracker.record_xid("GPU-0", xid_info(94), 1, 0)
     tracker.observe("MIG-0-2-0", "mps", "daemon", ("degraded", "restart-app", "MPS daemon down"))
-    tracker.record_xid("GPU-1", 79, None, None)
+    tracker.record_xid("GPU-1", xid_info(79), None, None)
     changes = tracker.record_reset("GPU-0")
     assert {c.device: c.state for c in changes} == {"GPU-0": HEALTHY, "MIG-0-1-0": HEALTHY, "MIG-0-2-0": HEALTHY}
     assert states(tracker) == {"GPU-1": UNHEALTHY}
 
 
 def test_reset_keeps_what_needs_a_hardware_inspection(tracker):
-    tracker.record_xid("GPU-1", 64, None, None)
+    tracker.record_xid("GPU-1", xid_info(64), None, None)
     assert tracker.device("GPU-1")["reasons"][0]["clears"] == "admin"
     assert tracker.record_reset("GPU-1") == []
     (change,) = tracker.clear("GPU-1")
@@ -263,11 +269,11 @@ def test_reset_keeps_what_needs_a_hardware_inspection(tracker):
 
 
 def test_admin_clear_by_kind_and_of_a_gpu_with_its_mig_devices(tracker):
-    tracker.record_xid("GPU-1", 64, None, None)
+    tracker.record_xid("GPU-1", xid_info(64), None, None)
     tracker.observe("GPU-1", "temperature", "slowdown", HOT)
     (change,) = tracker.clear("GPU-1", "xid")
     assert (change.state, [r.kind for r in change.reasons]) == (DEGRADED, ["temperature"])
-    tracker.record_xid("GPU-0", 94, 1, 0)
+    tracker.record_xid("GPU-0", xid_info(94), 1, 0)
     changes = tracker.clear("GPU-0")
     assert [(c.device, c.state) for c in changes] == [("MIG-0-1-0", HEALTHY)]
     with pytest.raises(KeyError):
@@ -286,7 +292,7 @@ def test_lost_gpu_cleared_by_hand_comes_back_while_still_lost(tracker):
 
 
 def test_view_document(tracker):
-    tracker.record_xid("GPU-0", 94, 2, 0)
+    tracker.record_xid("GPU-0", xid_info(94), 2, 0)
     tracker.observe("GPU-2", "temperature", "slowdown", HOT)
     view = tracker.view(NODE)
     assert view["status"] == UNHEALTHY
@@ -302,4 +308,4 @@ def test_view_document(tracker):
 
 def test_view_of_a_healthy_node(tracker):
     assert tracker.view(NODE)["status"] == HEALTHY
-    assert HealthTracker(XidCatalog()).view(inventory()) == {"status": HEALTHY, "gpus": []}
+    assert HealthTracker().view(inventory()) == {"status": HEALTHY, "gpus": []}

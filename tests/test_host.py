@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from gpud.host import Holder, device_holders, loaded_modules, reset_blockers
 

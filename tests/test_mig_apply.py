@@ -6,10 +6,10 @@ import asyncio
 from collections import Counter
 
 import pytest
+from helpers import mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
-from test_api import start_daemon, stop_daemon
 
-from gpud.config import Config, MigHooksConfig
+from gpud.config import MigHooksConfig
 from gpud.mig.layouts import parse_layouts
 
 # Per model, what NVIDIA's tables give (shared/reference/mig-profiles.md §3): layout -> {profile: (count, MiB)}.
@@ -38,25 +38,6 @@ A30 = {
     "all-4g.24gb": {"4g.24gb": (1, 24064)},
     "all-balanced": {"1g.6gb": (2, 5952), "2g.12gb": (1, 11968)},
 }
-
-
-def mig_config(tmp, preset, layouts_text=None, **mig) -> Config:
-    config = Config().with_overrides(**{"api.socket": str(tmp / "g.sock"), "simulate": preset,
-                                        "sim_state": str(tmp / "sim.json"), "state_dir": str(tmp / "state"),
-                                        "inventory.refresh_interval_s": 3600.0})
-    if layouts_text is not None:
-        (tmp / "layouts.yaml").write_text(layouts_text)
-        config = config.with_overrides(**{"mig.layouts_file": str(tmp / "layouts.yaml")})
-    else:
-        config = config.with_overrides(**{"mig.layouts_file": str(tmp / "absent.yaml")})  # shipped layouts
-    for key, value in mig.items():
-        config = config.with_overrides(**{f"mig.{key}": value})
-    return config
-
-
-async def put_layout(node, layout, **options):
-    async with node.http.put("http://localhost/v1/mig?wait=true", json={"layout": layout, **options}) as response:
-        return response.status, await response.json()
 
 
 async def settled_mig(node) -> dict:

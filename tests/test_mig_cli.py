@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import yaml
-from conftest import REPO
-from test_daemon import cli
+from helpers import REPO, cli
 
 from gpud.mig.layouts import parse_layouts
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from gpud.nvml.mig import mig_memory_gb, mig_profile_name
+from gpud.mig.profile_names import mig_device_name
+from gpud.nvml.mig import gi_profile_name, mig_memory_gb
 
 # (device MiB, GI slices, GI memory MiB, published name) from shared/reference/mig-profiles.md §2-§3.
 PUBLISHED = [
@@ -22,16 +23,16 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("device_mib, slices, instance_mib, name", PUBLISHED)
 def test_whole_instance_names_match_nvidia(device_mib, slices, instance_mib, name):
-    assert mig_profile_name(slices, slices, instance_mib, device_mib) == name
+    assert gi_profile_name(slices, instance_mib, device_mib) == name
 
 
 def test_compute_instance_smaller_than_its_gpu_instance_is_prefixed():
-    assert mig_profile_name(3, 1, 19968, 40537) == "1c.3g.20gb"
-    assert mig_profile_name(7, 4, 40192, 40537) == "4c.7g.40gb"
+    assert mig_device_name(gi_profile_name(3, 19968, 40537), 3, 1) == "1c.3g.20gb"
+    assert mig_device_name(gi_profile_name(7, 40192, 40537), 7, 4) == "4c.7g.40gb"
 
 
 def test_media_extension_suffix():
-    assert mig_profile_name(1, 1, 4864, 40537, "+me") == "1g.5gb+me"
+    assert gi_profile_name(1, 4864, 40537, "+me") == "1g.5gb+me"
 
 
 def test_share_is_rounded_up_to_an_eighth():

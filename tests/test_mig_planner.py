@@ -1,9 +1,11 @@
-"""The MIG planner and the compute-instance profiles, on the reference tables (mig-profiles.md §3–§5).
+"""The MIG planner and the compute-instance profiles, on the tables gpud reads from simulated GPUs
+(mig-profiles.md §3–§5).
 
 Expected placements come from the tables; the property tests compare the planner with a brute-force
 enumeration of every layout the placement tables allow.
 """
 
+import importlib.util
 import random
 import subprocess
 import sys
@@ -12,22 +14,36 @@ from collections import Counter
 from functools import cache
 from itertools import combinations, permutations
 
+import pynvml
 import pytest
-from conftest import REPO
+from helpers import REPO
 
-from gpud.mig.capabilities import CI_CONSTANTS_BY_SLICES, derive_ci_profiles, reference_capabilities
+from gpud.mig.capabilities import derive_ci_profiles, shipped_table
 from gpud.mig.model import ComputeInstanceState, GpuInstanceState, GpuMigState, GpuPlan, Placement, PlanError
-from gpud.mig.planner import plan_full_recreate, plan_gpu, state_after
+from gpud.mig.planner import plan_gpu, state_after
+from gpud.mig.profile_names import mig_device_name
 
-A100 = reference_capabilities("A100-SXM4-40GB")
-A30 = reference_capabilities("A30")
-H100 = reference_capabilities("H100-80GB")
+
+def _bench():
+    """bench/mig_plan.py: it reads MIG tables from simulated GPUs and holds mig-parted's baseline."""
+    spec = importlib.util.spec_from_file_location("mig_plan_bench", REPO / "bench" / "mig_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+A100 = BENCH.simulated_capabilities("A100-SXM4-40GB")
+A30 = BENCH.simulated_capabilities("A30")
+H100 = BENCH.simulated_capabilities("H100-SXM5-80GB")
+CI_CONSTANTS_BY_SLICES = {slices: getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE")
+                          for slices in (1, 2, 3, 4, 6, 7, 8)}
 BALANCED = {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
 
 
 def empty_gpu(capabilities, enabled=True) -> GpuMigState:
     return GpuMigState(index=3, uuid="GPU-test", pci_device_id="0x20B010DE", capable=True, mode_enabled=enabled,
-                       pending_enabled=False, capabilities=capabilities)
+                       capabilities=capabilities)
 
 
 def gpu_with(capabilities, *instances) -> GpuMigState:
@@ -41,7 +57,7 @@ def gpu_with(capabilities, *instances) -> GpuMigState:
             ComputeInstanceState(ci_id, constants[slices], ci_start, slices, f"MIG-{gi_id}-{ci_id}")
             for ci_id, slices, ci_start in cis)))
     return GpuMigState(index=3, uuid="GPU-test", pci_device_id="0x20B010DE", capable=True, mode_enabled=True,
-                       pending_enabled=False, capabilities=capabilities, instances=tuple(states))
+                       capabilities=capabilities, instances=tuple(states))
 
 
 def built(capabilities, desired) -> GpuMigState:
@@ -107,10 +123,10 @@ def test_reference_tables():
     assert [p.start for p in one_g.placements] == [0, 1, 2, 3, 4, 5, 6]
     assert A100.gi_profile("3g.20gb").placements == (Placement(0, 4), Placement(4, 4))
     assert (A30.memory_slices, A30.gi_profile("2g.12gb").id, A30.gi_profile("4g.24gb").id) == (4, 5, 0)
-    assert reference_capabilities("H200").gi_profile("7g.141gb").memory_mib == 143360
-    assert reference_capabilities("A100-SXM4-80GB").gi_profile("1g.20gb").constant == 9
-    with pytest.raises(ValueError, match="A100-SXM4-40GB"):
-        reference_capabilities("T4")
+    # H200: the real lgip of NVIDIA/mig-parted#120 (139.75 GiB), as the simulator has it
+    assert shipped_table("0x233510DE").capabilities.gi_profile("7g.141gb").memory_mib == 143104
+    assert shipped_table("0x20B510DE").capabilities.gi_profile("1g.20gb").constant == 9  # A100-SXM4-80GB
+    assert shipped_table("0x1EB810DE") is None  # T4: no MIG table
 
 
 # -- what fits on an A100-40GB -------------------------------------------------------------------
@@ -186,7 +202,8 @@ def test_unknown_profiles_are_refused_naming_what_the_gpu_offers():
     with pytest.raises(PlanError) as refused:
         plan_gpu(empty_gpu(A100), {"1g.10gb": 1, "1g.6gb": 1, "5c.7g.40gb": 1})
     message = str(refused.value)
-    assert "GPU 3" in message and "1g.6gb, 5c.7g.40gb;" in message and "offers 1g.5gb, 1g.5gb+me" in message
+    # the GPU's devices in the order NVML lists its profiles (by profile constant)
+    assert "GPU 3" in message and "1g.6gb, 5c.7g.40gb;" in message and "offers 1g.5gb, 1c.2g.10gb, 2g.10gb" in message
 
 
 def test_zero_counts_mean_nothing():
@@ -317,17 +334,17 @@ def test_current_instances_do_not_count_with_mig_off():
 def test_full_recreate_rebuilds_the_same_target():
     gpu = built(A100, {"1g.5gb": 7})
     desired = {"1g.5gb": 5, "2g.10gb": 1}
-    recreate, minimal = plan_full_recreate(gpu, desired), plan_gpu(gpu, desired)
+    recreate, minimal = BENCH.plan_full_recreate(gpu, desired), plan_gpu(gpu, desired)
     assert layout(recreate) == layout(minimal) and recreate.kept == 0
     assert len(recreate.destroy_gis) == 7 and recreate.mutations == 14 + 12
-    assert plan_full_recreate(gpu, {"1g.5gb": 7}).mutations == 0  # mig-parted skips a GPU already right
+    assert BENCH.plan_full_recreate(gpu, {"1g.5gb": 7}).mutations == 0  # mig-parted skips a GPU already right
 
 
 # -- properties against brute force -----------------------------------------------------------------
 
 
 def device_name(profile, ci_slices) -> str:
-    return profile.name if ci_slices == profile.slices else f"{ci_slices}c.{profile.name}"
+    return mig_device_name(profile.name, profile.slices, ci_slices)
 
 
 def no_overlap(spans) -> bool:

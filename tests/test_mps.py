@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
-import pytest
-from conftest import IN_CI
+from helpers import cli, read_back, running_daemons
 from openapi_check import assert_matches_openapi
-from test_daemon import cli
 
-from gpud.mps.control import MpsControl, MpsDirectories, process_alive
-
-BINARY = shutil.which("nvidia-cuda-mps-control")
-
-
-@pytest.fixture
-def mps_tmp(short_tmp):
-    if BINARY is None:
-        if IN_CI:
-            pytest.fail("CI must have nvidia-cuda-mps installed (scripts/test-all installs it)")
-        pytest.skip("nvidia-cuda-mps-control is not installed (apt-get install nvidia-cuda-mps, non-free)")
-    yield short_tmp
-    _kill_mps_under(short_tmp)  # MPS outlives gpud by design: the test cleans up after itself
-
-
-def _kill_mps_under(root: Path) -> None:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"CUDA_MPS_PIPE_DIRECTORY={root}".encode() in (entry / "environ").read_bytes():
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                pass
+from gpud.mps.control import process_alive
 
 
 def write_config(tmp: Path, **mps) -> Path:
@@ -54,19 +28,6 @@ def start(run_gpud, tmp: Path, preset="A100-SXM4-40GB:2", **mps):
                     "--config", str(write_config(tmp, **mps)))
     gpud.wait_healthy()
     return gpud
-
-
-def running_daemons(gpud, count: int, timeout: float = 20.0) -> list[dict]:
-    def ready():
-        daemons = gpud.client.get("/v1/mps")["daemons"]
-        return daemons if len(daemons) == count and all(d["state"] == "running" for d in daemons) else None
-    return gpud.wait_for(ready, timeout, f"{count} running MPS daemons")
-
-
-def read_back(daemon: dict) -> tuple[float, dict]:
-    control = MpsControl(BINARY, MpsDirectories(Path(daemon["pipe_directory"]), Path(daemon["log_directory"])),
-                         tuple(daemon["devices"]))
-    return asyncio.run(control.limits())
 
 
 def test_limits_read_back_from_the_real_daemon_equal_the_config(run_gpud, mps_tmp):

@@ -5,7 +5,7 @@ as on a GPU host whose kernel module is missing. .ci/run installs it; elsewhere 
 """
 
 import pytest
-from conftest import IN_CI, real_nvml_library_present
+from helpers import IN_CI, real_nvml_library_present
 
 
 def test_gpud_serves_503_and_retries_while_the_driver_is_not_loaded(run_gpud, tmp_path):

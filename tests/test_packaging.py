@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI, REPO
+from helpers import IN_CI, REPO
 
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI, REPO
+from helpers import IN_CI, REPO, accounts_lock
 
 README = (REPO / "README.md").read_text()
 USER = "gpud-readme"
@@ -40,8 +40,9 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
         pytest.skip("needs root (to create an ordinary user) and sudo")
     system_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     runuser = shutil.which("runuser", path=system_path)
-    subprocess.run([shutil.which("useradd", path=system_path), "--create-home", USER],
-                   capture_output=True)  # may exist from an earlier run
+    with accounts_lock():
+        subprocess.run([shutil.which("useradd", path=system_path), "--create-home", USER],
+                       capture_output=True)  # may exist from an earlier run
     sudoers = Path(f"/etc/sudoers.d/{USER}")
     sudoers.write_text(f"{USER} ALL=(root) NOPASSWD: /usr/bin/apt-get\n")
     sudoers.chmod(0o440)

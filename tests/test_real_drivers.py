@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from helpers import mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
-from test_api import start_daemon, stop_daemon
-from test_mig_apply import mig_config, put_layout
 
 from gpud.inventory import Gpu, MigInfo, _identities, _load_known
-from gpud.mig.capabilities import REFERENCE_MODELS, ReadTables, reference_capabilities, shipped_table
+from gpud.mig.capabilities import ReadTables, _shipped, shipped_table
 from gpud.nvml.driver import MINIMUM_BRANCH
-from gpud.nvml.health import EventListener, read_readings
+from gpud.nvml.health import EventListener, NvmlEvent, read_readings
 from gpud.nvml.reader import MissingNvmlCall, NodeReader
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState
 from gpud.nvml.sim import SimulatedNvml
@@ -148,16 +147,16 @@ async def test_release_stops_the_event_thread_and_registers_every_gpu_again(shor
 
 class Collected:
     def __init__(self):
-        self.events: list[dict] = []
+        self.events: list[NvmlEvent] = []
         self._lock = threading.Lock()
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event: NvmlEvent) -> None:
         with self._lock:
             self.events.append(event)
 
-    def of(self, kind: str) -> list[dict]:
+    def of(self, kind: str) -> list[NvmlEvent]:
         with self._lock:
-            return [e for e in self.events if e["kind"] == kind]
+            return [e for e in self.events if e.kind == kind]
 
 
 @pytest.fixture
@@ -183,11 +182,12 @@ def test_a_lost_gpu_is_reported_once_and_xids_of_other_gpus_still_arrive(listeni
     cpu_before = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - cpu_before < 0.1  # no spinning on the answer that comes at once
-    assert [e["gpu"] for e in events.of("lost")] == [gpu0]  # once, not once per wait
+    assert [e.gpu for e in events.of("lost")] == [gpu0]  # once, not once per wait
     assert set(listener.registered) == {gpu1}
     sim.sim_inject_xid(1, 79)
     xid = wait_for(lambda: events.of("xid"), what="the XID of GPU 1")
-    assert (xid[0]["gpu"], xid[0]["xid"]) == (gpu1, 79)
+    assert (xid[0].gpu, xid[0].xid) == (gpu1, 79)
+    assert (xid[0].gi_id, xid[0].ci_id) == (None, None)  # NVML's 0xFFFFFFFF: attributed to no MIG instance
     assert listener.running
 
 
@@ -198,9 +198,9 @@ def test_a_gpu_that_comes_back_is_registered_again(listening):
     wait_for(lambda: events.of("lost"), what="the lost event")
     sim.sim_recover_gpu(0)
     wait_for(lambda: events.of("back"), what="the GPU back")
-    assert events.of("back")[0]["gpu"] == gpu0 and gpu0 in listener.registered
+    assert events.of("back")[0].gpu == gpu0 and gpu0 in listener.registered
     sim.sim_inject_xid(0, 48)
-    assert wait_for(lambda: events.of("xid"), what="an XID of GPU 0")[0]["gpu"] == gpu0
+    assert wait_for(lambda: events.of("xid"), what="an XID of GPU 0")[0].gpu == gpu0
 
 
 def test_a_gpu_lost_before_the_start_leaves_the_others_listened_to(tmp_path):
@@ -213,7 +213,7 @@ def test_a_gpu_lost_before_the_start_leaves_the_others_listened_to(tmp_path):
         wait_for(lambda: len(listener.registered) == 2, what="GPUs 0 and 2 registered")
         assert 1 in listener.unregistered and not events.of("lost")  # the inventory tells that one
         sim.sim_inject_xid(2, 79)
-        assert wait_for(lambda: events.of("xid"), what="the XID of GPU 2")[0]["xid"] == 79
+        assert wait_for(lambda: events.of("xid"), what="the XID of GPU 2")[0].xid == 79
     finally:
         listener.stop()
         sim.nvmlShutdown()
@@ -377,18 +377,18 @@ async def test_r535_hgx_h100_applies_all_1g_10gb(short_tmp):
 
 
 def test_reference_tables_are_the_shipped_data():
-    assert set(REFERENCE_MODELS) >= {"A100-SXM4-40GB", "A100-SXM4-80GB", "A30", "H100-80GB", "H100-NVL-94GB",
+    tables = _shipped()[2]
+    assert set(tables) >= {"A100-SXM4-40GB", "A100-SXM4-80GB", "A30", "H100-80GB", "H100-NVL-94GB",
                                      "H200", "B200"}
     for pci_id, model in [("0x20B010DE", "A100-SXM4-40GB"), ("0x20F110DE", "A100-SXM4-40GB"),
                           ("0x20B510DE", "A100-SXM4-80GB"), ("0x233110DE", "H100-80GB"),
                           ("0x232110DE", "H100-NVL-94GB"),
                           ("0x233510DE", "H200"), ("0x290110DE", "B200"), ("0x20B710DE", "A30")]:
-        assert shipped_table(pci_id).capabilities == reference_capabilities(model)
+        assert shipped_table(pci_id).capabilities == tables[model].capabilities
     assert shipped_table("0x1EB810DE") is None and shipped_table("garbage") is None  # T4: no MIG
 
 
 def test_shipped_constants_are_nvml_h_values():
-    from gpud.mig.capabilities import _shipped
     gi_constants, ci_by_slices, _ = _shipped()
     for name, value in gi_constants.items():
         assert getattr(pynvml, f"NVML_GPU_INSTANCE_PROFILE_{name}") == value

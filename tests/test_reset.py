@@ -21,10 +21,8 @@ import pynvml
 import pytest
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
+from helpers import curl_as, mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
-from test_access import curl_as, users  # noqa: F401  (users is a fixture)
-from test_api import start_daemon, stop_daemon
-from test_mig_apply import mig_config, put_layout
 
 from gpud.daemon import Daemon
 from gpud.inventory import Gpu, MigInfo

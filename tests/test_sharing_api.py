@@ -7,12 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO, cli, put_layout, read_back, running_daemons, sharing_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
-from test_api import start_daemon, stop_daemon
-from test_daemon import cli
-from test_mig_apply import mig_config, put_layout
-from test_mps import mps_tmp, read_back, running_daemons  # noqa: F401 (fixture)
 
 TIME_SLICED_GPU = """version: v1
 sharing:
@@ -34,11 +30,6 @@ sharing:
       replicas: 2
       devices: ["0:0", "1:0"]
 """
-
-
-def sharing_config(tmp, preset, text, **mig):
-    (tmp / "sharing.yaml").write_text(text)
-    return mig_config(tmp, preset, **mig).with_overrides(**{"sharing.file": str(tmp / "sharing.yaml")})
 
 
 async def test_a_time_sliced_rtx_2080ti(short_tmp):

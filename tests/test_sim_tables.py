@@ -161,7 +161,9 @@ def test_profile_info_version_1_and_by_id(tmp_path):
     assert (v1.id, v1.memorySizeMB) == (14, 9856)
     by_id = nvml.nvmlDeviceGetGpuInstanceProfileInfoById(device, 14)
     assert by_id.name == "MIG 2g.10gb"
-    assert nvml.nvmlDeviceGetGpuInstanceProfileInfoV is not None
+    by_v = nvml.nvmlDeviceGetGpuInstanceProfileInfoV(device, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE)
+    assert isinstance(by_v, pynvml.c_nvmlGpuInstanceProfileInfo_v2_t)
+    assert (by_v.id, by_v.name) == (14, "MIG 2g.10gb")  # pynvml's V alias answers as the v2 call does
 
 
 # GI constant -> [(CI profile id, instanceCount, SMs, placements)] on an A100-40GB (§4.2, §4.3)

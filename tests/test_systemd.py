@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import IN_CI, REPO, real_nvml_library_present
+from helpers import IN_CI, REPO, real_nvml_library_present
 
 from gpud.client import Client, DaemonUnreachable
 

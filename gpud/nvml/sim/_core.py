@@ -139,7 +139,7 @@ class SimCore:
         document = read_state_file(self._state_path)
         if document is None:
             self._gpus, self._node = new_gpus(self._preset, self._models), Node()
-            write_json_atomic(self._state_path, self._dump())
+            self._save()
             return
         saved_preset = document.get("preset")
         if saved_preset != self._preset:
@@ -158,9 +158,14 @@ class SimCore:
     def _dump(self) -> dict:
         return dump_state(self._preset, self._gpus, self._node)
 
+    def _save(self) -> None:
+        # Atomic, not durable: the simulated machine must survive a killed process (the crash
+        # tests), which the rename guarantees; no test cuts the power, so fsync would only cost time.
+        write_json_atomic(self._state_path, self._dump(), durable=False)
+
     def _commit(self) -> None:
         """Persist after a mutation, before the call returns."""
-        write_json_atomic(self._state_path, self._dump())
+        self._save()
         self._commits += 1
         if self._commits == self._crash_after_commits:
             # Fault injection for crash tests: the process dies right after the GPU changed,

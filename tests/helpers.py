@@ -1,0 +1,219 @@
+"""What several test modules share: the repository, gpud run in-process or as a real process, the CLI,
+config writers for simulated nodes, users for access tests, MPS daemons. Fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from gpud.client import Client, DaemonUnreachable
+from gpud.config import Config
+from gpud.daemon import Daemon
+from gpud.mps.control import MpsControl, MpsDirectories
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI") == "true"
+SYSTEM_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # useradd, nsenter… live in the sbin directories
+MPS_CONTROL = shutil.which("nvidia-cuda-mps-control")
+# Tests run in parallel processes (pytest-xdist): user and group changes take turns, because
+# useradd/groupadd refuse to run while another one holds /etc/passwd.
+ACCOUNTS_LOCK = Path("/tmp/gpud-tests-accounts.lock")
+
+
+@contextlib.contextmanager
+def accounts_lock():
+    with ACCOUNTS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def real_nvml_library_present() -> bool:
+    """NVIDIA's real libnvidia-ml loads here (Debian's libnvidia-ml1: NVML without a driver)."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+# -- gpud as a real process and its CLI ----------------------------------------------------------
+
+
+class GpudProcess:
+    """`gpud serve` as a child process, with its JSON log lines collected in a file."""
+
+    def __init__(self, workdir: Path, *args: str, env: dict | None = None):
+        self.workdir = workdir
+        self.socket = workdir / "gpud.sock"
+        self.log_path = workdir / f"gpud-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json",
+               "--state-dir", str(workdir / "state"), *args]
+        self._log_file = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, cwd=REPO)
+        self.client = Client(self.socket, timeout=10)
+
+    def wait_for(self, predicate, timeout: float = 20.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gpud exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                last = predicate()
+                if last:
+                    return last
+            except DaemonUnreachable as exc:
+                last = exc
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what} (last: {last!r}):\n{self.log_text()}")
+
+    def wait_healthy(self, timeout: float = 20.0):
+        return self.wait_for(lambda: self.client.request("GET", "/healthz", ok_statuses=(503,))[0] == 200,
+                             timeout, "healthz 200")
+
+    def log_text(self) -> str:
+        if not self._log_file.closed:
+            self._log_file.flush()
+        return self.log_path.read_text()
+
+    def log_events(self) -> list[dict]:
+        events = []
+        for line in self.log_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass
+        return events
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log_file.close()
+
+
+def cli(*args: str, socket=None) -> subprocess.CompletedProcess:
+    extra = ["--socket", str(socket)] if socket else []
+    return subprocess.run([sys.executable, "-m", "gpud", *args, *extra], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+# -- gpud in-process on a simulated node ---------------------------------------------------------
+
+
+def sim_config(tmp: Path, preset: str) -> Config:
+    """A simulated node with its socket and state under tmp; the inventory is not re-read on a timer
+    during a test."""
+    return Config().with_overrides(**{"api.socket": str(tmp / "g.sock"), "simulate": preset,
+                                      "sim_state": str(tmp / "sim.json"), "state_dir": str(tmp / "state"),
+                                      "inventory.refresh_interval_s": 3600.0})
+
+
+def mig_config(tmp, preset, layouts_text=None, **mig) -> Config:
+    config = sim_config(tmp, preset)
+    if layouts_text is not None:
+        (tmp / "layouts.yaml").write_text(layouts_text)
+        config = config.with_overrides(**{"mig.layouts_file": str(tmp / "layouts.yaml")})
+    else:
+        config = config.with_overrides(**{"mig.layouts_file": str(tmp / "absent.yaml")})  # shipped layouts
+    for key, value in mig.items():
+        config = config.with_overrides(**{f"mig.{key}": value})
+    return config
+
+
+def sharing_config(tmp, preset, text, **mig):
+    (tmp / "sharing.yaml").write_text(text)
+    return mig_config(tmp, preset, **mig).with_overrides(**{"sharing.file": str(tmp / "sharing.yaml")})
+
+
+class Running:
+    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession):
+        self.daemon, self.http = daemon, http
+
+    async def get(self, path: str):
+        async with self.http.get(f"http://localhost{path}") as response:
+            return response.status, await response.json()
+
+    async def post(self, path: str, body=None, data=None):
+        kwargs = {"json": body} if data is None else {"data": data}
+        async with self.http.post(f"http://localhost{path}", **kwargs) as response:
+            return response.status, await response.json()
+
+
+async def start_daemon(config: Config) -> Running:
+    daemon = Daemon(config)
+    await daemon.start()
+    http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(config.socket_path)))
+    running = Running(daemon, http)
+    for _ in range(400):
+        if (await running.get("/healthz"))[0] == 200:
+            return running
+        await asyncio.sleep(0.01)
+    raise AssertionError("gpud did not become healthy")
+
+
+async def stop_daemon(running: Running) -> None:
+    await running.http.close()
+    await running.daemon.stop()
+
+
+async def put_layout(node, layout, **options):
+    async with node.http.put("http://localhost/v1/mig?wait=true", json={"layout": layout, **options}) as response:
+        return response.status, await response.json()
+
+
+# -- other users on the socket -------------------------------------------------------------------
+
+READERS, ADMINS = "gpudt-readers", "gpudt-admins"
+USERS = {"gpudt-reader": [READERS], "gpudt-admin": [READERS, ADMINS], "gpudt-other": []}
+
+
+def curl_as(user: str, socket_path, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
+    command = [shutil.which("runuser", path=SYSTEM_PATH), "-u", user, "--", "curl", "-s", "-o", "-", "-w",
+               "\n%{http_code}", "--unix-socket", str(socket_path), "-X", method, f"http://localhost{path}"]
+    if body is not None:
+        command += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    text, _, code = result.stdout.rpartition("\n")
+    return int(code or 0), text
+
+
+# -- MPS -----------------------------------------------------------------------------------------
+
+
+def kill_mps_under(root: Path) -> None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"CUDA_MPS_PIPE_DIRECTORY={root}".encode() in (entry / "environ").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def running_daemons(gpud, count: int, timeout: float = 20.0) -> list[dict]:
+    def ready():
+        daemons = gpud.client.get("/v1/mps")["daemons"]
+        return daemons if len(daemons) == count and all(d["state"] == "running" for d in daemons) else None
+    return gpud.wait_for(ready, timeout, f"{count} running MPS daemons")
+
+
+def read_back(daemon: dict) -> tuple[float, dict]:
+    control = MpsControl(MPS_CONTROL, MpsDirectories(Path(daemon["pipe_directory"]),
+                                                     Path(daemon["log_directory"])), tuple(daemon["devices"]))
+    return asyncio.run(control.limits())

@@ -1,0 +1,49 @@
+"""The import graph: only gpud/api/ speaks HTTP, and only the daemon and the CLI reach into it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gpud"
+WIRING = {"gpud.daemon", "gpud.cli"}  # they build the API and run it
+
+
+def _modules() -> dict[str, set[str]]:
+    """Module name -> every module it imports, at the top or inside a function."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module)
+                imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = imported
+    return graph
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_graph_is_read():
+    graph = _modules()
+    assert {"gpud.daemon", "gpud.api.server", "gpud.sharing.service"} <= set(graph)
+    assert any(_in(m, "aiohttp") for m in graph["gpud.api.server"])
+    assert any(_in(m, "gpud.api") for m in graph["gpud.daemon"])
+
+
+def test_only_the_api_imports_aiohttp():
+    offenders = {name: sorted(m for m in imported if _in(m, "aiohttp"))
+                 for name, imported in _modules().items() if not _in(name, "gpud.api")}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_only_the_daemon_and_the_cli_import_the_api():
+    offenders = {name: sorted(m for m in imported if _in(m, "gpud.api"))
+                 for name, imported in _modules().items() if not _in(name, "gpud.api") and name not in WIRING}
+    assert {name: found for name, found in offenders.items() if found} == {}
