@@ -27,8 +27,15 @@ sys.path.insert(0, str(REPO))
 
 import pynvml  # noqa: E402
 
-from gpud.mig.model import GpuMigState, GpuPlan, MigCapabilities  # noqa: E402
-from gpud.mig.planner import plan_gpu, plan_restore, state_after  # noqa: E402
+from gpud.mig.model import (  # noqa: E402
+    ComputeInstanceState,
+    GiTarget,
+    GpuInstanceState,
+    GpuMigState,
+    GpuPlan,
+    MigCapabilities,
+)
+from gpud.mig.planner import plan_gpu, plan_restore  # noqa: E402
 from gpud.nvml.reader import NodeReader  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 
@@ -59,6 +66,41 @@ def simulated_capabilities(model: str) -> MigCapabilities:
             return NodeReader().read(sim, {}).gpus[0].mig.capabilities
         finally:
             sim.nvmlShutdown()
+
+
+def state_after(gpu: GpuMigState, plan: GpuPlan) -> GpuMigState:
+    """The GPU as it is once `plan` is carried out: what the benchmark (and the planner's tests) go on from.
+
+    Kept instances keep their ids; new ones get the lowest free ids (NVML may choose others).
+    """
+    current = {gi.gi_id: gi for gi in (gpu.instances if gpu.mode_enabled else ())}
+    taken = {gi.keep_gi_id for gi in plan.target if gi.keep_gi_id is not None}
+    instances = []
+    for target in plan.target:
+        gi_id = target.keep_gi_id if target.keep_gi_id is not None else _lowest_free(taken)
+        taken.add(gi_id)
+        old = {ci.ci_id: ci for ci in current[gi_id].compute_instances} if target.keep_gi_id is not None else {}
+        instances.append(GpuInstanceState(gi_id, target.profile_id, target.placement,
+                                          _compute_instances_after(gpu.uuid, gi_id, target, old)))
+    return replace(gpu, instances=tuple(sorted(instances, key=lambda gi: gi.gi_id)))
+
+
+def _compute_instances_after(gpu_uuid: str, gi_id: int, target: GiTarget,
+                             old: dict[int, ComputeInstanceState]) -> tuple[ComputeInstanceState, ...]:
+    taken = {ci.keep_ci_id for ci in target.compute_instances if ci.keep_ci_id is not None}
+    result = []
+    for ci in target.compute_instances:
+        if ci.keep_ci_id is not None:
+            result.append(old[ci.keep_ci_id])
+            continue
+        ci_id = _lowest_free(taken)
+        taken.add(ci_id)
+        result.append(ComputeInstanceState(ci_id, ci.constant, ci.start, ci.slices, f"MIG-{gpu_uuid}-{gi_id}-{ci_id}"))
+    return tuple(sorted(result, key=lambda ci: ci.ci_id))
+
+
+def _lowest_free(taken: set[int]) -> int:
+    return next(i for i in range(len(taken) + 1) if i not in taken)
 
 
 def plan_full_recreate(gpu: GpuMigState, desired: Mapping[str, int]) -> GpuPlan:

@@ -20,7 +20,7 @@ from helpers import REPO
 
 from gpud.mig.capabilities import derive_ci_profiles, shipped_table
 from gpud.mig.model import ComputeInstanceState, GpuInstanceState, GpuMigState, GpuPlan, Placement, PlanError
-from gpud.mig.planner import plan_gpu, state_after
+from gpud.mig.planner import plan_gpu
 from gpud.mig.profile_names import mig_device_name
 
 
@@ -33,6 +33,7 @@ def _bench():
 
 
 BENCH = _bench()
+state_after = BENCH.state_after  # what a plan leaves, modelled by the benchmark
 A100 = BENCH.simulated_capabilities("A100-SXM4-40GB")
 A30 = BENCH.simulated_capabilities("A30")
 H100 = BENCH.simulated_capabilities("H100-SXM5-80GB")

@@ -86,41 +86,6 @@ def plan_restore(gpu: GpuMigState, original: tuple[GpuInstanceState, ...]) -> Gp
     return _diff(gpu, current, tuple(target))
 
 
-def state_after(gpu: GpuMigState, plan: GpuPlan) -> GpuMigState:
-    """The GPU as it is once `plan` is carried out, for tests and benchmarks.
-
-    Kept instances keep their ids; new ones get the lowest free ids (NVML may choose others).
-    """
-    current = {gi.gi_id: gi for gi in _current_instances(gpu)}
-    taken = {gi.keep_gi_id for gi in plan.target if gi.keep_gi_id is not None}
-    instances = []
-    for target in plan.target:
-        gi_id = target.keep_gi_id if target.keep_gi_id is not None else _lowest_free(taken)
-        taken.add(gi_id)
-        old = {ci.ci_id: ci for ci in current[gi_id].compute_instances} if target.keep_gi_id is not None else {}
-        instances.append(GpuInstanceState(gi_id, target.profile_id, target.placement,
-                                          _compute_instances(gpu.uuid, gi_id, target, old)))
-    return replace(gpu, instances=tuple(sorted(instances, key=lambda gi: gi.gi_id)))
-
-
-def _compute_instances(gpu_uuid: str, gi_id: int, target: GiTarget,
-                       old: dict[int, ComputeInstanceState]) -> tuple[ComputeInstanceState, ...]:
-    taken = {ci.keep_ci_id for ci in target.compute_instances if ci.keep_ci_id is not None}
-    result = []
-    for ci in target.compute_instances:
-        if ci.keep_ci_id is not None:
-            result.append(old[ci.keep_ci_id])
-            continue
-        ci_id = _lowest_free(taken)
-        taken.add(ci_id)
-        result.append(ComputeInstanceState(ci_id, ci.constant, ci.start, ci.slices, f"MIG-{gpu_uuid}-{gi_id}-{ci_id}"))
-    return tuple(sorted(result, key=lambda ci: ci.ci_id))
-
-
-def _lowest_free(taken: set[int]) -> int:
-    return next(i for i in range(len(taken) + 1) if i not in taken)
-
-
 # -- the request ------------------------------------------------------------------------------
 
 
