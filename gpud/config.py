@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gpud.nvml.driver import driver_branch
+from gpud.yamlfile import compose_yaml, read_yaml_text
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
 SYSTEM_RUNTIME_DIR = Path("/run/gpud")
@@ -238,24 +239,16 @@ def load_config(path: Path | None) -> Config:
         path = DEFAULT_CONFIG_PATH
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_yaml_text(Path(path), lambda reason, line: ConfigError(source, None, reason, line))
     except FileNotFoundError:
         raise ConfigError(source, None, "file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ConfigError(source, None, f"cannot read: {exc}") from None
     return parse_config(text, source)
 
 
 def parse_config(text: str, source: str = "<config>") -> Config:
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else None
-        raise ConfigError(source, None, f"invalid YAML: {exc.problem or exc}", line) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, None, f"invalid YAML: {exc}") from None
+    node, data = compose_yaml(text, lambda reason, line: ConfigError(source, None, reason, line))
     if data is None:
         return Config()
     lines = _key_lines(node)

@@ -5,14 +5,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import time
+import traceback
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gpud.api.responses import json_response
 from gpud.errors import GpudError
 
 MAX_BODY_BYTES = 1 << 20
+# No route takes anything nested deeper than a list in an object; this leaves room and keeps a
+# hostile body far from Python's recursion limit.
+MAX_BODY_DEPTH = 32
+# One kind of request error is logged at most this many times a window (see RequestErrorLog).
+REQUEST_ERRORS_LOGGED = 5
+REQUEST_ERROR_WINDOW_S = 60.0
 
 
 class ApiError(GpudError):
@@ -52,15 +62,21 @@ async def no_such_route(request: web.Request) -> web.Response:
         if resource is not request.match_info.route.resource:
             allowed |= (await resource.resolve(request))[1]
     if allowed:
-        return error_response(405, "method-not-allowed",
-                              f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(allowed))}",
-                              allowed=sorted(allowed))
+        response = error_response(405, "method-not-allowed",
+                                  f"{request.method} is not allowed on {request.path}; allowed: "
+                                  f"{', '.join(sorted(allowed))}", allowed=sorted(allowed))
+        response.headers["Allow"] = ", ".join(sorted(allowed))  # RFC 9110: a 405 must say what is allowed
+        return response
     return error_response(404, "not-found", f"no such route: {request.path}; GET /v1/openapi.json lists the routes")
 
 
 def _too_large(size: int | None) -> ApiError:
     got = f" (got {size} bytes)" if size is not None else ""
     return ApiError(413, "body-too-large", f"request bodies are limited to {MAX_BODY_BYTES} bytes{got}")
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, "invalid-json", f"the request body nests lists or objects more than {MAX_BODY_DEPTH} deep")
 
 
 async def read_json_object(request: web.Request, timeout_s: float, fields: dict[str, tuple]) -> dict:
@@ -82,6 +98,11 @@ async def read_json_object(request: web.Request, timeout_s: float, fields: dict[
         body = json.loads(raw) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid-json", f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's C parser counts its depth against Python's recursion limit
+        raise _too_deep() from None
+    # Only a body with that many brackets can nest that deep: others are not walked.
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _nesting_exceeds(body, MAX_BODY_DEPTH):
+        raise _too_deep()
     if not isinstance(body, dict):
         raise ApiError(400, "invalid-body", "the request body must be a JSON object")
     unknown = sorted(set(body) - set(fields))
@@ -99,4 +120,59 @@ async def read_json_object(request: web.Request, timeout_s: float, fields: dict[
     return body
 
 
+def _nesting_exceeds(value: Any, levels: int) -> bool:
+    """Whether lists and objects nest more than `levels` deep in value. A body within the limit is
+    safe to walk, encode and quote recursively anywhere in gpud, however deep its stack already is."""
+    if not isinstance(value, (list, dict)):
+        return False
+    if levels == 0:
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    return any(_nesting_exceeds(item, levels - 1) for item in items if isinstance(item, (list, dict)))
+
+
 _JSON_TYPES = {int: "an integer", str: "a string", list: "a list", bool: "true or false", dict: "an object"}
+
+
+class RequestErrorLog(logging.Filter):
+    """What aiohttp logs about requests it could not serve, made safe to log.
+
+    A malformed request (the client's fault) becomes one warning naming its kind: aiohttp's own
+    message quotes the request's bytes, an Authorization header included, and its traceback is of
+    aiohttp's parser. A failure inside gpud keeps its traceback, as text without the frames' local
+    variables, which hold the request's bytes. A kind is logged at most REQUEST_ERRORS_LOGGED times
+    per REQUEST_ERROR_WINDOW_S, so a client sending garbage in a loop cannot flood the journal; the
+    first line of the next window says how many were left out. (On a Unix socket aiohttp knows no
+    peer address, so the limit is per kind of error rather than per client.)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._windows: dict[str, list] = {}  # kind -> [window start, lines logged, lines left out]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        kind = type(error).__name__ if error else record.msg
+        if isinstance(error, HttpProcessingError):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "malformed_request: %s (answered %s)", (kind, error.code)
+        elif error is not None:
+            record.msg, record.args = "request_failed: %s", ("".join(traceback.format_exception(error)),)
+        record.exc_info = None
+        now = time.monotonic()
+        window = self._windows.get(kind)
+        if window is None or now - window[0] >= REQUEST_ERROR_WINDOW_S:
+            left_out = window[2] if window else 0
+            window = self._windows[kind] = [now, 0, 0]
+            if left_out:
+                record.msg = f"{record.msg} ({left_out} more like it left out in the last window)"
+        if window[1] >= REQUEST_ERRORS_LOGGED:
+            window[2] += 1
+            return False
+        window[1] += 1
+        return True
+
+
+# The logger aiohttp reports request errors to (the API server passes it to aiohttp).
+REQUEST_ERROR_LOG = logging.getLogger("gpud.requests")
+REQUEST_ERROR_LOG.addFilter(RequestErrorLog())

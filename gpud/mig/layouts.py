@@ -23,7 +23,7 @@ import yaml
 from gpud.errors import GpudError
 from gpud.mig.profile_names import MigProfileName
 from gpud.yamlfile import at_line as _at_line
-from gpud.yamlfile import load_yaml
+from gpud.yamlfile import load_yaml, read_yaml_text
 
 FORMAT_VERSION = "v1"
 _TOP_LEVEL_KEYS = ("version", "mig-configs")
@@ -94,8 +94,8 @@ def parse_layouts(text: str, source: str = "<layouts>") -> dict[str, Layout]:
 
 def load_layouts(path: Path) -> dict[str, Layout]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+        text = read_yaml_text(Path(path), lambda reason, line: LayoutError(_at_line(str(path), line, reason)))
+    except OSError as error:
         raise LayoutError(f"{path}: cannot read the file: {error}") from None
     return parse_layouts(text, str(path))
 

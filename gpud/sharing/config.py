@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gpud.yamlfile import at_line, load_yaml
+from gpud.yamlfile import at_line, load_yaml, read_yaml_text
 
 FORMAT_VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com/"
@@ -95,10 +95,10 @@ def parse_sharing(text: str, source: str = "<sharing>") -> SharingConfig:
 def load_sharing(path: Path) -> SharingConfig:
     """The config in a file. FileNotFoundError propagates: the caller treats a missing file as no sharing."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_yaml_text(Path(path), lambda reason, line: SharingConfigError(at_line(str(path), line, reason)))
     except FileNotFoundError:
         raise
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
         raise SharingConfigError(f"{path}: cannot read the file: {error}") from None
     return parse_sharing(text, str(path))
 

@@ -1,0 +1,262 @@
+"""Hostile and careless input (issue 12): config files built to hang or crash a YAML reader, request
+bodies and requests built to crash the API or fill its log, and a read route that used to plan every
+layout on every request."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import structlog
+from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon
+
+from gpud.api.errors import REQUEST_ERROR_LOG, REQUEST_ERRORS_LOGGED
+from gpud.logs import configure_logging
+
+# -- config files ------------------------------------------------------------------------------
+
+# Nine anchors of nine aliases each: 9^9 values once expanded, on one line.
+ALIAS_BOMB = "[&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
+    f"&{name} [{', '.join([f'*{previous}'] * 9)}]" for previous, name in zip("abcdefgh", "bcdefghi")) + "]"
+# Each value is put where its file expects a number or a list, so no other check refuses it first.
+HOSTILE_VALUES = {
+    "alias bomb": (ALIAS_BOMB, "alias bomb"),
+    "huge integer": ("9" * 5000, "too large"),
+    "deep nesting": ("[" * 20000 + "]" * 20000, "nested more than"),
+    "nan": (".nan", "not a finite number"),
+    "infinity": ("-.inf", "not a finite number"),
+    "duplicate key": ("{a: 1, a: 2}", "given twice"),
+    "not UTF-8": ("caf\udce9", "not UTF-8"),  # a lone 0xe9 byte once encoded with surrogateescape
+}
+# (command that validates the file, where a value goes, the line it is on)
+FILE_KINDS = {
+    "config": ("config", "health:\n  check_interval_s: {value}\n", 2),
+    "sharing": ("sharing", "version: v1\nflags:\n  gfd:\n    sleepInterval: {value}\n", 4),
+    "layouts": ("mig", "version: v1\nmig-configs:\n  x:\n    - devices: {value}\n      mig-enabled: false\n", 4),
+}
+
+
+def write_hostile(path, kind: str, case: str) -> None:
+    value, _ = HOSTILE_VALUES[case]
+    path.write_bytes(FILE_KINDS[kind][1].format(value=value).encode("utf-8", "surrogateescape"))
+
+
+@pytest.mark.parametrize("case", HOSTILE_VALUES)
+def test_hostile_files_are_refused_quickly_by_validate(tmp_path, case):
+    """Each hostile file is refused by `gpud config|sharing|mig validate` with exit 2, the reason and
+    its line, within a second or two for the whole command. Before: the alias bomb hung (its error
+    message quoted the expanded value), a huge integer and deep nesting crashed with a traceback,
+    `.nan` and a duplicate key passed in the config."""
+    _, reason = HOSTILE_VALUES[case]
+    runs = {}
+    for kind, (command, _, _) in FILE_KINDS.items():
+        path = tmp_path / f"{kind}.yaml"
+        write_hostile(path, kind, case)
+        runs[kind] = subprocess.Popen([sys.executable, "-m", "gpud", command, "validate", str(path)], cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    try:
+        for kind, run in runs.items():
+            _, stderr = run.communicate(timeout=20)
+            assert run.returncode == 2, (kind, stderr)
+            assert reason in stderr and f"line {FILE_KINDS[kind][2]}" in stderr, (kind, stderr)
+            assert "Traceback" not in stderr
+    finally:
+        for run in runs.values():
+            run.kill()  # one that hung (an alias bomb, before)
+            run.wait()
+    assert time.monotonic() - started < 5  # three interpreters starting at once; the parse itself takes ms
+
+
+@pytest.mark.parametrize("case", ["alias bomb", "huge integer", "deep nesting"])
+def test_serve_refuses_hostile_config_and_sharing_files_with_exit_2(short_tmp, case):
+    config, sharing = short_tmp / "gpud.yaml", short_tmp / "sharing.yaml"
+    write_hostile(sharing, "sharing", case)
+    starts = {}
+    for kind in ("config", "sharing"):
+        if kind == "config":
+            write_hostile(config, "config", case)
+        else:
+            config.write_text(f"sharing:\n  file: {sharing}\n")
+        starts[kind] = subprocess.run(
+            [sys.executable, "-m", "gpud", "serve", "--simulate", "t4", "--config", str(config),
+             "--socket", str(short_tmp / f"{kind}.sock"), "--sim-state", str(short_tmp / "sim.json"),
+             "--state-dir", str(short_tmp / "state")], capture_output=True, text=True, timeout=20, cwd=REPO)
+    for kind, start in starts.items():
+        assert start.returncode == 2, (kind, start.stdout, start.stderr)
+        assert HOSTILE_VALUES[case][1] in start.stdout + start.stderr, kind
+
+
+def receive_until(sock, wanted: str, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = sock.recv(4096).decode().split("\n")
+        if wanted in lines:
+            return lines
+    raise AssertionError(f"no {wanted}")
+
+
+def test_refused_reload_changes_nothing_and_still_ends_ready(run_gpud, short_tmp):
+    """A reload (POST /v1/reload or SIGHUP) with a hostile file is refused at once with 422, leaves
+    the running config alone (the log level included: it used to be set before the sharing file was
+    read) and tells systemd READY=1 after RELOADING=1, or systemd would wait for it to time out."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    notify.settimeout(10)
+    config, sharing = short_tmp / "gpud.yaml", short_tmp / "sharing.yaml"
+    config.write_text("log:\n  level: info\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
+                    "--config", str(config), env={"NOTIFY_SOCKET": str(short_tmp / "notify")})
+    receive_until(notify, "READY=1")
+
+    # A valid config that quiets the log, naming a hostile sharing file: nothing of it may apply.
+    config.write_text(f"log:\n  level: error\nsharing:\n  file: {sharing}\n")
+    write_hostile(sharing, "sharing", "alias bomb")
+    started = time.monotonic()
+    status, body = gpud.client.request("POST", "/v1/reload", ok_statuses=(422,))
+    assert time.monotonic() - started < 1.0
+    assert status == 422 and body["error"]["code"] == "config-invalid" and "alias bomb" in body["error"]["message"]
+    receive_until(notify, "RELOADING=1")
+    receive_until(notify, "READY=1")
+
+    write_hostile(config, "config", "huge integer")
+    gpud.proc.send_signal(signal.SIGHUP)
+    receive_until(notify, "RELOADING=1")
+    receive_until(notify, "READY=1")
+    refusals = [e for e in gpud.log_events() if e.get("event") == "reload_refused"]
+    assert len(refusals) == 2 and "too large" in refusals[1]["error"]
+
+    # Still logging at info: the refused config's `level: error` did not apply.
+    gpud.client.request("POST", "/v1/sim/holders", {"gpu": 0, "process": "probe", "pid": 4242})
+    gpud.wait_for(lambda: any(e.get("event") == "sim_holder_added" for e in gpud.log_events()), 5, "an info line")
+    assert gpud.client.get("/v1/sharing")["strategy"] == "none"
+    notify.close()
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def raw_exchange(path, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Sends bytes as they are, returns (status, headers, body) of the answer."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    return int(status_line.split()[1]), headers, body
+
+
+def request_bytes(method: str, path: str, body: bytes = b"", *extra_headers: str) -> bytes:
+    headers = [f"{method} {path} HTTP/1.1", "Host: gpud", "Connection: close", f"Content-Length: {len(body)}",
+               "Content-Type: application/json", *extra_headers]
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+def test_hostile_requests_get_json_errors_and_leave_no_secret_in_the_log(run_gpud, short_tmp):
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"))
+    gpud.wait_healthy()
+
+    # A recursion bomb: 500 and a traceback before. Nesting under Python's limit is refused too,
+    # so nothing later walks a body near it.
+    for body in (b"[" * 100_000, b'{"gpu": 0, "pids": ' + b"[" * 900 + b"]" * 900 + b"}"):
+        status, headers, answer = raw_exchange(gpud.socket, request_bytes("POST", "/v1/sim/processes", body))
+        assert status == 400 and headers["Content-Type"].startswith("application/json")
+        assert json.loads(answer)["error"]["code"] == "invalid-json"
+
+    status, headers, answer = raw_exchange(gpud.socket, request_bytes("DELETE", "/v1/mig"))
+    assert status == 405 and headers["Allow"] == "GET, HEAD, PUT"
+    assert json.loads(answer)["error"]["allowed"] == ["GET", "HEAD", "PUT"]
+
+    # One client sending a malformed request in a loop, a secret in its Authorization header.
+    for _ in range(3 * REQUEST_ERRORS_LOGGED):
+        status, _, _ = raw_exchange(gpud.socket, request_bytes("GET", "/v1/gpus", b"",
+                                                               "Authorization: Bearer SECRET\x01TOKEN"))
+        assert status == 400
+    assert gpud.client.get("/healthz")["status"] == "ok"
+    gpud.wait_for(lambda: "malformed_request" in gpud.log_text(), 5, "the malformed request logged")
+    assert "SECRET" not in gpud.log_text()
+    logged = [e for e in gpud.log_events() if "malformed_request" in e.get("event", "")]
+    assert len(logged) == REQUEST_ERRORS_LOGGED and logged[0]["level"] == "warning"
+
+
+def test_a_failure_inside_a_request_is_logged_without_the_frames_locals():
+    """aiohttp logs a handler's exception with its traceback; gpud's JSON log renders tracebacks with
+    each frame's local variables, which hold the request's bytes. The request log keeps the traceback
+    as text, without them."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    configure_logging("info", "json", stream)
+
+    def handler(raw=b"Authorization: Bearer SECRET"):
+        raise KeyError("route bug")
+
+    try:
+        try:
+            handler()
+        except KeyError:
+            REQUEST_ERROR_LOG.exception("Error handling request from %s", "")
+    finally:
+        root.handlers[:], root.level = handlers, level
+        structlog.reset_defaults()
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert "SECRET" not in stream.getvalue()
+    assert "request_failed" in line["event"] and "KeyError: 'route bug'" in line["event"]
+    assert line["level"] == "error"
+
+
+# -- GET /v1/mig/layouts -----------------------------------------------------------------------
+
+
+def test_layouts_are_planned_once_per_layouts_file_and_inventory(short_tmp):
+    """GET /v1/mig/layouts planned every layout on every request (several ms of event-loop time,
+    tens on a slow host); now once per layouts file, inventory snapshot and active layout."""
+
+    async def scenario():
+        node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
+        planned = []
+        plan = node.daemon.mig.plan
+        node.daemon.mig.plan = lambda *args, **kwargs: planned.append(args[0].name) or plan(*args, **kwargs)
+        try:
+            first = [await node.get("/v1/mig/layouts") for _ in range(3)]
+            assert first[0] == first[1] == first[2] and first[0][0] == 200
+            layouts = len(first[0][1]["layouts"])
+            assert len(planned) == layouts
+
+            await node.daemon.inventory.refresh("test")  # a new snapshot: planned again, once
+            assert (await node.get("/v1/mig/layouts")) == first[0]
+            assert (await node.get("/v1/mig/layouts")) == first[0]
+            assert len(planned) == 2 * layouts
+
+            assert (await put_layout(node, "all-1g.5gb"))[0] == 200
+            _, view = await node.get("/v1/mig/layouts")
+            assert [layout["name"] for layout in view["layouts"] if layout["active"]] == ["all-1g.5gb"]
+
+            (short_tmp / "absent.yaml").write_text(  # the configured layouts file appears
+                "version: v1\nmig-configs:\n  only-one:\n    - devices: all\n      mig-enabled: false\n")
+            _, view = await node.get("/v1/mig/layouts")
+            assert view["source"].endswith("absent.yaml") and [l["name"] for l in view["layouts"]] == ["only-one"]
+        finally:
+            await stop_daemon(node)
+
+    asyncio.run(scenario())
+
+
+def test_the_unit_raises_the_open_files_limit():
+    """systemd's default soft limit of 1024 descriptors is a few hundred idle local clients."""
+    unit = (REPO / "systemd" / "gpud.service").read_text().splitlines()
+    limits = [line.partition("=")[2] for line in unit if line.startswith("LimitNOFILE=")]
+    assert len(limits) == 1 and int(limits[0]) >= 65536
