@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,27 @@ class ApiFailure(Exception):
 
 
 def default_socket() -> Path:
-    """$GPUD_SOCKET, else this user's gpud if one runs, else the system daemon's socket."""
+    """$GPUD_SOCKET, else this user's gpud if one runs (in a directory only the user or root
+    controls: /tmp/gpud-UID could be another user's), else the system daemon's socket."""
     if os.environ.get("GPUD_SOCKET"):
         return Path(os.environ["GPUD_SOCKET"])
     own = user_runtime_dir() / "gpud.sock"
-    return own if own.exists() else SYSTEM_RUNTIME_DIR / "gpud.sock"
+    try:
+        trusted = untrusted_because(os.stat(own.parent)) is None and own.exists()
+    except OSError:
+        trusted = False
+    return own if trusted else SYSTEM_RUNTIME_DIR / "gpud.sock"
+
+
+def untrusted_because(directory: os.stat_result) -> str | None:
+    """Why a socket in this directory may be another user's (a fake gpud that reads what the CLI
+    sends and answers what it likes), or None: the directory is root's or this user's, and no
+    one else can write in it."""
+    if directory.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {directory.st_uid}, neither root nor you"
+    if directory.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(directory.st_mode):04o})"
+    return None
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -37,13 +54,21 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
+        # The directory is checked and then connected through by its descriptor, so the socket
+        # is the one in the directory that was checked, even if a path above it changes meanwhile.
+        directory = os.open(self._path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
         try:
-            sock.connect(str(self._path))
-        except OSError:
+            if problem := untrusted_because(os.fstat(directory)):
+                raise DaemonUnreachable(f"not connecting to {self._path}: its directory {problem}, so the "
+                                        "socket may not be gpud's")
+            sock.settimeout(self.timeout)
+            sock.connect(f"/proc/self/fd/{directory}/{self._path.name}")
+        except BaseException:
             sock.close()
             raise
+        finally:
+            os.close(directory)
         self.sock = sock
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import grp
 import importlib.resources
 import os
@@ -16,7 +14,7 @@ import yaml
 from aiohttp import web
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
-from gpud.api.errors import MAX_BODY_BYTES, ApiError, json_errors, no_such_route
+from gpud.api.errors import MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, json_errors, no_such_route
 from gpud.api.latency import RequestLatency
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.api.views import RenderedInventory, node_view
@@ -24,6 +22,7 @@ from gpud.encoding import encode
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.session import NvmlSession, SessionState
+from gpud.safefs import InUse, hold_lock, secure_directory
 
 log = get_logger("api")
 
@@ -41,8 +40,10 @@ class Api:
     """The routes, and the rendered snapshot they answer from."""
 
     def __init__(self, session: NvmlSession, inventory: InventoryService, node_base: dict,
-                 more_routes: tuple[Callable[[web.Application], None], ...] = (), admin_group: str = "gpud-admin"):
+                 more_routes: tuple[Callable[[web.Application], None], ...] = (), admin_group: str = "gpud-admin",
+                 problems: Callable[[], list[str]] = list):
         self.session = session
+        self.problems = problems  # what is wrong with gpud's persisted state (a corrupt file): /healthz says so
         self.more_routes = more_routes
         self.admin_policy = AdminPolicy(admin_group)
         self.inventory = inventory
@@ -75,6 +76,7 @@ class Api:
         """Serves the app on the listening socket; every request is counted in latency."""
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=RequestLatency.logger(),
                                      access_log_class=latency.access_logger_class(),
+                                     logger=REQUEST_ERROR_LOG,  # no request bytes, rate-limited
                                      keepalive_timeout=idle_timeout_s,
                                      # after an error, read the rest of an unwanted body for 1 s at most
                                      lingering_time=1.0,
@@ -92,6 +94,9 @@ class Api:
     async def healthz(self, request: web.Request) -> web.Response:
         state = self.session.state
         if state is SessionState.READY and self.rendered is not None and not self.inventory.error:
+            problems = self.problems()
+            if problems:  # gpud serves, but not with everything it had persisted: ready, and loud about it
+                return json_response({"status": "degraded", "reason": "; ".join(problems), "problems": problems})
             return encoded_json_response(b'{"status":"ok"}')
         if self.inventory.error:
             status, code, message = "unavailable", "inventory-failed", self.inventory.error
@@ -138,7 +143,8 @@ class UnixSocketListener:
     """Binds the API socket, refusing to take over one that another gpud serves.
 
     A lock file beside the socket is held for gpud's whole life, so two daemons starting at the
-    same moment cannot both decide the socket is stale.
+    same moment cannot both decide the socket is stale. The socket's directory is made or checked
+    with secure_directory: no other user can plant a socket, a lock or a symlink in it.
     """
 
     def __init__(self, path: Path, mode: int = 0o660, group: str | None = None,
@@ -148,14 +154,28 @@ class UnixSocketListener:
         self.group = group
         self.inherited = inherited  # from systemd: its path, mode and life are systemd's business
         self._lock_fd: int | None = None
+        self._gid: int | None = None  # the socket's group, where root gives it one
         self.sock: socket.socket | None = None
 
+    def claim(self) -> None:
+        """Makes the socket's directory and takes the lock, before gpud touches anything else: the
+        directory is 0700, or 0750 root:group when the group's members may use the socket (they
+        must traverse the directory to reach it); no one else can plant anything in it."""
+        if self.inherited is not None:
+            return
+        self._gid = self._socket_gid()
+        secure_directory(self.path.parent, 0o700 if self._gid is None else 0o750,
+                         None if self._gid is None else (0, self._gid))
+        try:
+            self._lock_fd = hold_lock(self.path.with_name(self.path.name + ".lock"), f"is running on {self.path}")
+        except InUse as exc:
+            raise SocketInUse(str(exc)) from None
+
     def open(self) -> socket.socket:
+        """Binds the socket (after claim())."""
         if self.inherited is not None:
             log.info("socket_inherited", socket=str(self.inherited.getsockname()))
             return self.inherited
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        self._lock()
         if self.path.exists() or self.path.is_symlink():
             self._remove_stale()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -164,33 +184,22 @@ class UnixSocketListener:
             sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
-        self._give_to_group()
+        if self._gid is not None:
+            os.chown(self.path, 0, self._gid, follow_symlinks=False)
         sock.listen(128)
         sock.setblocking(False)
         self.sock = sock
         return sock
 
-    def _give_to_group(self) -> None:
+    def _socket_gid(self) -> int | None:
+        """The group the socket is given to: only root can give it, and only to a group that exists."""
         if os.geteuid() != 0 or not self.group:
-            return
+            return None
         try:
-            os.chown(self.path, 0, grp.getgrnam(self.group).gr_gid)
+            return grp.getgrnam(self.group).gr_gid
         except KeyError:
             log.warning("socket_group_missing", group=self.group, why="only root can use the socket")
-
-    def _lock(self) -> None:
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise SocketInUse(f"another gpud is running on {self.path} (it holds {lock_path})") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+            return None
 
     def _remove_stale(self) -> None:
         if not stat.S_ISSOCK(os.lstat(self.path).st_mode):

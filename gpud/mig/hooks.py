@@ -20,23 +20,34 @@ class MigHooks:
 
     async def run(self, name: str, layout: str | None, gpus: list[int]) -> str | None:
         """Runs hook `name`'s commands in order; None when all succeeded, else what failed (the last
-        failure: pre_apply stops at the first, post_apply runs every command)."""
+        failure: pre_apply stops at the first, post_apply runs every command).
+
+        What failed says which command by its number and how (its exit status), never its command
+        line or output: it is shown by read routes, to users who may not see the operator's
+        commands (which can hold tokens or hosts). The log, root's to read, has both."""
         failed = None
         env = {**os.environ, "GPUD_MIG_LAYOUT": layout or "", "GPUD_MIG_GPUS": ",".join(map(str, gpus))}
-        for command in self._commands[name]:
-            failure = await self._run_command(command, env)
-            log.info("mig_hook", hook=name, command=command, ok=failure is None, error=failure)
+        commands = self._commands[name]
+        for number, command in enumerate(commands, 1):
+            failure, output = await self._run_command(command, env)
+            log.info("mig_hook", hook=name, command=command, ok=failure is None, error=failure, output=output)
             if failure:
-                failed = f"{name} hook '{command}' failed: {failure}"
+                failed = (f"{name} hook command {number} of {len(commands)} failed ({failure}); "
+                          "its command line and output are in gpud's log")
                 if name == "pre_apply":
                     break
         return failed
 
-    async def _run_command(self, command: str, env: dict[str, str]) -> str | None:
+    async def _run_command(self, command: str, env: dict[str, str]) -> tuple[str | None, str]:
+        """(None, output) when the command succeeded, else (how it failed, output): the last 500
+        characters of its stdout and stderr."""
         try:
             proc = await asyncio.create_subprocess_shell(command, env=env, stdout=asyncio.subprocess.PIPE,
                                                          stderr=asyncio.subprocess.STDOUT)
             output, _ = await asyncio.wait_for(proc.communicate(), self._timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            return str(exc) or "timed out"
-        return None if proc.returncode == 0 else f"exit status {proc.returncode}: {output.decode()[-500:]}"
+        except asyncio.TimeoutError:
+            return f"timed out after {self._timeout_s:g} s", ""
+        except OSError as exc:
+            return f"could not start: {exc.strerror}", ""
+        text = output.decode(errors="replace")[-500:]
+        return (None if proc.returncode == 0 else f"exit status {proc.returncode}"), text

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.safefs import UnsafePath, secure_directory
+
 
 class MpsError(Exception):
     """Something the MPS control daemon, or starting it, did not do."""
@@ -55,11 +57,15 @@ class MpsControl:
     async def start(self, wait_s: float = 10.0) -> int:
         """Starts the daemon and waits until its control socket answers. Returns its PID."""
         binary = self.resolve_binary()
+        owner = None
+        if self.user:
+            entry = pwd.getpwnam(self.user)
+            owner = (entry.pw_uid, entry.pw_gid)
         for directory in (self.directories.pipe, self.directories.log):
-            directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-            if self.user:
-                entry = pwd.getpwnam(self.user)
-                os.chown(directory, entry.pw_uid, entry.pw_gid)
+            try:  # root never follows a symlink another user planted, nor chowns through one
+                secure_directory(directory, 0o755, owner)
+            except UnsafePath as exc:
+                raise MpsError(f"not starting the MPS control daemon: {exc}") from None
         proc = await asyncio.create_subprocess_exec(
             binary, "-d", env=self.environment(), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, user=self.user,
