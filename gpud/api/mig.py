@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
-from gpud.api.responses import json_response
-from gpud.inventory import InventoryService
-from gpud.mig.layouts import LayoutsFile, export_layout
+from gpud.api.responses import encoded_json_response, json_response
+from gpud.encoding import encode
+from gpud.inventory import Inventory, InventoryService
+from gpud.mig.layouts import Layout, LayoutsFile, export_layout
 from gpud.mig.model import GpuPlan
 from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of
 
@@ -32,6 +35,8 @@ class MigRoutes:
         self.inventory = inventory
         self.layouts_file = layouts_file
         self.body_timeout_s = body_timeout_s
+        # (layouts, inventory, active layout, the encoded answer) of the last GET /v1/mig/layouts
+        self._layouts_answer: tuple[dict[str, Layout], Inventory, str | None, bytes] | None = None
 
     def register(self, app: web.Application) -> None:
         app.router.add_get("/v1/mig", self.status)
@@ -49,18 +54,28 @@ class MigRoutes:
 
     @json_errors
     async def layouts(self, request: web.Request) -> web.Response:
+        """Planning every layout takes milliseconds (tens on a slow host), so the answer is computed
+        once per layouts file, inventory snapshot and active layout, and served encoded until one changes."""
         source, layouts = self.layouts_file.layouts()
         inventory = self._inventory()
+        active = self.reconciler.status.layout
+        cached = self._layouts_answer
+        if cached is None or cached[0] is not layouts or cached[1] is not inventory or cached[2] != active:
+            cached = self._layouts_answer = (layouts, inventory, active,
+                                             encode(self._layouts_view(source, layouts, inventory, active)))
+        return encoded_json_response(cached[3])
+
+    def _layouts_view(self, source: str, layouts: dict[str, Layout], inventory: Inventory, active: str | None) -> dict:
         views = []
         for layout in layouts.values():
             try:
                 _desired, plans = self.reconciler.plan(layout, inventory, force=True)
                 views.append({"name": layout.name, "fits": True, "reason": None,
-                              "gpus_changed": len(plans), "active": layout.name == self.reconciler.status.layout})
+                              "gpus_changed": len(plans), "active": layout.name == active})
             except ApplyRefused as exc:
                 views.append({"name": layout.name, "fits": False, "reason": exc.message, "gpus_changed": None,
-                              "active": layout.name == self.reconciler.status.layout})
-        return json_response({"source": source, "layouts": views})
+                              "active": layout.name == active})
+        return {"source": source, "layouts": views}
 
     @admin_only
     @json_errors
@@ -75,11 +90,10 @@ class MigRoutes:
         if body.get("dry_run"):
             _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
             return json_response({"layout": layout.name, "dry_run": True, "plan": plan_view(plans)})
-        plans = await self.reconciler.apply(layout, force=force)
+        plans, applying = await self.reconciler.apply(layout, force=force)
         if wait in ("false", "0"):
             return json_response({"layout": layout.name, "state": "applying", "plan": plan_view(plans)}, status=202)
-        await self.reconciler.wait()
-        view = self.reconciler.view(self.inventory.current)
+        view = await asyncio.shield(applying)  # this request's apply as it ended, whatever ran after it
         if view["state"] == "success":
             return json_response({**view, "plan": plan_view(plans)})
         code = "reset-required" if view["state"] == "reset-required" else "apply-failed"

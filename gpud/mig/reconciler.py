@@ -9,7 +9,6 @@ are left as they are.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -18,16 +17,17 @@ from typing import Callable, Collection, Iterator
 
 from gpud.errors import GpudError
 from gpud.gpu_reset import GpuResetter, ResetBlocked, ResetBusy, ResetOutcome
-from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.inventory import Gpu, Inventory, InventoryService, MigInfo
 from gpud.logs import get_logger
+from gpud.mig.desired import NOTHING, Desired, DesiredStore, GpuDesired
 from gpud.mig.hooks import MigHooks
 from gpud.mig.layouts import Layout, LayoutEntry, LayoutError, LayoutsFile
 from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import ResetFailed
+from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
-from gpud.persist import write_json_atomic
 from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mig")
@@ -35,15 +35,6 @@ log = get_logger("mig")
 
 class ApplyRefused(GpudError):
     """An apply gpud will not start: nothing was touched."""
-
-
-@dataclass(frozen=True)
-class GpuDesired:
-    mig_enabled: bool
-    devices: dict[str, int]
-
-    def as_dict(self) -> dict:
-        return {"mig_enabled": self.mig_enabled, "devices": dict(sorted(self.devices.items()))}
 
 
 @dataclass
@@ -82,6 +73,12 @@ def in_sync(gpu: Gpu, desired: GpuDesired) -> bool:
     return actual_of(gpu) == desired.as_dict() and not leftovers and pending_ok
 
 
+def changes_mode(gpu: Gpu, desired: GpuDesired) -> bool:
+    """Whether applying desired sets the GPU's MIG mode (or takes back a pending one)."""
+    wanted = "enabled" if desired.mig_enabled else "disabled"
+    return gpu.mig.capable and (gpu.mig.mode != wanted or gpu.mig.pending_mode != wanted)
+
+
 def mode_change_needs_reset(gpu: Gpu, desired: GpuDesired) -> bool:
     """Whether applying desired changes the GPU's MIG mode on a GPU that needs a reset for it.
 
@@ -118,14 +115,17 @@ class MigReconciler:
         self.session = session
         self.inventory = inventory
         self.resetter = resetter
-        self._state_path = state_path
+        self._store = DesiredStore(state_path)
         self._allow_reset = allow_reset
         self._hooks = MigHooks(pre_apply, post_apply, hook_timeout_s)
         # Called with a GPU's UUID before and after its MIG layout changes (MPS daemons stop and restart).
         self._around_gpu_change = around_gpu_change
         self._notify = notify  # the watch stream
-        self._lock = asyncio.Lock()
+        # What changes the GPUs' MIG state now (an apply, a start-up reconcile or a reset), None when
+        # nothing does: claimed and checked with no await between, so two requests never both pass.
+        self._running: dict | None = None
         self.status = ApplyStatus()
+        self._chosen: Desired = NOTHING
         self.desired: dict[str, GpuDesired] = {}
         self.desired_source: str | None = None  # "api" | "default_layout"
         self._force = False
@@ -135,25 +135,32 @@ class MigReconciler:
     # -- persisted desired state ------------------------------------------------------------
 
     def _load_desired(self) -> None:
-        try:
-            document = json.loads(self._state_path.read_text())
-            self.desired = {uuid: GpuDesired(bool(d["mig_enabled"]), {str(k): int(v) for k, v in d["devices"].items()})
-                            for uuid, d in document["gpus"].items()}
-            self.status.layout = document.get("layout")
-            self.desired_source = document.get("source")
-            self._force = bool(document.get("force", False))
-            self.status.state = "pending"
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.error("mig_desired_unreadable", path=str(self._state_path), error=str(exc))
+        self._use(self._store.load())
+        if self._chosen.gpus is not None:
+            self.status.layout, self.status.state = self._chosen.layout, "pending"
+
+    def _use(self, desired: Desired) -> None:
+        self._chosen = desired
+        self.desired, self.desired_source, self._force = desired.gpus or {}, desired.source, desired.force
+
+    @property
+    def problem(self) -> str | None:
+        """Why the persisted desired layout could not be used (a corrupt file), until one is chosen again."""
+        return self._store.problem
 
     def _persist_desired(self, layout: str, desired: dict[str, GpuDesired], force: bool, source: str) -> None:
-        write_json_atomic(self._state_path, {
-            "layout": layout, "source": source, "force": force, "requested_at": time.time(),
-            "gpus": {uuid: d.as_dict() for uuid, d in desired.items()},
-        })
-        self.desired, self.desired_source, self._force = desired, source, force
+        chosen = Desired(layout, source, force, desired)
+        self._store.save(chosen, replacing=self._chosen)
+        self._use(chosen)
+
+    def _claim(self, operation: dict) -> None:
+        if self._running is not None:
+            running = self._running
+            what = (f"a MIG apply of '{running['layout']}'" if running["operation"] != "reset"
+                    else f"a reset of GPUs {', '.join(map(str, running['gpus']))}")
+            raise ApplyRefused(409, "apply-in-progress", f"{what} is in progress; nothing was changed, try again "
+                                                         "once it is done", running=running)
+        self._running = {**operation, "started_at": time.time()}
 
     # -- planning (pure: nothing is touched) ------------------------------------------------
 
@@ -200,21 +207,45 @@ class MigReconciler:
 
     # -- applying ---------------------------------------------------------------------------
 
-    async def apply(self, layout: Layout, *, force: bool = False, source: str = "api") -> dict[str, GpuPlan]:
-        """Plans, persists the desired layout and starts applying it in the background. Returns the plans."""
-        if self._lock.locked():
-            raise ApplyRefused(409, "apply-in-progress", f"a MIG apply of '{self.status.layout}' is in progress")
-        inventory = await self.inventory.refresh("mig apply requested")
-        if inventory is None:
-            raise ApplyRefused(503, "nvml-unavailable", self.session.error or "no inventory yet")
-        desired, plans = self.plan(layout, inventory, force)
-        await self._refuse_blocked_reset(layout, inventory, desired, force)
-        self._persist_desired(layout.name, desired, force, source)
+    async def apply(self, layout: Layout, *, force: bool = False,
+                    source: str = "api") -> tuple[dict[str, GpuPlan], asyncio.Task]:
+        """Plans, persists the desired layout and starts applying it in the background. Returns the
+        plans and the apply, whose result is /v1/mig's view as this apply left it. Refused (409)
+        while another apply or a reset runs."""
+        self._claim({"operation": "apply", "layout": layout.name})
+        try:
+            inventory = await self.inventory.refresh("mig apply requested")
+            if inventory is None:
+                raise ApplyRefused(503, "nvml-unavailable", self.session.error or "no inventory yet")
+            desired, plans = self.plan(layout, inventory, force)
+            await self._refuse_blocked_reset(layout, inventory, desired, force)
+            if not force:
+                await self._refuse_busy_gpus(layout, inventory, desired)
+            self._persist_desired(layout.name, desired, force, source)
+        except BaseException:
+            self._running = None
+            raise
         self.status = ApplyStatus(layout=layout.name, state="applying", started_at=time.time(),
                                   gpus={g.uuid: GpuProgress(g.index, g.uuid) for g in inventory.gpus
                                         if g.uuid in desired})
-        self._task = asyncio.create_task(self._run_locked())
-        return plans
+        self._task = asyncio.create_task(self._run_claimed())
+        return plans, self._task
+
+    async def _refuse_busy_gpus(self, layout: Layout, inventory: Inventory, desired: dict[str, GpuDesired]) -> None:
+        """Refuses, before any change, a layout that changes the MIG mode of a whole GPU processes
+        compute on: the change would fail under them, or wait for them (busy MIG devices are
+        _refuse_busy_instances')."""
+        busy = []
+        for gpu in inventory.gpus:
+            if gpu.uuid in desired and gpu.mig.mode != "enabled" and changes_mode(gpu, desired[gpu.uuid]):
+                pids = await self.session.call(compute_pids, gpu.index)
+                if pids:
+                    busy.append({"gpu": gpu.index, "uuid": gpu.uuid, "pids": list(pids)})
+        if busy:
+            where = "; ".join(f"GPU {b['gpu']} ({b['uuid']}) runs PIDs {', '.join(map(str, b['pids']))}" for b in busy)
+            raise ApplyRefused(409, "gpu-in-use", f"layout '{layout.name}' changes the MIG mode of GPUs with running "
+                                                  f"processes: {where}. Nothing was changed; stop them or apply "
+                                                  "with force", busy=busy)
 
     async def _refuse_blocked_reset(self, layout: Layout, inventory: Inventory, desired: dict[str, GpuDesired],
                                     force: bool) -> None:
@@ -237,12 +268,12 @@ class MigReconciler:
     async def reset_gpus(self, indices: list[int], *, force: bool = False) -> ResetOutcome:
         """A GPU reset asked for through the API: the GPUs with their NVLink peers, MIG layouts
         brought back afterwards (a reset destroys every MIG instance)."""
-        if self._lock.locked():
-            raise ApplyRefused(409, "apply-in-progress", f"a MIG apply of '{self.status.layout}' is in progress; "
-                                                         "reset after it")
-        async with self._lock:
+        self._claim({"operation": "reset", "gpus": sorted(indices)})
+        try:
             return await self.resetter.reset(indices, "asked through the API", force=force,
                                              restore=lambda gpus, after: self._restore_after_reset(gpus, after, ()))
+        finally:
+            self._running = None
 
     async def wait(self) -> ApplyStatus:
         task = getattr(self, "_task", None)
@@ -262,6 +293,10 @@ class MigReconciler:
     async def converge_at_start(self, default_layout: str | None, layouts: LayoutsFile) -> None:
         """Finishes what a crash interrupted, or applies `default_layout` (mig.default_layout) when it
         is new and no layout was chosen through the API since."""
+        if self.problem:
+            self._started = True  # an operator's layout may be in the corrupt file: gpud applies none of its own
+            self.status.state, self.status.error = "failed", self.problem
+            return
         try:
             if default_layout and self.desired_source != "api" and self.status.layout != default_layout:
                 await self.apply(layouts.layout(default_layout), source="default_layout")
@@ -277,29 +312,39 @@ class MigReconciler:
 
     async def reconcile(self, reason: str) -> None:
         """Converges the GPUs on the persisted desired layout (after a crash, or at start)."""
-        if not self.desired or self._lock.locked():
+        if not self.desired or self._running is not None:
             return
-        inventory = await self.inventory.refresh(reason)
-        if inventory is None:
-            return
-        if all(in_sync(g, self.desired[g.uuid]) for g in inventory.gpus if g.uuid in self.desired):
-            self.status.state = "success"
+        self._claim({"operation": "reconcile", "layout": self.status.layout})
+        try:
+            inventory = await self.inventory.refresh(reason)
+            synced = inventory is not None and all(in_sync(g, self.desired[g.uuid]) for g in inventory.gpus
+                                                   if g.uuid in self.desired)
+        except BaseException:
+            self._running = None
+            raise
+        if inventory is None or synced:
+            self._running = None
+            if synced:
+                self.status.state = "success"
             return
         log.warning("mig_out_of_sync", layout=self.status.layout, reason=reason)
         self.status = ApplyStatus(layout=self.status.layout, state="applying", started_at=time.time(),
                                   gpus={g.uuid: GpuProgress(g.index, g.uuid) for g in inventory.gpus
                                         if g.uuid in self.desired})
-        self._task = asyncio.create_task(self._run_locked())
+        self._task = asyncio.create_task(self._run_claimed())
         await self.wait()
 
-    async def _run_locked(self) -> None:
-        async with self._lock:
-            try:
-                await self._run()
-            except Exception as exc:  # never leave the status at "applying"
-                log.exception("mig_apply_crashed", error=str(exc))
-                self.status.state, self.status.error = "failed", f"internal error: {exc}"
+    async def _run_claimed(self) -> dict:
+        """Runs the claimed apply; its result is the view it ends with, taken before another can start."""
+        try:
+            await self._run()
+        except Exception as exc:  # never leave the status at "applying"
+            log.exception("mig_apply_crashed", error=str(exc))
+            self.status.state, self.status.error = "failed", f"internal error: {exc}"
+        finally:
             self.status.finished_at = time.time()
+            self._running = None
+        return self.view(self.inventory.current)
 
     async def _run(self) -> None:
         inventory = await self.inventory.refresh("mig apply")
@@ -309,10 +354,11 @@ class MigReconciler:
                 self.status.gpus[gpu.uuid].state = "unchanged"
         if changing and (failure := await self._hooks.run("pre_apply", self.status.layout,
                                                           [g.index for g in changing])):
-            self.status.state, self.status.error = "failed", failure
+            self.status.state, self.status.error = "failed", f"{failure}; the apply is cancelled"
             for progress in self.status.gpus.values():
                 if progress.state == "pending":
                     progress.state = "unchanged"
+            self._use(self._store.take_back())  # for good: the next start must not resume it
             return
         # As mig-parted does: every mode is set first, then one reset takes them all, so a GPU is
         # never reset again after its instances were made (a reset destroys them).
@@ -369,14 +415,14 @@ class MigReconciler:
                 # requested mode": on an idle Ampere GPU the driver reset it, and what a reset clears is gone.
                 bound.warning("gpu_reset_by_driver", why="MIG mode change on an idle Ampere GPU")
                 self.resetter.after_gpu_reset(gpu.uuid)
-            await self._finish_gpu(await self._fresh(gpu.uuid), desired, progress, gpu.mig.instances)
+            await self._finish_gpu(await self._fresh(gpu.uuid), desired, progress, gpu.mig)
         except Exception as exc:
-            await self._fail(gpu, progress, exc, gpu.mig.instances)
+            await self._fail(gpu, progress, exc, gpu.mig)
         return False
 
-    async def _finish_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress,
-                          original: tuple[GpuInstanceState, ...]) -> None:
-        """Creates and destroys instances once the GPU is in the desired mode."""
+    async def _finish_gpu(self, gpu: Gpu, desired: GpuDesired, progress: GpuProgress, original: MigInfo) -> None:
+        """Creates and destroys instances once the GPU is in the desired mode; a failure puts the
+        GPU back to original (its MIG mode included)."""
         try:
             if desired.mig_enabled:
                 plan = plan_gpu(mig_state_of(gpu), desired.devices)
@@ -390,8 +436,7 @@ class MigReconciler:
         except Exception as exc:
             await self._fail(gpu, progress, exc, original)
 
-    async def _fail(self, gpu: Gpu, progress: GpuProgress, exc: Exception,
-                    original: tuple[GpuInstanceState, ...]) -> None:
+    async def _fail(self, gpu: Gpu, progress: GpuProgress, exc: Exception, original: MigInfo) -> None:
         progress.state, progress.error = "failed", describe_error(exc)
         bound = self._bound(gpu)
         bound.error("mig_gpu_failed", error=progress.error, mutations=progress.mutations)
@@ -406,6 +451,9 @@ class MigReconciler:
             await self._execute(gpu, GpuPlan(gpu.index, gpu.uuid, target=(),
                                              destroy_cis=_all_cis(gpu.mig.instances),
                                              destroy_gis=tuple(gi.gi_id for gi in gpu.mig.instances)), progress)
+        elif self._force and not (self._allow_reset and _compute_major(gpu) < 9):
+            # (where a GPU reset applies the mode, the forced reset ends them, every GPU in one command)
+            await self._end_gpu_processes(gpu)
         outcome = await self._mutate(progress, nvml_mig.set_mig_mode, gpu.index, enabled)
         bound.info("mig_mode_set", enabled=enabled, outcome=outcome)
         return outcome
@@ -424,7 +472,8 @@ class MigReconciler:
                     progress.error = f"the GPU reset did not apply the MIG mode change (mode {fresh.mig.mode}, " \
                                      f"pending {fresh.mig.pending_mode})"
                     continue
-                await self._finish_gpu(fresh, desired, progress, ())
+                # reset: what it had is gone, its new mode stays (going back would take another reset)
+                await self._finish_gpu(fresh, desired, progress, replace(fresh.mig, instances=()))
             await self._restore_after_reset(reset, after, changing)
 
         try:
@@ -434,9 +483,10 @@ class MigReconciler:
             for gpu in gpus:
                 _mark_reset_required(self.status.gpus[gpu.uuid], self._bound(gpu), gpu, "blocked", str(exc))
         except (ResetFailed, ResetBusy, NvmlUnavailable) as exc:
-            for gpu in gpus:
+            for gpu in gpus:  # their new mode is pending: taken back, with the instances they had
                 progress = self.status.gpus[gpu.uuid]
                 progress.state, progress.error = "failed", f"GPU reset failed: {exc}"
+                await self._roll_back(gpu.index, gpu.uuid, gpu.mig, progress, self._bound(gpu))
         finally:
             for gpu in gpus:
                 await self._around(1, gpu.uuid)
@@ -479,6 +529,13 @@ class MigReconciler:
                 await self._mutate(progress, nvml_mig.create_compute_instance, index, gi_id, ci.constant, ci.start,
                                    ci.slices)
 
+    async def _end_gpu_processes(self, gpu: Gpu) -> None:
+        """Forced mode change of a GPU out of MIG mode: its compute processes go first."""
+        pids = await self.session.call(compute_pids, gpu.index)
+        if pids:
+            self._bound(gpu).warning("mig_forced_processes_ended", pids=list(pids))
+            await asyncio.to_thread(self.resetter.host.end_processes, gpu.uuid, pids)
+
     async def _end_processes(self, gpu: Gpu, plan: GpuPlan) -> None:
         doomed = set(plan.destroy_cis)
         for gi in gpu.mig.instances:
@@ -496,18 +553,29 @@ class MigReconciler:
         inventory = await self.inventory.refresh("mig step")
         return next(g for g in inventory.gpus if g.uuid == uuid)
 
-    async def _roll_back(self, index: int, uuid: str, original: tuple[GpuInstanceState, ...],
-                         progress: GpuProgress, bound) -> None:
+    async def _roll_back(self, index: int, uuid: str, original: MigInfo, progress: GpuProgress, bound) -> None:
+        """Puts the GPU back to original: the instances it had, then its MIG mode (a mode change
+        that failed midway is taken back, never left changed or pending)."""
         try:
             gpu = await self._fresh(uuid)
-            if gpu.mig.mode != "enabled":
-                return  # the failure came before or during the mode change: nothing was created
-            plan = plan_restore(mig_state_of(gpu), original)
-            await self._execute(gpu, plan, GpuProgress(index, uuid))
-            bound.warning("mig_gpu_rolled_back", restored=len(original))
+            if gpu.mig.mode == "enabled":
+                had = original.instances if original.mode == "enabled" else ()
+                await self._execute(gpu, plan_restore(mig_state_of(gpu), had), GpuProgress(index, uuid))
+            if original.mode is not None and (gpu.mig.mode, gpu.mig.pending_mode) != (original.mode, original.mode):
+                await self._restore_mode(gpu, original.mode == "enabled", bound)
+            bound.warning("mig_gpu_rolled_back", restored=len(original.instances), mode=original.mode)
         except Exception as exc:
             progress.error = f"{progress.error}; rollback failed: {describe_error(exc)}"
             bound.error("mig_gpu_rollback_failed", error=describe_error(exc))
+
+    async def _restore_mode(self, gpu: Gpu, enabled: bool, bound) -> None:
+        outcome = await self.session.call(nvml_mig.set_mig_mode, gpu.index, enabled)
+        if outcome != "active":
+            raise RuntimeError(f"the MIG mode could not be set back to {'enabled' if enabled else 'disabled'} "
+                               f"({outcome}): run nvidia-smi -r -i {gpu.pci_bus_id} once nothing uses the GPU")
+        if gpu.mig.mode != ("enabled" if enabled else "disabled") and _compute_major(gpu) < 9:
+            bound.warning("gpu_reset_by_driver", why="MIG mode set back on an idle Ampere GPU")
+            self.resetter.after_gpu_reset(gpu.uuid)
 
     # -- status -------------------------------------------------------------------------------
 
@@ -525,7 +593,8 @@ class MigReconciler:
         state = self.status.state
         if (state == "success" and not all_in_sync and self.desired) or not self._started:
             state = "pending"
-        return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync, "error": self.status.error,
+        return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync,
+                "error": self.status.error or self.problem,
                 "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
 
     def collect(self) -> Iterator[Family]:
