@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="the health of each GPU and MIG device, with reasons")
     watch = commands.add_parser("watch", help="follow the event stream, one line per event")
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
+    watch.add_argument("--epoch", help="the gpud run that sequence number is of (each event's 'epoch'): "
+                                       "after a restart, gpud says so and replays the new run from its start")
     watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory")
     _client_command(health, _health)
     _client_command(watch, _watch)
@@ -377,11 +380,15 @@ def _reasons_text(reasons: list[dict]) -> str:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    query = "&".join(part for part in (f"since={args.since}" if args.since is not None else "",
-                                       f"types={args.types}" if args.types else "") if part)
+    query = urllib.parse.urlencode({key: value for key, value in (("since", args.since), ("epoch", args.epoch),
+                                                                   ("types", args.types)) if value is not None})
 
     def follow(client) -> int:
+        epoch = args.epoch
         for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch"):
+            if event.get("epoch") != epoch:  # the first line, or gpud restarted since --since
+                epoch = event.get("epoch")
+                print(f"gpud run {epoch}: resume with --since SEQ --epoch {epoch}", file=sys.stderr, flush=True)
             if event.get("type") == "heartbeat":
                 continue
             if args.json:

@@ -35,7 +35,8 @@ from gpud.mps.manager import MpsManager
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
-from gpud.sharing.config import SharingConfigError
+from gpud.safefs import claim_directory
+from gpud.sharing.config import SharingConfig, SharingConfigError
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.systemd import Notifier, inherited_socket
@@ -48,6 +49,15 @@ class Daemon:
                  reread: Callable[[], Config] | None = None):
         self.config = config
         self.notifier = notifier or Notifier({})
+        # Before anything reads or writes state: a second gpud on the same socket or the same state
+        # directory stops here (the socket first, so a gpud started twice is told so).
+        self._listener = UnixSocketListener(config.socket_path, group=config.api.group, inherited=inherited_socket())
+        self._listener.claim()
+        try:
+            self._state_lock = claim_directory(config.state_path, "the state directory")
+        except OSError:
+            self._listener.close()
+            raise
         nvml, simulated = load_backend(config.simulate, config.sim_state_path, config.sim_driver)
         self.session = NvmlSession(nvml, simulated=simulated, retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
@@ -57,7 +67,7 @@ class Daemon:
                                           config.state_path / "known-gpus.json")
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
-        self.bus = EventBus()
+        self.bus = EventBus(sequence_path=config.state_path / "watch-sequence.json")
         self.latency = RequestLatency()
         sharing_path = Path(config.sharing.file)
         self.sharing = SharingView(read_sharing_file(sharing_path), sharing_path, unhealthy=self._unhealthy_devices,
@@ -65,7 +75,7 @@ class Daemon:
         self.inventory.subscribe(self.sharing.update)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=lambda inventory: mps_replicas(self.sharing.config, inventory),
-                              notify=self.bus.publish)
+                              notify=self.bus.publish, restarts_path=config.state_path / "mps-restarts.json")
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
                                unhealthy_xids=health.unhealthy_xids)
@@ -74,6 +84,7 @@ class Daemon:
                                     clear_after_passes=health.clear_after_passes,
                                     mps_failures=self.mps.failures,
                                     nvlinks_path=config.state_path / "nvlinks-seen-up.json",
+                                    state_path=config.state_path / "health.json",
                                     on_change=lambda: self.sharing.update(self.inventory.current, reason="health"))
         around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
         self.resetter = GpuResetter(self.session, self.inventory,
@@ -97,8 +108,8 @@ class Daemon:
             MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
             MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps, "latency": self.latency}).register,
-            ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group)
-        self._listener = UnixSocketListener(config.socket_path, group=config.api.group, inherited=inherited_socket())
+            ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group,
+            problems=self._state_problems)
         self._node_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._published_inventory: tuple | None = None
@@ -127,6 +138,11 @@ class Daemon:
         self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
         await self.inventory.run()
 
+    def _state_problems(self) -> list[str]:
+        """What /healthz reports as degraded: persisted state gpud could not use."""
+        corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files]
+        return ([self.mig.problem] if self.mig.problem else []) + [file.message() for file in corrupt]
+
     def _own_pids(self) -> set[int]:
         """gpud and the MPS daemons it started: they hold the GPUs, and go away for a reset."""
         mps = {pid for d in self.mps.daemons.values() for pid in (d.pid, *d.server_pids) if pid is not None}
@@ -147,12 +163,20 @@ class Daemon:
 
     async def reload_from_files(self) -> str:
         """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.
-        A file that is invalid changes nothing: GpudError 422 config-invalid."""
+        Every file is read and checked before anything is applied, so one that is invalid changes
+        nothing, not even the log level: GpudError 422 config-invalid. systemd hears READY=1 after
+        RELOADING=1 either way, or it would wait for the reload to time out."""
+        self.notifier.reloading()
         try:
-            await self.reload(self._reread())
-        except (ConfigError, SharingConfigError, OSError) as exc:
-            log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
-            raise GpudError(422, "config-invalid", f"{exc}; the running config stays") from None
+            try:
+                config = self._reread()
+                sharing = read_sharing_file(Path(config.sharing.file))
+            except (ConfigError, SharingConfigError, OSError) as exc:
+                log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
+                raise GpudError(422, "config-invalid", f"{exc}; the running config stays") from None
+            await self.reload(config, sharing)
+        finally:
+            self.notifier.ready(self.status_line())
         return self.status_line()
 
     def status_line(self) -> str:
@@ -164,6 +188,8 @@ class Daemon:
         mig = self.mig.view(inventory)
         if mig["layout"]:
             parts.append(f"MIG {mig['layout']} " + ("in sync" if mig["in_sync"] else mig["state"]))
+        if self.mig.problem:
+            parts.append(f"MIG desired state lost: {self.mig.problem}")
         running = sum(d.state == "running" for d in self.mps.daemons.values())
         if self.mps.daemons:
             parts.append(f"{running}/{len(self.mps.daemons)} MPS daemons")
@@ -196,26 +222,25 @@ class Daemon:
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self.health.stop()
+        await self.health.stop()  # saves what is not saved yet
         self.bus.close()  # open watch streams end, so in-flight requests can finish
         await self.mig.stop()  # MPS daemons are left running on purpose: their clients keep working
         await self.api.stop()  # stops accepting, lets in-flight requests finish
         self._listener.close()
+        os.close(self._state_lock)
         await self.session.close()
         log.info("stopped")
 
 
-    async def reload(self, config: Config) -> None:
-        """Applies a re-read config without dropping connections or MPS clients: MPS daemons whose
-        limits alone changed get them live; other keys take effect at the next start."""
+    async def reload(self, config: Config, sharing: SharingConfig | None) -> None:
+        """Applies a re-read (and checked) config without dropping connections or MPS clients: MPS
+        daemons whose limits alone changed get them live; other keys take effect at the next start."""
         log.info("reloading")
-        self.notifier.reloading()
         configure_log_level(config.log.level)
-        self.sharing.set_config(read_sharing_file(Path(config.sharing.file)), self.inventory.current)
+        self.sharing.set_config(sharing, self.inventory.current)
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.reconfigure(config.mps)
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)
-        self.notifier.ready(self.status_line())
         log.info("reloaded")
 
 
@@ -227,6 +252,13 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
     except SharingConfigError as exc:
         log.error("sharing_config_invalid", error=str(exc))
         return 2
+    except SocketInUse as exc:
+        log.error("socket_unavailable", socket=str(config.socket_path), error=str(exc))
+        return 1
+    except OSError as exc:  # the state directory is another gpud's, or a path gpud will not use
+        log.error("paths_unavailable", socket=str(config.socket_path), state_dir=str(config.state_path),
+                  error=str(exc))
+        return 1
     try:
         await daemon.start()
     except (SocketInUse, OSError) as exc:

@@ -2,19 +2,30 @@
 
 A subscriber that reconnects passes the last sequence number it saw and gets what it missed,
 so a device plugin needs no polling and loses nothing across a reconnect (within the backlog).
+
+Each gpud run is a new stream with its own identity, the epoch, on every line. Sequence numbers
+also go on across restarts (blocks of them are reserved in the state directory), so a `since` from
+an earlier run is told apart even from a client that does not pass the epoch back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import secrets
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpud.encoding import encode
+from gpud.logs import get_logger
+from gpud.persist import CorruptFile, read_json, write_json_atomic
+
+log = get_logger("events")
 
 EVENT_TYPES = ("health", "mig", "mps", "sharing", "inventory")
 BACKLOG = 10_000
+SEQUENCE_BLOCK = 10_000  # sequence numbers reserved in the state directory at a time
 # The end markers a subscription's queue can hold after its events.
 OVERFLOW = "overflow"  # the watcher fell too far behind
 CLOSED = "closed"  # gpud is stopping
@@ -45,15 +56,37 @@ class Subscription:
 
 
 class EventBus:
-    def __init__(self, backlog: int = BACKLOG):
+    def __init__(self, backlog: int = BACKLOG, sequence_path: Path | None = None):
         self._events: collections.deque[Event] = collections.deque(maxlen=backlog)
         self._subscribers: set[Subscription] = set()
-        self.sequence = 0
+        self.epoch = secrets.token_hex(8)  # this run's stream
+        self.corrupt_files: list[CorruptFile] = []
+        self._sequence_path = sequence_path
+        reserved, corrupt = read_json(sequence_path, _reserved_from) if sequence_path else (None, None)
+        self.corrupt_files += [corrupt] if corrupt else []
+        self.first = self.sequence = reserved or 0  # this run's numbers are above every earlier run's
+        self._reserved = self.sequence
+        self._reserve()
+
+    def _reserve(self) -> None:
+        """Reserves the next block of sequence numbers: the next run starts after it, crash or not."""
+        if self._sequence_path is None:
+            return
+        try:
+            write_json_atomic(self._sequence_path, {"reserved_up_to": self._reserved + SEQUENCE_BLOCK})
+        except OSError as exc:
+            log.error("event_sequence_not_saved", path=str(self._sequence_path), error=str(exc),
+                      consequence="a watcher that does not pass ?epoch= may not notice the next restart")
+            return
+        self._reserved += SEQUENCE_BLOCK
 
     def publish(self, kind: str, data: dict[str, Any]) -> int:
         """Numbers the event, keeps it, and hands it to every subscriber. Returns its sequence number."""
         self.sequence += 1
-        line = encode({"seq": self.sequence, "type": kind, "time": time.time(), "data": data}) + b"\n"
+        if self.sequence > self._reserved:
+            self._reserve()
+        line = encode({"seq": self.sequence, "type": kind, "epoch": self.epoch, "time": time.time(),
+                       "data": data}) + b"\n"
         event = Event(self.sequence, kind, line)
         self._events.append(event)
         for subscription in list(self._subscribers):
@@ -65,6 +98,11 @@ class EventBus:
         """Events after sequence `since`, and whether some of those were already dropped from the backlog."""
         oldest = self._events[0].seq if self._events else self.sequence + 1
         return [event for event in self._events if event.seq > since], since + 1 < oldest
+
+    def from_earlier_run(self, since: int, epoch: str | None) -> bool:
+        """Whether a watcher's last sequence number (and epoch, when it passes it) is of an earlier gpud
+        run: this run's events are all new to it. A number this run has not reached is one too."""
+        return (epoch is not None and epoch != self.epoch) or not self.first <= since <= self.sequence
 
     def subscribe(self, limit: int = 10_000) -> Subscription:
         subscription = Subscription(limit)
@@ -79,3 +117,10 @@ class EventBus:
         for subscription in self._subscribers:
             subscription.queue.put_nowait(CLOSED)
         self._subscribers.clear()
+
+
+def _reserved_from(document: dict) -> int:
+    reserved = document["reserved_up_to"]
+    if type(reserved) is not int or not 0 <= reserved < 1 << 62:
+        raise ValueError(f"reserved_up_to must be a sequence number, not {reserved!r}")
+    return reserved

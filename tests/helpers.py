@@ -167,6 +167,16 @@ async def start_daemon(config: Config) -> Running:
     raise AssertionError("gpud did not become healthy")
 
 
+async def mig_settled(running: Running, timeout: float = 10.0) -> dict:
+    """/v1/mig once start-up convergence is over: until then a change is refused as an apply in progress."""
+    for _ in range(int(timeout / 0.02)):
+        _, mig = await running.get("/v1/mig")
+        if mig["state"] not in ("pending", "applying"):
+            return mig
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"MIG start-up convergence did not finish: {mig}")
+
+
 async def stop_daemon(running: Running) -> None:
     await running.http.close()
     await running.daemon.stop()
@@ -181,6 +191,17 @@ async def put_layout(node, layout, **options):
 
 READERS, ADMINS = "gpudt-readers", "gpudt-admins"
 USERS = {"gpudt-reader": [READERS], "gpudt-admin": [READERS, ADMINS], "gpudt-other": []}
+
+
+def gpud_for_users(run_gpud, tmp: Path):
+    """A simulated one-GPU gpud the test users can reach: READERS read, ADMINS change."""
+    tmp.chmod(0o755)  # let the test users reach the socket; the socket's own mode decides
+    config = tmp / "gpud.yaml"
+    config.write_text(f"api:\n  group: {READERS}\n  admin_group: {ADMINS}\n"
+                      f"mig:\n  layouts_file: {tmp / 'none.yaml'}\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(tmp / "sim.json"), "--config", str(config))
+    gpud.wait_healthy()
+    return gpud
 
 
 def curl_as(user: str, socket_path, method: str, path: str, body: dict | None = None) -> tuple[int, str]:

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import json
 
-from helpers import ADMINS, READERS, curl_as
+from helpers import ADMINS, curl_as, gpud_for_users
 
 
 def test_readers_read_admins_change_others_cannot_connect(run_gpud, short_tmp, users):
-    short_tmp.chmod(0o755)  # let the test users reach the socket; the socket's own mode decides
-    config = short_tmp / "gpud.yaml"
-    config.write_text(f"api:\n  group: {READERS}\n  admin_group: {ADMINS}\n"
-                      f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
-    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
-                    "--config", str(config))
-    gpud.wait_healthy()
+    gpud = gpud_for_users(run_gpud, short_tmp)
     mode = gpud.socket.stat()
     assert oct(mode.st_mode & 0o777) == "0o660" and mode.st_uid == 0
 

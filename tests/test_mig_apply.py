@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
-from helpers import mig_config, put_layout, start_daemon, stop_daemon
+from helpers import mig_config, mig_settled, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.config import MigHooksConfig
@@ -38,16 +37,6 @@ A30 = {
     "all-4g.24gb": {"4g.24gb": (1, 24064)},
     "all-balanced": {"1g.6gb": (2, 5952), "2g.12gb": (1, 11968)},
 }
-
-
-async def settled_mig(node) -> dict:
-    """/v1/mig once no apply is running (gpud answers before its start-up apply is done)."""
-    for _ in range(500):
-        _, mig = await node.get("/v1/mig")
-        if mig["state"] not in ("applying", "pending"):
-            return mig
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"MIG never settled: {mig}")
 
 
 def device_summary(gpu) -> dict:
@@ -198,6 +187,7 @@ async def test_hooks_run_around_a_change_and_a_failing_pre_hook_cancels(short_tm
     failing = await start_daemon(mig_config(
         short_tmp, "A100-SXM4-40GB:2", hooks=MigHooksConfig(pre_apply=("exit 3",))))
     try:
+        await mig_settled(failing)  # the restarted gpud first converges on the layout it persisted
         before = (short_tmp / "sim.json").read_bytes()
         status, body = await put_layout(failing, "all-balanced")
         assert status == 409 and "pre_apply" in body["error"]["message"]
@@ -281,14 +271,14 @@ async def test_default_layout_is_applied_at_start_and_an_api_choice_outlives_res
     config = mig_config(short_tmp, "A100-SXM4-40GB:2", default_layout="all-3g.20gb")
     node = await start_daemon(config)
     try:
-        mig = await settled_mig(node)
+        mig = await mig_settled(node)
         assert mig["layout"] == "all-3g.20gb" and mig["state"] == "success" and mig["in_sync"]
         assert (await put_layout(node, "all-balanced"))[0] == 200
     finally:
         await stop_daemon(node)
     node = await start_daemon(config)  # the operator's API choice stands; the default does not return
     try:
-        mig = await settled_mig(node)
+        mig = await mig_settled(node)
         assert mig["layout"] == "all-balanced" and mig["in_sync"]
     finally:
         await stop_daemon(node)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 from aiohttp import web
 
@@ -15,6 +16,7 @@ from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
 
 HEARTBEAT_S = 15.0
+MAX_SEQUENCE = (1 << 63) - 1  # what a client may hold a sequence number in
 
 
 class HealthRoutes:
@@ -55,9 +57,11 @@ class HealthRoutes:
 
     @json_errors
     async def watch(self, request: web.Request) -> web.StreamResponse:
-        since = request.query.get("since", "")
-        if since and not since.isdigit():
-            raise ApiError(400, "invalid-query", f"query 'since' must be a sequence number, got {since!r}")
+        since = _since(request.query.get("since", ""))
+        epoch = request.query.get("epoch")
+        if since is not None and epoch == self.bus.epoch and since > self.bus.sequence:
+            raise ApiError(400, "invalid-query", f"query 'since' is {since}, after this run's last event "
+                                                 f"{self.bus.sequence}")
         types = set(request.query.get("types", ",".join(EVENT_TYPES)).split(","))
         if not types <= set(EVENT_TYPES):
             raise ApiError(400, "invalid-query", f"unknown event types {sorted(types - set(EVENT_TYPES))}; "
@@ -66,11 +70,16 @@ class HealthRoutes:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
-            start = int(since) if since else self.bus.sequence
-            backlog, gap = self.bus.backlog_after(start)
-            if gap:
-                await response.write(encode({"seq": start, "type": "gap", "data": {
-                    "message": "events after the given sequence number were dropped from the backlog"}}) + b"\n")
+            start = self.bus.sequence if since is None else since
+            reset = since is not None and self.bus.from_earlier_run(since, epoch)
+            if reset:  # all of this run's events are new to the watcher
+                start = self.bus.first
+                await response.write(self._gap(start, "reset", "gpud restarted since that sequence number: the "
+                                               f"stream of run {self.bus.epoch} follows from its start"))
+            backlog, dropped = self.bus.backlog_after(start)
+            if dropped:
+                await response.write(self._gap(start, "dropped", "events after the given sequence number were "
+                                                                 "dropped from the backlog"))
             last = start
             for event in backlog:
                 last = await _write_if_wanted(response, event, types, last)
@@ -78,17 +87,33 @@ class HealthRoutes:
                 try:
                     item = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
                 except asyncio.TimeoutError:
-                    await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat"}) + b"\n")
+                    await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat",
+                                                 "epoch": self.bus.epoch}) + b"\n")
                     continue
                 if item is CLOSED:
                     return response
                 if item is OVERFLOW:
-                    await response.write(encode({"seq": last, "type": "overflow", "data": {
-                        "message": "too slow: reconnect with ?since=" + str(last)}}) + b"\n")
+                    await response.write(encode({"seq": last, "type": "overflow", "epoch": self.bus.epoch, "data": {
+                        "message": f"too slow: reconnect with ?since={last}&epoch={self.bus.epoch}"}}) + b"\n")
                     return response
                 last = await _write_if_wanted(response, item, types, last)
         finally:
             self.bus.unsubscribe(subscription)
+
+    def _gap(self, seq: int, reason: str, message: str) -> bytes:
+        return encode({"seq": seq, "type": "gap", "epoch": self.bus.epoch,
+                       "data": {"reason": reason, "message": message}}) + b"\n"
+
+
+def _since(text: str) -> int | None:
+    """The `since` query: None when absent; ApiError 400 for anything but a sequence number (ASCII
+    digits, no sign, no more than a 64-bit client can hold)."""
+    if not text:
+        return None
+    if not re.fullmatch(r"[0-9]{1,19}", text) or int(text) > MAX_SEQUENCE:
+        raise ApiError(400, "invalid-query", f"query 'since' must be a sequence number from 0 to {MAX_SEQUENCE}, "
+                                             f"got {text[:40]!r}")
+    return int(text)
 
 
 async def _write_if_wanted(response: web.StreamResponse, event: Event, types: set[str], last: int) -> int:

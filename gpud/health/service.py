@@ -4,24 +4,26 @@ log and the watch stream at once."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from gpud.events import EventBus
 from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
-from gpud.health.tracker import Change, HealthTracker
+from gpud.health.tracker import Change, HealthTracker, Key, Reason, parse_reasons
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, NvmlEvent, Readings, read_readings
 from gpud.nvml.session import NvmlSession
-from gpud.persist import write_json_atomic
+from gpud.persist import CorruptFile, read_json, write_json_atomic
 from gpud.samples import HOSTNAME, Family
 
 log = get_logger("health")
 HEALTH_VALUES = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+# How long health changes gather before they are saved: an XID storm costs one write, not one per
+# XID, and a crash loses at most this much.
+SAVE_DELAY_S = 0.2
 # What /metrics says of the readings, with dcgm-exporter's names: (metric, help, type, reading attribute)
 GPU_READINGS = (
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (C).", "gauge", "temperature_c"),
@@ -43,7 +45,7 @@ class HealthService:
     def __init__(self, session: NvmlSession, inventory: InventoryService, bus: EventBus, catalog: XidCatalog, *,
                  check_interval_s: float = 5.0, clear_after_passes: int = 3,
                  mps_failures: Callable[[], dict[str, str]] = dict, nvlinks_path: Path | None = None,
-                 on_change: Callable[[], object] = lambda: None):
+                 state_path: Path | None = None, on_change: Callable[[], object] = lambda: None):
         self.session = session
         self.inventory = inventory
         self.bus = bus
@@ -62,7 +64,18 @@ class HealthService:
         # those count when down. A board without a bridge has every link present but inactive
         # from the start, which is no fault (reference README.md corrections).
         self._nvlinks_path = nvlinks_path
-        self.nvlinks_ever_up: dict[str, frozenset[int]] = _load_links(nvlinks_path)
+        self.corrupt_files: list[CorruptFile] = []  # persisted files that could not be read back
+        self.nvlinks_ever_up: dict[str, frozenset[int]] = self._load(nvlinks_path, _links_from) or {}
+        # Reasons, XID counts and the last XID of each GPU, saved on every change: a GPU unhealthy
+        # before a restart is unhealthy after it, for the same reasons, and what was cleared stays so.
+        self._state_path = state_path
+        self._saver: asyncio.Task | None = None
+        self._unsaved = False
+        restored = self._load(state_path, _persisted_from)
+        if restored:
+            self.tracker.restore(restored.reasons)
+            self.xid_counts, self.last_xid = restored.xid_counts, restored.last_xid
+            log.info("health_restored", path=str(state_path), devices=len(restored.reasons))
         inventory.subscribe(self._on_inventory)
         # A GPU reset shuts NVML down: the event thread frees its set first and registers every
         # GPU again (those that came back included) once NVML is back.
@@ -79,9 +92,12 @@ class HealthService:
         self._listener = EventListener(self.session.nvml, self._from_thread)
         self._listener.start()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Stops the event thread and saves what is not saved yet."""
         if self._listener:
             self._listener.stop()
+        if self._saver:
+            await self._saver
 
     async def _pause_events(self) -> None:
         if self._listener:
@@ -120,6 +136,7 @@ class HealthService:
             "xid", gpu=gpu, xid=xid, name=info.name, gi_id=event.gi_id, ci_id=event.ci_id, severity=info.severity,
             action=info.action, affects_health=info.affects_health)
         self._publish(self.tracker.record_xid(gpu, info, event.gi_id, event.ci_id), f"XID {xid}")
+        self._save_soon()  # the counts changed, whether the state did or not
 
     async def run_checks(self) -> None:
         while True:
@@ -173,6 +190,39 @@ class HealthService:
         except OSError as exc:
             log.warning("nvlinks_not_saved", path=str(self._nvlinks_path), error=str(exc))
 
+    # -- persistence -------------------------------------------------------------------------
+
+    def _load(self, path: Path | None, parse: Callable[[Any], Any]) -> Any:
+        if path is None:
+            return None
+        document, corrupt = read_json(path, parse)
+        if corrupt:
+            self.corrupt_files.append(corrupt)
+        return document
+
+    def _document(self) -> dict:
+        return {"reasons": self.tracker.export(),
+                "xid_counts": [[uuid, xid, count] for (uuid, xid), count in sorted(self.xid_counts.items())],
+                "last_xid": {uuid: [xid, when] for uuid, (xid, when) in self.last_xid.items()}}
+
+    def _save_soon(self) -> None:
+        """Saves the health state shortly, off the event loop, one write for the changes of that while."""
+        if self._state_path is None:
+            return
+        self._unsaved = True
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.ensure_future(self._save_while_unsaved())
+
+    async def _save_while_unsaved(self) -> None:
+        while self._unsaved:
+            await asyncio.sleep(SAVE_DELAY_S)
+            self._unsaved = False
+            try:
+                await asyncio.to_thread(write_json_atomic, self._state_path, self._document())
+            except OSError as exc:
+                log.error("health_not_saved", path=str(self._state_path), error=str(exc),
+                          consequence="a restart would forget the health changes since the last save")
+
     # -- outputs -----------------------------------------------------------------------------
 
     def _publish(self, changes: list[Change], cause: str) -> None:
@@ -185,6 +235,7 @@ class HealthService:
                                         "reasons": [_reason(r) for r in change.reasons]})
         if changes:
             self._on_change()
+            self._save_soon()
 
     def gpu_was_reset(self, uuid: str) -> None:
         self._publish(self.tracker.record_reset(uuid), "GPU reset")
@@ -242,14 +293,18 @@ def _reason(reason: Any) -> dict:
     return {key: getattr(reason, key) for key in reason.__dataclass_fields__}
 
 
-def _load_links(path: Path | None) -> dict[str, frozenset[int]]:
-    if path is None:
-        return {}
-    try:
-        document = json.loads(path.read_text())
-        return {str(uuid): frozenset(int(link) for link in links) for uuid, links in document.items()}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        log.warning("nvlinks_unreadable", path=str(path), error=str(exc))
-        return {}
+class _Persisted(NamedTuple):
+    reasons: dict[str, dict[Key, Reason]]
+    xid_counts: dict[tuple[str, int], int]
+    last_xid: dict[str, tuple[int, float]]
+
+
+def _persisted_from(document: dict) -> _Persisted:
+    """The health file as _document() wrote it; TypeError, ValueError or KeyError otherwise."""
+    return _Persisted(parse_reasons(document["reasons"]),
+                      {(str(uuid), int(xid)): int(count) for uuid, xid, count in document["xid_counts"]},
+                      {str(uuid): (int(xid), float(when)) for uuid, (xid, when) in document["last_xid"].items()})
+
+
+def _links_from(document: dict) -> dict[str, frozenset[int]]:
+    return {str(uuid): frozenset(int(link) for link in links) for uuid, links in document.items()}

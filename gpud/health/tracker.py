@@ -20,6 +20,9 @@ from gpud.inventory import Gpu, Inventory
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
+# Reasons others re-derive after a restart, so they are not persisted: the inventory says again which
+# GPUs are lost, the MPS manager which daemons are down.
+REDERIVED_KINDS = ("lost", "mps")
 
 Key = tuple[str, str]  # (kind, code)
 
@@ -68,6 +71,23 @@ class HealthTracker:
         self._clear_after_passes = clear_after_passes
         self._clock = clock
         self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
+        self._restored: dict[str, dict[Key, Reason]] = {}  # persisted reasons of devices not learned yet
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def export(self) -> dict[str, list[dict]]:
+        """Each device's own reasons, as restore() takes them; devices restored but not seen again
+        are kept, so a GPU that comes back later still has its reasons."""
+        document = {uuid: [asdict(r) for r in reasons.values() if r.kind not in REDERIVED_KINDS]
+                    for uuid, reasons in self._restored.items()}
+        for uuid, device in self._devices.items():
+            document[uuid] = [asdict(r) for r in device.reasons.values() if r.kind not in REDERIVED_KINDS]
+        return {uuid: reasons for uuid, reasons in document.items() if reasons}
+
+    def restore(self, reasons: dict[str, dict[Key, Reason]]) -> None:
+        """Takes what export() gave before a restart (read with parse_reasons); the devices get their
+        reasons as the inventory names them."""
+        self._restored = reasons
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -161,7 +181,9 @@ class HealthTracker:
     def _adopt(self, uuid: str, placed: _Device) -> _Device:
         """The device as the inventory places it now, with what is known of it already."""
         known = self._devices.get(uuid)
-        return replace(placed, reasons=known.reasons, passes=known.passes) if known else placed
+        if known:
+            return replace(placed, reasons=known.reasons, passes=known.passes)
+        return replace(placed, reasons=self._restored.pop(uuid, {}))
 
     def _update_lost(self, device: _Device, gpu: Gpu) -> None:
         if gpu.lost:
@@ -229,6 +251,23 @@ class HealthTracker:
             if _summary(state, reasons) != previous:
                 changes.append(Change(uuid, device.gpu_index, previous[0], state, reasons))
         return changes
+
+
+def parse_reasons(document: dict[str, list[dict]]) -> dict[str, dict[Key, Reason]]:
+    """What export() wrote. TypeError or ValueError for a document of another shape."""
+    parsed = {}
+    for uuid, reasons in document.items():
+        if not isinstance(uuid, str) or not isinstance(reasons, list):
+            raise TypeError(f"device {uuid!r}: a list of reasons expected")
+        parsed[uuid] = {(reason.kind, reason.code): reason for reason in map(_reason_from, reasons)}
+    return parsed
+
+
+def _reason_from(fields: dict) -> Reason:
+    reason = Reason(**fields)  # TypeError for missing or unknown fields
+    if reason.severity not in (DEGRADED, UNHEALTHY) or not isinstance(reason.count, int):
+        raise ValueError(f"not a persisted reason: {fields!r}")
+    return reason
 
 
 def _summary(state: str, reasons: tuple[Reason, ...]) -> tuple[str, frozenset[Key]]:

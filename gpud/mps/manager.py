@@ -16,6 +16,7 @@ from gpud.logs import get_logger
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
 from gpud.nvml.session import NvmlSession
+from gpud.persist import CorruptFile, read_json, write_json_atomic
 from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mps")
@@ -98,7 +99,8 @@ def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memo
 class MpsManager:
     def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
                  pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None,
-                 notify: Callable[[str, dict], object] = lambda kind, data: None):
+                 notify: Callable[[str, dict], object] = lambda kind, data: None,
+                 restarts_path: Path | None = None):
         self.session = session
         self.inventory = inventory
         self.config = config
@@ -110,6 +112,11 @@ class MpsManager:
         self._checks = 0
         self._replicas = replicas or (lambda inventory: {})
         self._notify = notify  # the watch stream
+        # Restarts by daemon name, kept across gpud restarts: a daemon that keeps dying shows it.
+        self._restarts_path = restarts_path
+        restarts, corrupt = read_json(restarts_path, _restarts_from) if restarts_path else (None, None)
+        self.corrupt_files: list[CorruptFile] = [corrupt] if corrupt else []
+        self._restarts: dict[str, int] = restarts or {}
 
     def _control(self, spec: DaemonSpec) -> MpsControl:
         directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
@@ -129,7 +136,8 @@ class MpsManager:
             for name, spec in wanted.items():
                 daemon = self.daemons.get(name)
                 if daemon is None:
-                    daemon = self.daemons[name] = DaemonState(spec, self._control(spec))
+                    daemon = self.daemons[name] = DaemonState(spec, self._control(spec),
+                                                              restarts=self._restarts.get(name, 0))
                     await self._adopt_or_start(daemon)
                 elif daemon.spec != spec:
                     await self._update(daemon, spec)
@@ -221,7 +229,7 @@ class MpsManager:
             return
         if daemon.state == "failed":
             if time.monotonic() >= daemon.next_attempt:
-                daemon.restarts += 1
+                self._count_restart(daemon)
                 await self._start(daemon)
             return
         healthy = daemon.pid is not None and process_alive(daemon.pid)
@@ -232,8 +240,19 @@ class MpsManager:
                 healthy, daemon.last_error = False, str(exc)
         if not healthy:
             log.error("mps_daemon_died", daemon=daemon.spec.name, pid=daemon.pid, error=daemon.last_error)
-            daemon.restarts += 1
+            self._count_restart(daemon)
             await self._start(daemon)
+
+    def _count_restart(self, daemon: DaemonState) -> None:
+        daemon.restarts += 1
+        self._restarts[daemon.spec.name] = daemon.restarts
+        if self._restarts_path is None:
+            return
+        try:
+            write_json_atomic(self._restarts_path, self._restarts)
+        except OSError as exc:
+            log.error("mps_restarts_not_saved", path=str(self._restarts_path), error=str(exc),
+                      consequence="a gpud restart would count this daemon's restarts from an older figure")
 
     # -- explicit control and MIG changes ---------------------------------------------------
 
@@ -253,7 +272,7 @@ class MpsManager:
         async with self._lock:
             daemon = self.daemons[name]
             await self._stop(daemon, "restart asked through the API")
-            daemon.restarts += 1
+            self._count_restart(daemon)
             await self._start(daemon)
 
     async def before_mig_change(self, gpu_uuid: str) -> None:
@@ -316,3 +335,10 @@ def _process_start_time(pid: int) -> float | None:
     except (OSError, IndexError, ValueError, StopIteration):
         return None
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _restarts_from(document: dict) -> dict[str, int]:
+    restarts = {str(name): count for name, count in document.items()}
+    if not all(type(count) is int and count >= 0 for count in restarts.values()):
+        raise ValueError("restart counts must be whole numbers")
+    return restarts
