@@ -53,6 +53,11 @@ class ApiConfig:
     body_timeout_s: float = field(default=10.0, metadata=_bounded(0.1, 600))
     # Seconds in-flight requests get to finish when gpud stops.
     shutdown_timeout_s: float = field(default=10.0, metadata=_bounded(0, 300))
+    # Connections open at once: in all (admins may use every one), from one non-admin uid, and how
+    # many of all only admins may use. Beyond them /healthz is answered and anything else gets 429/503.
+    max_connections: int = field(default=1024, metadata=_bounded(2, 60000))
+    max_connections_per_peer: int = field(default=64, metadata=_bounded(1, 60000))
+    admin_reserved_connections: int = field(default=64, metadata=_bounded(1, 60000))
     # The socket is mode 0660, owned by root and this group (when gpud runs as root and the group
     # exists): its members may read. Changing routes need root or membership of admin_group.
     group: str = "gpud"
@@ -318,6 +323,8 @@ def _check_consistency(config: Config, source: str) -> Config:
     if config.mps.pinned_memory_limit_mib is not None and config.mps.pinned_memory_limit_percent is not None:
         raise ConfigError(source, "mps.pinned_memory_limit_percent",
                           "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
+    if config.api.admin_reserved_connections >= config.api.max_connections:
+        raise ConfigError(source, "api.admin_reserved_connections", "must be less than api.max_connections")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
         raise ConfigError(source, "nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
     if config.sim_driver is not None and driver_branch(config.sim_driver) is None:

@@ -53,7 +53,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def peer_credentials(request: web.Request) -> PeerCredentials | None:
     """The process on the other end of the Unix socket, as of its connect()."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
+    return socket_peer_credentials(sock) if sock is not None else None
+
+
+def socket_peer_credentials(sock: socket.socket) -> PeerCredentials | None:
+    """The process on the other end of a connected Unix socket, as of its connect()."""
+    if sock.family != socket.AF_UNIX:
         return None
     size = struct.calcsize("3i")
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size))

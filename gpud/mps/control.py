@@ -8,8 +8,10 @@ them: the same binary without arguments, the command on its stdin, in the daemon
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import pwd
+import select
 import shutil
 import time
 from dataclasses import dataclass
@@ -146,14 +148,37 @@ class MpsControl:
                     continue
                 if wanted in (entry / "environ").read_bytes().split(b"\x00") and process_alive(int(entry.name)):
                     return int(entry.name)
-            except OSError:
-                continue  # gone meanwhile, or not ours to read
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue  # gone meanwhile, or not ours to read; EMFILE and the like are the caller's to handle
         return None
 
 
 def process_alive(pid: int) -> bool:
+    """Whether the process runs, through a pidfd (Linux 5.3): it turns readable once the process has
+    exited, a zombie included. False only when the kernel says so; any other failure to look (EMFILE,
+    ENFILE, ENOMEM) raises OSError, for the caller to treat as "cannot tell", never as "died"."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has quit already
-    except (OSError, IndexError):
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
         return False
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        return _signalable(pid)  # a kernel older than 5.3
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return not poller.poll(0)
+    finally:
+        os.close(pidfd)
+
+
+def _signalable(pid: int) -> bool:
+    """kill(pid, 0): opens nothing; EPERM means a process of another user runs under that PID."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        pass
+    return True

@@ -50,6 +50,7 @@ class DaemonState:
     next_attempt: float = 0.0
     backoff_s: float = 1.0
     paused: bool = False  # stopped on purpose (API stop, MIG change): not restarted by supervision
+    check_inconclusive: bool = False  # the last supervision check could not look (EMFILE and the like)
 
 
 def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None
@@ -143,13 +144,19 @@ class MpsManager:
                     await self._update(daemon, spec)
 
     async def _adopt_or_start(self, daemon: DaemonState) -> None:
+        if not await self._adopt(daemon):
+            await self._start(daemon)
+
+    async def _adopt(self, daemon: DaemonState) -> bool:
+        """Takes over the daemon already serving this pipe directory, if one runs and answers."""
         pid = daemon.control.find_pid()
-        if pid is not None and await daemon.control.answers():
-            daemon.pid, daemon.state, daemon.started_at = pid, "running", _process_start_time(pid)
-            log.info("mps_daemon_adopted", daemon=daemon.spec.name, pid=pid, devices=list(daemon.spec.devices))
-            await self._apply_limits(daemon)
-            return
-        await self._start(daemon)
+        if pid is None or not await daemon.control.answers():
+            return False
+        daemon.pid, daemon.state, daemon.started_at = pid, "running", _process_start_time(pid)
+        daemon.last_error = None
+        log.info("mps_daemon_adopted", daemon=daemon.spec.name, pid=pid, devices=list(daemon.spec.devices))
+        await self._apply_limits(daemon)
+        return True
 
     async def _start(self, daemon: DaemonState) -> None:
         spec = daemon.spec
@@ -227,21 +234,33 @@ class MpsManager:
     async def _check(self, daemon: DaemonState, full: bool) -> None:
         if daemon.paused or daemon.state == "stopped":
             return
-        if daemon.state == "failed":
-            if time.monotonic() >= daemon.next_attempt:
+        try:
+            if daemon.state == "failed":
+                if time.monotonic() >= daemon.next_attempt and not await self._adopt(daemon):
+                    self._count_restart(daemon)
+                    await self._start(daemon)
+                return
+            healthy = daemon.pid is not None and process_alive(daemon.pid)
+            if healthy and full:
+                try:
+                    daemon.server_pids = await daemon.control.server_pids()
+                except MpsError as exc:
+                    healthy, daemon.last_error = False, str(exc)
+            # A daemon still serving its pipe (under another PID, or after a probe that failed once) is
+            # taken over again, not counted as a restart.
+            if not healthy and not await self._adopt(daemon):
+                log.error("mps_daemon_died", daemon=daemon.spec.name, pid=daemon.pid, error=daemon.last_error)
                 self._count_restart(daemon)
                 await self._start(daemon)
-            return
-        healthy = daemon.pid is not None and process_alive(daemon.pid)
-        if healthy and full:
-            try:
-                daemon.server_pids = await daemon.control.server_pids()
-            except MpsError as exc:
-                healthy, daemon.last_error = False, str(exc)
-        if not healthy:
-            log.error("mps_daemon_died", daemon=daemon.spec.name, pid=daemon.pid, error=daemon.last_error)
-            self._count_restart(daemon)
-            await self._start(daemon)
+        except MpsError as exc:  # an adopted daemon refused its limits
+            self._failed(daemon, str(exc))
+        except OSError as exc:  # gpud could not look (EMFILE: no descriptor left): says nothing of the daemon
+            if not daemon.check_inconclusive:  # logged once until a check goes through again
+                log.warning("mps_check_inconclusive", daemon=daemon.spec.name, pid=daemon.pid, error=str(exc),
+                            consequence="checked again at every interval; the daemon is not restarted for it")
+            daemon.check_inconclusive = True
+        else:
+            daemon.check_inconclusive = False
 
     def _count_restart(self, daemon: DaemonState) -> None:
         daemon.restarts += 1
