@@ -15,17 +15,12 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-
-REPO = Path(__file__).resolve().parent.parent
+from simulated_gpud import simulated_gpud
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -78,15 +73,7 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=200)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="gh", dir="/tmp"))
-    sock = workdir / "g.sock"
-    gpud = subprocess.Popen([sys.executable, "-m", "gpud", "serve", "--simulate", "dgx-a100", "--sim-state",
-                             str(workdir / "sim.json"), "--state-dir", str(workdir / "state"), "--socket", str(sock),
-                             "--log-level", "error"], cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with simulated_gpud() as (gpud, sock):
         time.sleep(1.0)  # past start-up: the first inventory, the first checks
         cpu, rss = process_cost(gpud.pid, args.idle_seconds)
         print(f"idle on 8 GPUs over {args.idle_seconds:g} s: CPU {cpu:.2f}% of one core (target ≤ 1%), "
@@ -95,11 +82,6 @@ def main() -> None:
         for name, values in (("XID → /v1/watch event", watch_ms), ("XID → /v1/health unhealthy", health_ms)):
             print(f"{name}: n={len(values)} p50 {statistics.median(values):.2f} ms, "
                   f"p99 {percentile(values, 0.99):.2f} ms (target p99 ≤ 50 ms)")
-    finally:
-        gpud.terminate()
-        gpud.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO
 
 
@@ -21,3 +22,23 @@ def test_health_benchmark_runs():
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "idle on 8 GPUs" in result.stdout and "XID → /v1/watch event: n=10" in result.stdout
+
+
+@pytest.mark.slow  # gpud's start and a 1.5 s run: about 5 s
+def test_load_benchmark_runs_and_loses_nothing():
+    # Guards issue 12 item 10's load benchmark: readers, MIG applies, an XID storm and watch streams at
+    # once, all answered; no watch event dropped. (Latencies are printed for people, not asserted.)
+    result = subprocess.run([sys.executable, "bench/load.py", "--seconds", "1.5", "--clients", "8", "--xids", "40",
+                             "--watchers", "2"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("load on dgx-a100 (8 GPUs)") and "8 readers, 2 watch streams, 40 XIDs" in lines[0]
+    by_name = {line.split(" n=")[0].strip(): line for line in lines if " n=" in line}
+    assert set(by_name) == {"GET /v1/gpus", "GET /v1/health", "GET /v1/mig", "GET /metrics", "reads, all",
+                            "POST /v1/sim/xid", "PUT /v1/mig?wait=true"}
+    assert all(" errors 0 " in line for line in by_name.values()), result.stdout
+    assert "POST /v1/sim/xid       n=40 " in result.stdout
+    watch = next(line for line in lines if line.startswith("watch: "))
+    assert "dropped per stream: max 0, total 0; streams cut off: 0" in watch, result.stdout
+    assert int(watch.split(" streams, ")[1].split(" events")[0]) > 0  # the storm reached the bus
+    assert "first errors" not in result.stdout

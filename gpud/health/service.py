@@ -99,6 +99,12 @@ class HealthService:
         if self._saver:
             await self._saver
 
+    @property
+    def events_problem(self) -> str | None:
+        """Why NVML events (XIDs, ECC errors) are not being received now, if they are not."""
+        failing = self._listener.failing if self._listener else None
+        return f"NVML events are not being received, XIDs go unseen: {failing}" if failing else None
+
     async def _pause_events(self) -> None:
         if self._listener:
             await asyncio.to_thread(self._listener.stop)

@@ -65,6 +65,7 @@ class EventListener:
         self._uuid_by_handle: dict[int, str] = {}  # handle address -> GPU UUID: events name GPUs by handle
         self._uuid_by_index: dict[int, str] = {}  # every GPU ever registered, to name a lost one
         self._failures = 0  # in a row
+        self.failing: str | None = None  # why no events arrive now: the last failure, until a wait answers
         self._next_retry = 0.0
 
     def start(self) -> None:
@@ -102,12 +103,12 @@ class EventListener:
                 try:
                     data = nvml.nvmlEventSetWait_v2(event_set, WAIT_MS)
                 except nvml.NVMLError_Timeout:
-                    self._failures = 0
+                    self._waited()
                     continue
                 except nvml.NVMLError_GpuIsLost:
                     self._lost_in_wait()
                     return  # a new set, without the GPUs that no longer answer
-                self._failures = 0
+                self._waited()
                 self.deliver(self._describe(data))
         finally:
             if self.registered:
@@ -171,11 +172,16 @@ class EventListener:
         if self._failures > 1:
             self._stop.wait(self._backoff(self._failures - 1))
 
+    def _waited(self) -> None:
+        """A wait answered (an event, or nothing before its timeout): events arrive, whatever failed before."""
+        self._failures, self.failing = 0, None
+
     def _failed(self, exc: Exception) -> None:
         self._failures += 1
         self.rebuilds += 1
         delay = self._backoff(self._failures)
         error = f"{exc} (NVML error {exc.value})" if isinstance(getattr(exc, "value", None), int) else repr(exc)
+        self.failing = error
         if self._failures == 1 or self._failures & (self._failures - 1) == 0:  # the 1st, 2nd, 4th, 8th...
             log.warning("nvml_events_failed", error=error, failures_in_a_row=self._failures,
                         retry_in_s=round(delay, 3))

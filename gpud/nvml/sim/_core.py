@@ -61,6 +61,7 @@ def nvml_call(method: Method) -> Method:
                 raise NVMLError(NVML_ERROR_UNINITIALIZED)
             if not self._driver.has_function(method.__name__):
                 raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)  # what pynvml raises for a missing symbol
+            self._injected_failure(method.__name__)
             return method(self, *args, **kwargs)
 
     return locked
@@ -111,6 +112,7 @@ class SimCore:
         self._crash_after_commits = int(os.environ.get(CRASH_AFTER_COMMITS_ENV, "0") or 0)
         self._mig_calls = 0
         self.fail_mig_call = int(os.environ.get(FAIL_MIG_CALL_ENV, "0") or 0)
+        self._failing_calls: dict[str, list[int]] = {}  # name prefix -> [NVML error code, calls left]
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -120,6 +122,7 @@ class SimCore:
     def nvmlInitWithFlags(self, flags: int) -> None:
         # Init/shutdown nest like NVML's reference count; the state loads on the first init.
         with self._lock:
+            self._injected_failure("nvmlInitWithFlags")
             if not self._init_count:
                 self._load()
             self._init_count += 1
@@ -181,6 +184,34 @@ class SimCore:
         self._mig_calls += 1
         if self._mig_calls == self.fail_mig_call:
             raise NVMLError(NVML_ERROR_UNKNOWN)
+
+    def sim_fail_calls(self, prefix: str, error: int, count: int) -> None:
+        """Fault injection: the next `count` NVML calls whose name starts with `prefix` raise
+        NVMLError(error) before doing anything; later ones work again (a transient fault that heals).
+        `prefix` picks a call class: "nvmlInit" (nvmlInit and nvmlInitWithFlags), "nvmlDevice" (device
+        reads and MIG mode), "nvmlDeviceGetTemperature" (one reading), "nvmlGpuInstance" (MIG
+        changes), "nvmlEventSet" (events)... One fault per prefix: a second call replaces it, count 0
+        removes it. Works whether or not NVML is initialised here (an init fault is set before init)."""
+        if not isinstance(prefix, str) or not prefix.startswith("nvml"):
+            raise SimError(f"prefix must start an NVML function name (nvml...), got {prefix!r}")
+        if not isinstance(error, int) or isinstance(error, bool) or error <= 0:
+            raise SimError(f"error must be an NVML error code (a positive integer), got {error!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise SimError(f"count must be a non-negative integer, got {count!r}")
+        with self._lock:
+            if count:
+                self._failing_calls[prefix] = [error, count]
+            else:
+                self._failing_calls.pop(prefix, None)
+
+    def _injected_failure(self, name: str) -> None:
+        """Raises the error `sim_fail_calls` chose for this call, counting it; called under the lock."""
+        for prefix, fault in self._failing_calls.items():
+            if name.startswith(prefix):
+                error, fault[1] = fault[0], fault[1] - 1
+                if not fault[1]:
+                    del self._failing_calls[prefix]
+                raise NVMLError(error)
 
     def _next_serial(self) -> int:
         return next(self._serials) & SERIAL_MASK

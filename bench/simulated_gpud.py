@@ -1,0 +1,35 @@
+"""The gpud the benchmarks measure: `gpud serve` on a simulated node, in a private directory."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def simulated_gpud(preset: str = "dgx-a100") -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The gpud process and its socket, once the socket exists; stopped and cleaned up afterwards."""
+    workdir = Path(tempfile.mkdtemp(prefix="gb", dir="/tmp"))  # short: socket paths hold 108 bytes
+    sock = workdir / "g.sock"
+    gpud = subprocess.Popen([sys.executable, "-m", "gpud", "serve", "--simulate", preset, "--sim-state",
+                             str(workdir / "sim.json"), "--state-dir", str(workdir / "state"), "--socket", str(sock),
+                             "--log-level", "error"], cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if gpud.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"gpud did not start (exit {gpud.poll()})")
+            time.sleep(0.05)
+        yield gpud, sock
+    finally:
+        gpud.terminate()
+        gpud.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
