@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from gpud.api.responses import json_response
 from gpud.errors import GpudError
@@ -171,6 +172,41 @@ class RequestErrorLog(logging.Filter):
             return False
         window[1] += 1
         return True
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection protocol, answering what never reaches a route with gpud's JSON error.
+
+    aiohttp answers a request it cannot parse (bytes that are not HTTP, an invalid method, a header
+    line too long, bad chunking), and a handler that raised, itself: as text/plain quoting the
+    offending bytes back. Here the answer is {"error": {...}} with the same status, naming only the
+    kind of error; the connection is still closed after it, and the error still logged (rate-limited,
+    without the bytes: RequestErrorLog).
+    """
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises when an answer has begun already
+        if status >= 500:
+            code, sentence = "internal-error", "gpud failed to answer this request; its log says why"
+        else:
+            kind = type(exc).__name__ if exc is not None else "malformed request"
+            code, sentence = "bad-request", f"the request is not valid HTTP/1.1 ({kind})"
+        response = error_response(status, code, sentence)
+        response.force_close()
+        return response
+
+
+def answer_malformed_requests_with_json(server: web.Server) -> None:
+    """Makes every connection server accepts from now on a JsonErrorRequestHandler. aiohttp's
+    AppRunner builds its Server itself and has no setting for the protocol class, which the Server
+    instantiates in __call__: the one override is that of the Server's class."""
+    server.__class__ = _JsonErrorServer
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
 # The logger aiohttp reports request errors to (the API server passes it to aiohttp).

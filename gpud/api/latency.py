@@ -87,8 +87,11 @@ class RequestLatency:
         class Recorder(AbstractAccessLogger):
             def log(self, request, response, time: float) -> None:
                 requests[0] += 1
-                if not requests[0] % SAMPLE_EVERY:
-                    note((request.method, request.match_info.route, time))
+                # A request aiohttp could not parse never reached the router: it has no route to time,
+                # and aiohttp's match_info property asserts one exists (the attribute is read instead).
+                match_info = getattr(request, "_match_info", None)
+                if not requests[0] % SAMPLE_EVERY and match_info is not None:
+                    note((request.method, match_info.route, time))
 
         return Recorder
 

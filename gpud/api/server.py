@@ -14,7 +14,9 @@ import yaml
 from aiohttp import web
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
-from gpud.api.errors import MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, json_errors, no_such_route
+from gpud.api.connections import ConnectionLimits
+from gpud.api.errors import (MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, answer_malformed_requests_with_json,
+                              json_errors, no_such_route)
 from gpud.api.latency import RequestLatency
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.api.views import RenderedInventory, node_view
@@ -72,8 +74,10 @@ class Api:
         return app
 
     async def start(self, sock: socket.socket, latency: RequestLatency, *, idle_timeout_s: float,
-                    shutdown_timeout_s: float) -> None:
-        """Serves the app on the listening socket; every request is counted in latency."""
+                    shutdown_timeout_s: float, max_connections: int, max_connections_per_peer: int,
+                    admin_reserved_connections: int) -> None:
+        """Serves the app on the listening socket; every request is counted in latency, every
+        connection weighed against the caps (see connections.py)."""
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=RequestLatency.logger(),
                                      access_log_class=latency.access_logger_class(),
                                      logger=REQUEST_ERROR_LOG,  # no request bytes, rate-limited
@@ -82,6 +86,9 @@ class Api:
                                      lingering_time=1.0,
                                      shutdown_timeout=shutdown_timeout_s)
         await self._runner.setup()
+        answer_malformed_requests_with_json(self._runner.server)
+        ConnectionLimits(self.admin_policy, max_connections, max_connections_per_peer,
+                         admin_reserved_connections).attach(self._runner.server)
         await web.SockSite(self._runner, sock).start()
 
     async def stop(self) -> None:
