@@ -117,8 +117,11 @@ class Daemon:
     async def start(self) -> None:
         """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
         sock = self._listener.open()
-        await self.api.start(sock, self.latency, idle_timeout_s=self.config.api.idle_timeout_s,
-                             shutdown_timeout_s=self.config.api.shutdown_timeout_s)
+        api = self.config.api
+        await self.api.start(sock, self.latency, idle_timeout_s=api.idle_timeout_s,
+                             shutdown_timeout_s=api.shutdown_timeout_s, max_connections=api.max_connections,
+                             max_connections_per_peer=api.max_connections_per_peer,
+                             admin_reserved_connections=api.admin_reserved_connections)
         cfg = self.config
         log.info("listening", socket=str(cfg.socket_path), backend=self.session.backend_name,
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
@@ -139,9 +142,11 @@ class Daemon:
         await self.inventory.run()
 
     def _state_problems(self) -> list[str]:
-        """What /healthz reports as degraded: persisted state gpud could not use."""
-        corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files]
-        return ([self.mig.problem] if self.mig.problem else []) + [file.message() for file in corrupt]
+        """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving."""
+        corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
+                   *self.mig.corrupt_files]
+        problems = [self.mig.problem, self.health.events_problem]
+        return [problem for problem in problems if problem] + [file.message() for file in corrupt]
 
     def _own_pids(self) -> set[int]:
         """gpud and the MPS daemons it started: they hold the GPUs, and go away for a reset."""

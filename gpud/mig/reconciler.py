@@ -28,9 +28,11 @@ from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import ResetFailed
 from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
+from gpud.persist import read_json, write_json_atomic
 from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mig")
+HISTORY_KEPT = 20  # the last applies /v1/mig lists (newest first), kept across restarts
 
 
 class ApplyRefused(GpudError):
@@ -131,6 +133,11 @@ class MigReconciler:
         self._force = False
         self._started = False  # set once gpud has converged (or begun converging) the GPUs at start-up
         self._load_desired()
+        self._history_path = state_path.with_name("mig-history.json")
+        history, corrupt = read_json(self._history_path, _history_from)
+        self.corrupt_files = [corrupt] if corrupt else []
+        self.history: list[dict] = history or []  # replaced, never changed in place: a write in progress keeps its list
+        self._history_written = asyncio.Lock()
 
     # -- persisted desired state ------------------------------------------------------------
 
@@ -343,8 +350,27 @@ class MigReconciler:
             self.status.state, self.status.error = "failed", f"internal error: {exc}"
         finally:
             self.status.finished_at = time.time()
+            self._add_to_history(self.status)
             self._running = None
-        return self.view(self.inventory.current)
+        view = self.view(self.inventory.current)
+        await self._save_history()
+        return view
+
+    def _add_to_history(self, status: ApplyStatus) -> None:
+        gpus = [{"index": p.index, "uuid": p.uuid, "state": p.state, "error": p.error} for p in status.gpus.values()]
+        entry = {"layout": status.layout, "state": status.state, "error": status.error,
+                 "started_at": status.started_at, "finished_at": status.finished_at, "gpus": gpus}
+        self.history = [entry, *self.history][:HISTORY_KEPT]
+
+    async def _save_history(self) -> None:
+        """Writes the history off the event loop (the write ends with two fsyncs), one write at a time,
+        each of the list as it is then: an older list never lands after a newer one."""
+        async with self._history_written:
+            try:
+                await asyncio.to_thread(write_json_atomic, self._history_path, self.history)
+            except OSError as exc:
+                log.error("mig_history_not_saved", path=str(self._history_path), error=str(exc),
+                          consequence="a gpud restart would show the MIG apply history without this apply")
 
     async def _run(self) -> None:
         inventory = await self.inventory.refresh("mig apply")
@@ -558,6 +584,8 @@ class MigReconciler:
         that failed midway is taken back, never left changed or pending)."""
         try:
             gpu = await self._fresh(uuid)
+            if gpu.error:  # what it holds is unknown: undoing from a partial read would fail confusingly
+                raise RuntimeError(f"GPU {index} could not be read: {gpu.error}")
             if gpu.mig.mode == "enabled":
                 had = original.instances if original.mode == "enabled" else ()
                 await self._execute(gpu, plan_restore(mig_state_of(gpu), had), GpuProgress(index, uuid))
@@ -595,7 +623,8 @@ class MigReconciler:
             state = "pending"
         return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync,
                 "error": self.status.error or self.problem,
-                "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus}
+                "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus,
+                "history": self.history}
 
     def collect(self) -> Iterator[Family]:
         """Whether the GPUs have the desired layout, for /metrics (no desired layout: nothing is out of sync)."""
@@ -603,6 +632,13 @@ class MigReconciler:
         synced = self.view(self.inventory.current)["in_sync"] or not self.desired
         in_sync.add({"hostname": HOSTNAME}, 1 if synced else 0)
         yield in_sync
+
+
+def _history_from(document: list) -> list[dict]:
+    if not isinstance(document, list) or not all(isinstance(entry, dict) and isinstance(entry.get("state"), str)
+                                                 for entry in document):
+        raise ValueError("the MIG apply history must be a list of applies, each with its state")
+    return document[:HISTORY_KEPT]
 
 
 def _mark_reset_required(progress: GpuProgress, bound, gpu: Gpu, outcome: str, detail: str = "") -> None:
