@@ -4,6 +4,9 @@
 # python3, so their compiled parts match the python3 the package depends on (Debian 12: 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p build
+exec 9>build/.build.lock
+flock 9  # one build at a time: build/package and dist/ are shared
 PYTHON=${PYTHON:-/usr/bin/python3}
 export GPUD_VERSION=$("$PYTHON" -c 'import re; print(re.search(r"__version__ = \"(.+)\"", open("gpud/__init__.py").read())[1])')
 GPUD_BUILD=$PWD/build/package  # packaging/nfpm.yaml takes the tree from here

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import IN_CI, REPO, SYSTEM_PATH
 
-pytestmark = pytest.mark.slow
+# Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
+# after the other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
 PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,procps,passwd,nvidia-cuda-mps"
 
 

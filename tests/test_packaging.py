@@ -14,7 +14,9 @@ from helpers import IN_CI, REPO
 
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 
-pytestmark = pytest.mark.slow
+# Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
+# after the other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
 OS_PYTHON = "/usr/bin/python3"
 
 
