@@ -223,7 +223,7 @@ def test_a_failure_inside_a_request_is_logged_without_the_frames_locals():
 
 def test_layouts_are_planned_once_per_layouts_file_and_inventory(short_tmp):
     """GET /v1/mig/layouts planned every layout on every request (several ms of event-loop time,
-    tens on a slow host); now once per layouts file, inventory snapshot and active layout."""
+    tens on a slow host); now once per layouts file, GPU state and active layout, off the loop."""
 
     async def scenario():
         node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
@@ -236,10 +236,17 @@ def test_layouts_are_planned_once_per_layouts_file_and_inventory(short_tmp):
             layouts = len(first[0][1]["layouts"])
             assert len(planned) == layouts
 
-            await node.daemon.inventory.refresh("test")  # a new snapshot: planned again, once
+            await node.daemon.inventory.refresh("test")  # a new snapshot of the same GPUs: the answer stands
             assert (await node.get("/v1/mig/layouts")) == first[0]
-            assert (await node.get("/v1/mig/layouts")) == first[0]
+            assert len(planned) == layouts
+
+            node.daemon.session.nvml.sim_set_gpu_lost(1)  # the GPUs changed: planned again, once
+            await node.daemon.inventory.refresh("test")
+            changed = [await node.get("/v1/mig/layouts") for _ in range(2)]
+            assert changed[0] == changed[1] != first[0]
             assert len(planned) == 2 * layouts
+            node.daemon.session.nvml.sim_recover_gpu(1)
+            await node.daemon.inventory.refresh("test")
 
             assert (await put_layout(node, "all-1g.5gb"))[0] == 200
             _, view = await node.get("/v1/mig/layouts")

@@ -54,15 +54,17 @@ class MigRoutes:
 
     @json_errors
     async def layouts(self, request: web.Request) -> web.Response:
-        """Planning every layout takes milliseconds (tens on a slow host), so the answer is computed
-        once per layouts file, inventory snapshot and active layout, and served encoded until one changes."""
+        """Planning every layout takes tens of milliseconds, so the answer is computed once per layouts
+        file, GPU state and active layout (a refresh that found nothing new keeps it), off the event
+        loop, and served encoded until one of them changes."""
         source, layouts = self.layouts_file.layouts()
         inventory = self._inventory()
         active = self.reconciler.status.layout
         cached = self._layouts_answer
-        if cached is None or cached[0] is not layouts or cached[1] is not inventory or cached[2] != active:
-            cached = self._layouts_answer = (layouts, inventory, active,
-                                             encode(self._layouts_view(source, layouts, inventory, active)))
+        if cached is None or cached[0] is not layouts or cached[2] != active or \
+                not (cached[1] is inventory.gpus or cached[1] == inventory.gpus):
+            view = await asyncio.to_thread(self._layouts_view, source, layouts, inventory, active)
+            cached = self._layouts_answer = (layouts, inventory.gpus, active, encode(view))
         return encoded_json_response(cached[3])
 
     def _layouts_view(self, source: str, layouts: dict[str, Layout], inventory: Inventory, active: str | None) -> dict:
