@@ -14,6 +14,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from gpud.nvml.reader import text
 from gpud.nvml.session import describe_error
 
 MIB = 1 << 20
@@ -90,10 +91,6 @@ class NodeReading:
     gpus: tuple[GpuReading, ...]
     failures: tuple[Failure, ...] = ()
 
-
-def text(value: Any) -> str:
-    """NVML strings arrive as str or bytes depending on the call and the binding's version."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class _Reads:

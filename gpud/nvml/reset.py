@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpud.inventory import normal_bus_id
+from gpud.nvml.reader import text
 
-
-def text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
