@@ -155,16 +155,28 @@ class Running:
             return response.status, await response.json()
 
 
-async def start_daemon(config: Config) -> Running:
+async def start_daemon(config: Config, *, healthy: bool = True, prepare=lambda daemon: None) -> Running:
+    """An in-process gpud serving its socket; with healthy, once /healthz answers 200. prepare(daemon)
+    runs before it starts (to set a fault on the simulated node before NVML comes up)."""
     daemon = Daemon(config)
+    prepare(daemon)
     await daemon.start()
     http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(config.socket_path)))
     running = Running(daemon, http)
-    for _ in range(400):
-        if (await running.get("/healthz"))[0] == 200:
-            return running
+    if not healthy:
+        return running
+    await answer_until(running, "/healthz", lambda status, _: status == 200, timeout=4.0)
+    return running
+
+
+async def answer_until(running: Running, path: str, wanted, timeout: float = 4.0) -> tuple[int, dict]:
+    """GET path until wanted(status, body) holds; the last answer."""
+    for _ in range(int(timeout / 0.01)):
+        status, body = await running.get(path)
+        if wanted(status, body):
+            return status, body
         await asyncio.sleep(0.01)
-    raise AssertionError("gpud did not become healthy")
+    raise AssertionError(f"{path} never answered as wanted: {status} {body}")
 
 
 async def mig_settled(running: Running, timeout: float = 10.0) -> dict:

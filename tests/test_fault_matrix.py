@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import pytest
 import structlog
-from helpers import mig_config, mig_settled, put_layout, sim_config, start_daemon, stop_daemon
+from helpers import answer_until, mig_config, mig_settled, put_layout, sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 from pynvml import (NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INSUFFICIENT_RESOURCES,
                     NVML_ERROR_UNKNOWN, NVMLError)
@@ -89,33 +88,21 @@ def test_sim_fail_calls_fails_the_next_calls_of_a_prefix_then_heals(tmp_path):
 async def test_nvml_init_failing_is_reported_and_its_recovery_picked_up(short_tmp, raised):
     config = sim_config(short_tmp, "A100-SXM4-40GB:2").with_overrides(
         **{"nvml.init_retry_initial_s": 0.02, "nvml.init_retry_max_s": 0.1})
-    daemon = Daemon(config)
-    daemon.session.nvml.sim_fail_calls("nvmlInit", NVML_ERROR_DRIVER_NOT_LOADED, FOREVER)
-    await daemon.start()
-    http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(config.socket_path)))
+    node = await start_daemon(config, healthy=False, prepare=lambda daemon: daemon.session.nvml.sim_fail_calls(
+        "nvmlInit", NVML_ERROR_DRIVER_NOT_LOADED, FOREVER))
     try:
-        for _ in range(200):
-            async with http.get("http://localhost/healthz") as response:
-                health = await response.json()
-            if health["error"]["code"] == "nvml-unavailable":
-                break
-            await asyncio.sleep(0.01)
-        assert response.status == 503 and "Driver Not Loaded" in health["reason"], health
-        async with http.get("http://localhost/v1/gpus") as response:
-            assert response.status == 503 and (await response.json())["error"]["code"] == "nvml-unavailable"
-        daemon.session.nvml.sim_fail_calls("nvmlInit", NVML_ERROR_DRIVER_NOT_LOADED, 0)  # the driver loads
-        for _ in range(300):
-            async with http.get("http://localhost/healthz") as response:
-                if response.status == 200:
-                    break
-            await asyncio.sleep(0.01)
-        assert response.status == 200
-        async with http.get("http://localhost/v1/gpus") as response:
-            assert response.status == 200 and len((await response.json())["gpus"]) == 2
-        assert node_tasks_alive(daemon) and not raised()
+        status, health = await answer_until(node, "/healthz",
+                                            lambda _, body: body["error"]["code"] == "nvml-unavailable")
+        assert status == 503 and "Driver Not Loaded" in health["reason"], health
+        status, body = await node.get("/v1/gpus")
+        assert status == 503 and body["error"]["code"] == "nvml-unavailable"
+        node.daemon.session.nvml.sim_fail_calls("nvmlInit", NVML_ERROR_DRIVER_NOT_LOADED, 0)  # the driver loads
+        await answer_until(node, "/healthz", lambda status, _: status == 200)
+        status, body = await node.get("/v1/gpus")
+        assert status == 200 and len(body["gpus"]) == 2
+        assert node_tasks_alive(node.daemon) and not raised()
     finally:
-        await http.close()
-        await daemon.stop()
+        await stop_daemon(node)
 
 
 @pytest.mark.parametrize("prefix, error", [

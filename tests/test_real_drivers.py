@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers import mig_config, put_layout, start_daemon, stop_daemon
+from helpers import answer_until, mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.inventory import Gpu, MigInfo, _identities, _load_known
@@ -489,23 +489,13 @@ async def test_an_old_driver_leaves_nvml_unavailable_and_is_retried(tmp_path):
 
 
 async def test_healthz_and_node_say_the_driver_is_too_old(short_tmp):
-    config = mig_config(short_tmp, "dgx-a100").with_overrides(sim_driver="470.57.02")
-    from gpud.daemon import Daemon
-    daemon = Daemon(config)
-    await daemon.start()
-    import aiohttp
-    http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(config.socket_path)))
+    node = await start_daemon(mig_config(short_tmp, "dgx-a100").with_overrides(sim_driver="470.57.02"),
+                              healthy=False)
     try:
-        for _ in range(200):
-            async with http.get("http://localhost/healthz") as response:
-                body = await response.json()
-            if body.get("status") == "unavailable":
-                break
-            await asyncio.sleep(0.02)
-        assert response.status == 503 and f"R{MINIMUM_BRANCH}" in body["reason"] and "470.57.02" in body["reason"]
+        status, body = await answer_until(node, "/healthz", lambda _, body: body.get("status") == "unavailable")
+        assert status == 503 and f"R{MINIMUM_BRANCH}" in body["reason"] and "470.57.02" in body["reason"]
     finally:
-        await http.close()
-        await daemon.stop()
+        await stop_daemon(node)
 
 
 async def test_node_shows_the_minimum_branch_and_whether_the_driver_is_supported(short_tmp):
