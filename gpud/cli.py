@@ -113,17 +113,12 @@ def _client_command(parser: argparse.ArgumentParser, run) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from gpud import daemon
     from gpud.logs import configure_logging
-    from gpud.nvml.sim import PresetError, parse_preset
 
     overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
                  "sim_state": args.sim_state, "sim_driver": args.sim_driver, "log.level": args.log_level,
                  "log.format": args.log_format}
-    try:
-        config = load_config(args.config).with_overrides(**overrides)
-        if config.simulate:
-            parse_preset(config.simulate)
-    except (ConfigError, PresetError) as exc:
-        print(f"gpud: {exc}", file=sys.stderr)
+    config = _checked_config(lambda: load_config(args.config).with_overrides(**overrides))
+    if config is None:
         return EXIT_USAGE
     configure_logging(config.log.level, config.log.format)
 
@@ -134,17 +129,27 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _config_validate(args: argparse.Namespace) -> int:
-    from gpud.nvml.sim import PresetError, parse_preset
-
-    try:
-        config = load_config(args.path)
-        if config.simulate:
-            parse_preset(config.simulate)
-    except (ConfigError, PresetError) as exc:
-        print(f"gpud: {exc}", file=sys.stderr)
+    if _checked_config(lambda: load_config(args.path)) is None:
         return EXIT_USAGE
     print(f"{args.path}: valid")
     return EXIT_OK
+
+
+def _checked_config(load) -> Config | None:
+    """The config, with the simulated node it names (preset and driver) checked too; None after saying
+    what is wrong."""
+    from gpud.nvml.sim import PresetError, SimError, parse_preset
+    from gpud.nvml.sim.drivers import parse_driver
+
+    try:
+        config = load()
+        if config.simulate:
+            parse_preset(config.simulate)
+            parse_driver(config.sim_driver)
+    except (ConfigError, PresetError, SimError) as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return None
+    return config
 
 
 # -- clients -----------------------------------------------------------------------------------
