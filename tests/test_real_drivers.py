@@ -10,7 +10,6 @@ same source beside it (gpud/nvml/sim/).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import threading
@@ -29,6 +28,7 @@ from gpud.nvml.health import EventListener, NvmlEvent, read_readings
 from gpud.nvml.reader import MissingNvmlCall, NodeReader
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState
 from gpud.nvml.sim import SimulatedNvml
+from gpud.nvml.sim.models import catalog
 
 XID = pynvml.nvmlEventTypeXidCriticalError
 H100_PCI_ID = "0x233010DE"  # reference mig-profiles.md §2
@@ -405,22 +405,13 @@ def test_ci_profiles_are_read_through_an_existing_gpu_instance(tmp_path):
     sim = started("A100-SXM4-40GB:1", tmp_path / "sim.json")
     set_mig(sim, 0, True)
     handle = sim.nvmlDeviceGetHandleByIndex(0)
-    gi = sim.nvmlDeviceCreateGpuInstance(handle, 5)  # 4g.20gb
+    sim.nvmlDeviceCreateGpuInstance(handle, 5)  # 4g.20gb: NVML describes its CI profiles now
     mig = NodeReader().read(sim, {}).gpus[0].mig
     four = mig.capabilities.gi_profile("4g.20gb")
     assert four.ci_source == "nvml" and mig.capabilities.gi_profile("3g.20gb").ci_source == "derived"
-    expected = []
-    for constant in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-        try:
-            info = sim.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                gi, constant, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
-            continue
-        count = ctypes.c_uint(0)
-        sim.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, info.id, None, ctypes.byref(count))
-        array = (pynvml.c_nvmlComputeInstancePlacement_t * max(count.value, 1))()
-        sim.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, info.id, array, ctypes.byref(count))
-        expected.append((info.sliceCount, tuple(sorted(p.start for p in array[:count.value]))))
+    # what the driver model offers in that GI, from its data (gpud/nvml/sim/models.yaml), not NVML calls
+    offered = catalog().models["A100-SXM4-40GB"].mig.by_id(5).compute_profiles
+    expected = [(ci.slice_count, tuple(sorted(span.start for span in ci.spans))) for ci in offered]
     assert sorted((ci.slices, ci.starts) for ci in four.ci_profiles) == sorted(expected)
     assert four.whole_ci.slices == 4  # §4.2: a 4g GI has no 3c profile, and the whole one comes last
     assert 3 not in [ci.slices for ci in four.ci_profiles]
