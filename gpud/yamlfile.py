@@ -101,7 +101,11 @@ def read_yaml_text(path: Path, fail: Fail) -> str:
 
 def compose_yaml(text: str, fail: Fail) -> tuple[yaml.Node | None, Any]:
     """(the document's node tree, for line numbers; the document). On a YAML error raises fail(reason, line)."""
-    loader = StrictLoader(text)
+    try:
+        loader = StrictLoader(text)  # reads the text at once: refuses control characters here
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise fail(f"invalid YAML: character #x{error.character:04x} is not allowed in YAML", line) from None
     try:
         node = loader.get_single_node()
         return node, (loader.construct_document(node) if node is not None else None)

@@ -35,6 +35,7 @@ HOSTILE_VALUES = {
     "infinity": ("-.inf", "not a finite number"),
     "duplicate key": ("{a: 1, a: 2}", "given twice"),
     "not UTF-8": ("caf\udce9", "not UTF-8"),  # a lone 0xe9 byte once encoded with surrogateescape
+    "control character": ("caf\x81", "#x0081 is not allowed"),  # valid UTF-8 that YAML refuses to read
 }
 # (command that validates the file, where a value goes, the line it is on)
 FILE_KINDS = {
