@@ -280,12 +280,10 @@ def test_error_names_file_layout_entry_and_key():
 @pytest.mark.parametrize("entry, key, reason", [
     ("{devices: all, mig-enabled: false, mig-device: {}}", "mig-device", "unexpected key"),
     ("{mig-enabled: false}", "devices", "missing"),
-    ("{devices: some, mig-enabled: false}", "devices", "must be 'all' or a non-empty list of GPU indices, got 'some'"),
+    ("{devices: some, mig-enabled: false}", "devices", "must be 'all' or a list of GPU indices, got 'some'"),
     ("{devices: ALL, mig-enabled: false}", "devices", "got 'ALL'"),
     ("{devices: 0, mig-enabled: false}", "devices", "got 0"),
-    ("{devices: [], mig-enabled: false}", "devices", "non-empty list"),
-    ("{devices: [-1], mig-enabled: false}", "devices", "GPU index must be an integer >= 0, got -1"),
-    ("{devices: [0, 1, 0], mig-enabled: false}", "devices", "GPU 0 listed more than once"),
+    # [], [-1] and [0, 1, 0] load with warnings, as mig-parted takes them: tests/test_nvidia_files.py
     ("{devices: [0, '1'], mig-enabled: false}", "devices", "got '1'"),
     ("{devices: [1.0], mig-enabled: false}", "devices", "got 1.0"),
     ("{devices: [true], mig-enabled: false}", "devices", "got True"),
@@ -295,7 +293,7 @@ def test_error_names_file_layout_entry_and_key():
     ("{devices: all, mig-enabled: true}", "mig-devices", "required when mig-enabled is true"),
     ("{devices: all, mig-enabled: false, mig-devices: {1g.5gb: 1}}", "mig-devices", "must be absent or empty"),
     ("{devices: all, mig-enabled: true, mig-devices: [1g.5gb]}", "mig-devices", "must be a mapping"),
-    ("{devices: all, mig-enabled: true, mig-devices: }", "mig-devices", "must be a mapping"),
+    # `mig-devices:` (null) loads as {} with a warning, as mig-parted takes it: tests/test_nvidia_files.py
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: 0, 2g.10gb: 0}}", "mig-devices", "all counts are 0"),
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: -1}}", "mig-devices.1g.5gb", "got -1"),
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: true}}", "mig-devices.1g.5gb", "got True"),
@@ -308,12 +306,7 @@ def test_error_names_file_layout_entry_and_key():
     ("{devices: all, mig-enabled: true, mig-devices: {7: 1}}", "mig-devices.7", "invalid MIG profile name '7'"),
     ("{devices: all, mig-enabled: true, mig-devices: {3g.20gb: 1, 3c.3g.20gb: 1}}", "mig-devices.3c.3g.20gb",
      "the same MIG profile as an earlier key"),
-    ("{devices: all, mig-enabled: false, device-filter: '0x20B0'}", "device-filter", "'0x20B0' is not a PCI id"),
-    ("{devices: all, mig-enabled: false, device-filter: '20B010DE'}", "device-filter", "not a PCI id"),
-    ("{devices: all, mig-enabled: false, device-filter: '0xZZZZ10DE'}", "device-filter", "not a PCI id"),
-    ("{devices: all, mig-enabled: false, device-filter: '0x20B010DE:0x145F'}", "device-filter", "not a PCI id"),
-    ("{devices: all, mig-enabled: false, device-filter: '0x20B010DE:0x145F10DE:0x0'}", "device-filter", "not a PCI id"),
-    ("{devices: all, mig-enabled: false, device-filter: ' 0x20B010DE'}", "device-filter", "not a PCI id"),
+    # A malformed PCI id string loads with a warning and never matches, as in mig-parted: tests/test_nvidia_files.py
     ("{devices: all, mig-enabled: false, device-filter: ['0x20B010DE', 42]}", "device-filter", "42 is not a PCI id"),
     ("{devices: all, mig-enabled: false, device-filter: {a: b}}", "device-filter", "must be a PCI id or a list"),
 ])

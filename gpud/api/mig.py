@@ -11,9 +11,10 @@ from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.encoding import encode
 from gpud.inventory import Inventory, InventoryService
-from gpud.mig.layouts import Layout, LayoutsFile, export_layout
+from gpud.mig.layouts import (Layout, LayoutError, LayoutsFile, NodeGpu, check_layouts, export_layout, layout_named,
+                              offers)
 from gpud.mig.model import GpuPlan
-from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of
+from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of, node_gpus
 
 
 def plan_view(plans: dict[str, GpuPlan]) -> list[dict]:
@@ -63,36 +64,44 @@ class MigRoutes:
         cached = self._layouts_answer
         if cached is None or cached[0] is not layouts or cached[2] != active or \
                 not (cached[1] is inventory.gpus or cached[1] == inventory.gpus):
-            view = await asyncio.to_thread(self._layouts_view, source, layouts, inventory, active)
+            warnings = self.layouts_file.warnings()
+            view = await asyncio.to_thread(self._layouts_view, source, layouts, warnings, inventory, active)
             cached = self._layouts_answer = (layouts, inventory.gpus, active, encode(view))
         return encoded_json_response(cached[3])
 
-    def _layouts_view(self, source: str, layouts: dict[str, Layout], inventory: Inventory, active: str | None) -> dict:
-        views = []
+    def _layouts_view(self, source: str, layouts: dict[str, Layout], file_warnings: list[str], inventory: Inventory,
+                      active: str | None) -> dict:
+        gpus = node_gpus(inventory)
+        views, node_warnings = [], []
         for layout in layouts.values():
+            warnings = _node_warnings(layout, inventory, gpus)
+            node_warnings += warnings
             try:
                 _desired, plans = self.reconciler.plan(layout, inventory, force=True)
-                views.append({"name": layout.name, "fits": True, "reason": None,
-                              "gpus_changed": len(plans), "active": layout.name == active})
+                fits, reason, changed = True, None, len(plans)
             except ApplyRefused as exc:
-                views.append({"name": layout.name, "fits": False, "reason": exc.message, "gpus_changed": None,
-                              "active": layout.name == active})
-        return {"source": source, "layouts": views}
+                fits, reason, changed = False, exc.message, None
+            views.append({"name": layout.name, "fits": fits, "reason": reason, "gpus_changed": changed,
+                          "matching_gpus": len(layout.selected(gpus)), "active": layout.name == active,
+                          "warnings": [w for w in file_warnings if w.startswith(f"mig-configs.{layout.name}[")]
+                                      + warnings})
+        return {"source": source, "warnings": file_warnings + node_warnings, "layouts": views}
 
     @admin_only
     @json_errors
     async def apply(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s,
-                                      {"layout": (str,), "force": (bool, type(None)), "dry_run": (bool, type(None))})
+                                      {"layout": (str,), "config": (str, type(None)),
+                                       "force": (bool, type(None)), "dry_run": (bool, type(None))})
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
             raise ApiError(400, "invalid-query", f"query 'wait' must be true or false, got {wait!r}")
-        layout = self.layouts_file.layout(body["layout"])
+        layout, origin = self._requested_layout(body["layout"], body.get("config"))
         force = bool(body.get("force"))
         if body.get("dry_run"):
             _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
             return json_response({"layout": layout.name, "dry_run": True, "plan": plan_view(plans)})
-        plans, applying = await self.reconciler.apply(layout, force=force)
+        plans, applying = await self.reconciler.apply(layout, force=force, origin=origin)
         if wait in ("false", "0"):
             return json_response({"layout": layout.name, "state": "applying", "plan": plan_view(plans)}, status=202)
         view = await asyncio.shield(applying)  # this request's apply as it ended, whatever ran after it
@@ -101,6 +110,18 @@ class MigRoutes:
         code = "reset-required" if view["state"] == "reset-required" else "apply-failed"
         raise ApiError(409, code, view["error"] or f"MIG apply ended in state {view['state']}", mig=view)
 
+    def _requested_layout(self, name: str, config: str | None) -> tuple[Layout, str]:
+        """(the layout, where it is defined): from the mig-parted file sent in `config`, read exactly
+        as the layouts file is, else from the layouts file."""
+        if config is None:
+            source, layouts = self.layouts_file.layouts()
+            return layout_named(layouts, name, source), source
+        try:
+            layouts, _warnings = check_layouts(config, "config")
+        except LayoutError as exc:
+            raise ApiError(422, "layout-config-invalid", str(exc)) from None
+        return layout_named(layouts, name, "the request's config"), "request"
+
     @json_errors
     async def export(self, request: web.Request) -> web.Response:
         inventory = self._inventory()
@@ -108,3 +129,18 @@ class MigRoutes:
                    for g in inventory.gpus if g.mig.capable and not g.lost]
         name = request.query.get("name", "current")
         return web.Response(text=export_layout(name, per_gpu), content_type="application/yaml")
+
+
+def _node_warnings(layout: Layout, inventory: Inventory, gpus: list[NodeGpu]) -> list[str]:
+    """What the layout asks of this node's GPUs that none of them offers: per entry that selects
+    some of them, each profile no selected GPU's table has."""
+    tables = {gpu.index: gpu.mig.capabilities for gpu in inventory.gpus if gpu.mig.capabilities is not None}
+    warnings = []
+    for number, entry in enumerate(layout.entries):
+        selected = [tables[g.index] for g in gpus if entry.selects(g) and g.index in tables]
+        if not selected:
+            continue  # the entry is for other nodes, or GPUs whose tables are not known yet
+        warnings += [f"mig-configs.{layout.name}[{number}].mig-devices.{profile}: none of the GPUs of "
+                     f"this node that the entry selects offers profile {profile}"
+                     for profile in entry.mig_devices if not any(offers(t, profile) for t in selected)]
+    return warnings

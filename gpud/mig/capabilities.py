@@ -96,13 +96,18 @@ def _table(model: str, entry: dict, gi_constants: dict[str, int], ci_by_slices: 
                         nvml_instance_counts_wrong=bool(entry.get("nvml_instance_counts_wrong", False)))
 
 
+def shipped_tables() -> list[ShippedTable]:
+    """Every GPU model's shipped table."""
+    return list(_shipped()[2].values())
+
+
 def shipped_table(pci_device_id: str) -> ShippedTable | None:
     """The shipped table of the GPU with this PCI device id ("0x20B010DE"), if gpud ships one."""
     try:
         wanted = int(pci_device_id, 16)
     except (TypeError, ValueError):
         return None
-    return next((t for t in _shipped()[2].values() if wanted in t.pci_device_ids), None)
+    return next((t for t in shipped_tables() if wanted in t.pci_device_ids), None)
 
 
 def with_true_instance_counts(capabilities: MigCapabilities, pci_device_id: str) -> MigCapabilities:

@@ -33,10 +33,13 @@ class Desired:
     source: str | None = None  # "api" | "default_layout"; None: no layout was ever chosen
     force: bool = False
     gpus: dict[str, GpuDesired] | None = None  # GPU UUID -> what the layout wants of it
+    # Where the layout is defined: the layouts file's path, "builtin", or "request" (a file sent with
+    # PUT /v1/mig). gpus holds all that converging needs, so a layout no file has converges too.
+    origin: str | None = None
 
     def document(self) -> dict:
-        return {"layout": self.layout, "source": self.source, "force": self.force, "requested_at": time.time(),
-                "gpus": {uuid: d.as_dict() for uuid, d in (self.gpus or {}).items()}}
+        return {"layout": self.layout, "source": self.source, "origin": self.origin, "force": self.force,
+                "requested_at": time.time(), "gpus": {uuid: d.as_dict() for uuid, d in (self.gpus or {}).items()}}
 
 
 NOTHING = Desired()
@@ -47,7 +50,9 @@ def _parse(document: object) -> Desired:
         raise TypeError(f"a JSON object was expected, got {type(document).__name__}")
     gpus = {str(uuid): GpuDesired(bool(d["mig_enabled"]), {str(k): int(v) for k, v in d["devices"].items()})
             for uuid, d in document["gpus"].items()}
-    return Desired(document.get("layout"), document.get("source"), bool(document.get("force", False)), gpus)
+    origin = document.get("origin")  # absent from files written before gpud recorded it
+    return Desired(document.get("layout"), document.get("source"), bool(document.get("force", False)), gpus,
+                   origin if isinstance(origin, str) else None)
 
 
 def _previous(document: dict) -> dict | None:

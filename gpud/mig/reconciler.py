@@ -21,7 +21,7 @@ from gpud.inventory import Gpu, Inventory, InventoryService, MigInfo
 from gpud.logs import get_logger
 from gpud.mig.desired import NOTHING, Desired, DesiredStore, GpuDesired
 from gpud.mig.hooks import MigHooks
-from gpud.mig.layouts import Layout, LayoutEntry, LayoutError, LayoutsFile
+from gpud.mig.layouts import Layout, LayoutEntry, LayoutError, LayoutsFile, NodeGpu
 from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
@@ -109,6 +109,11 @@ def resolve_layout(layout: Layout, inventory: Inventory) -> dict[str, GpuDesired
     return desired
 
 
+def node_gpus(inventory: Inventory) -> list[NodeGpu]:
+    """The node's GPUs as a layout's entries select them."""
+    return [NodeGpu(gpu.index, gpu.pci_device_id, gpu.mig.capable) for gpu in inventory.gpus]
+
+
 class MigReconciler:
     def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, resetter: GpuResetter,
                  *, allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
@@ -155,8 +160,7 @@ class MigReconciler:
         """Why the persisted desired layout could not be used (a corrupt file), until one is chosen again."""
         return self._store.problem
 
-    def _persist_desired(self, layout: str, desired: dict[str, GpuDesired], force: bool, source: str) -> None:
-        chosen = Desired(layout, source, force, desired)
+    def _persist_desired(self, chosen: Desired) -> None:
         self._store.save(chosen, replacing=self._chosen)
         self._use(chosen)
 
@@ -177,6 +181,9 @@ class MigReconciler:
             desired = resolve_layout(layout, inventory)
         except LayoutError as exc:
             raise ApplyRefused(422, "layout-invalid", str(exc)) from None
+        if not desired:  # applying it would change nothing, yet say it succeeded: surely not what was meant
+            raise ApplyRefused(422, "layout-matches-no-gpu",
+                               f"layout '{layout.name}' {layout.no_match_reason(node_gpus(inventory))}")
         plans = {}
         for gpu in inventory.gpus:
             wanted = desired.get(gpu.uuid)
@@ -214,11 +221,12 @@ class MigReconciler:
 
     # -- applying ---------------------------------------------------------------------------
 
-    async def apply(self, layout: Layout, *, force: bool = False,
-                    source: str = "api") -> tuple[dict[str, GpuPlan], asyncio.Task]:
+    async def apply(self, layout: Layout, *, force: bool = False, source: str = "api",
+                    origin: str | None = None) -> tuple[dict[str, GpuPlan], asyncio.Task]:
         """Plans, persists the desired layout and starts applying it in the background. Returns the
         plans and the apply, whose result is /v1/mig's view as this apply left it. Refused (409)
-        while another apply or a reset runs."""
+        while another apply or a reset runs. `origin` says where the layout is defined: the layouts
+        file's path, "builtin", or "request" (a file sent with the request)."""
         self._claim({"operation": "apply", "layout": layout.name})
         try:
             inventory = await self.inventory.refresh("mig apply requested")
@@ -228,7 +236,7 @@ class MigReconciler:
             await self._refuse_blocked_reset(layout, inventory, desired, force)
             if not force:
                 await self._refuse_busy_gpus(layout, inventory, desired)
-            self._persist_desired(layout.name, desired, force, source)
+            self._persist_desired(Desired(layout.name, source, force, desired, origin))
         except BaseException:
             self._running = None
             raise
@@ -306,7 +314,8 @@ class MigReconciler:
             return
         try:
             if default_layout and self.desired_source != "api" and self.status.layout != default_layout:
-                await self.apply(layouts.layout(default_layout), source="default_layout")
+                await self.apply(layouts.layout(default_layout), source="default_layout",
+                                 origin=layouts.layouts()[0])
                 self._started = True
                 await self.wait()
             else:
@@ -621,7 +630,8 @@ class MigReconciler:
         state = self.status.state
         if (state == "success" and not all_in_sync and self.desired) or not self._started:
             state = "pending"
-        return {"layout": self.status.layout, "state": state, "in_sync": all_in_sync,
+        return {"layout": self.status.layout, "layout_origin": self._chosen.origin, "state": state,
+                "in_sync": all_in_sync,
                 "error": self.status.error or self.problem,
                 "started_at": self.status.started_at, "finished_at": self.status.finished_at, "gpus": gpus,
                 "history": self.history}

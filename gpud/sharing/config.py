@@ -1,17 +1,18 @@
-"""The sharing config: NVIDIA k8s-device-plugin's config file (`version: v1`), read strictly.
+"""The sharing config: NVIDIA k8s-device-plugin's config file (`version: v1`).
 
 A file written for the plugin loads unchanged, and every file the plugin refuses is refused, with
-the file and the key path in the message. gpud is stricter where the plugin is silently lenient: an
-unknown key anywhere is an error, and so is an empty `devices` list. Unlike the plugin, gpud honours
-`rename` and `devices` (gpud.sharing.resources applies them), and it reads one key of its own,
-`sharing.timeSlicing.interval`.
+the file and the key path in the message. Where the plugin is silently lenient, gpud accepts the
+file too and says what it found (check_sharing): an unknown key anywhere (the plugin reads the file
+with sigs.k8s.io/yaml's non-strict Unmarshal, api/config/v1/config.go, so it ignores them), an empty
+or repeated `devices` list. Unlike the plugin, gpud honours `rename` and `devices`
+(gpud.sharing.resources applies them), and it reads one key of its own, `sharing.timeSlicing.interval`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -68,6 +69,8 @@ class SharingConfig:
     time_slicing: ReplicatedResources | None = None
     mps: ReplicatedResources | None = None
     interval: str | None = None  # gpud's own key: the time-slice length, sharing.timeSlicing.interval
+    # What check_sharing warned about, for GET /v1/sharing; not part of what the config means.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def strategy(self) -> str:
@@ -85,22 +88,34 @@ def _replicates(sharing: ReplicatedResources | None) -> bool:
 
 def parse_sharing(text: str, source: str = "<sharing>") -> SharingConfig:
     """The config in a file's text; `source` names the file in errors."""
+    return check_sharing(text, source)[0]
+
+
+def check_sharing(text: str, source: str = "<sharing>") -> tuple[SharingConfig, list[str]]:
+    """(the config, the warnings: what the plugin accepts silently that may not be what was meant,
+    each starting with its key path). Raises SharingConfigError for what the plugin refuses too."""
     document = load_yaml(text, lambda reason, line: SharingConfigError(at_line(source, line, reason)))
+    warnings: list[str] = []
     try:
-        return _config(document)
+        return replace(_config(document, warnings), warnings=tuple(warnings)), warnings
     except _Invalid as invalid:
         raise SharingConfigError(f"{source}: {invalid}") from None
 
 
 def load_sharing(path: Path) -> SharingConfig:
     """The config in a file. FileNotFoundError propagates: the caller treats a missing file as no sharing."""
+    return check_sharing_file(path)[0]
+
+
+def check_sharing_file(path: Path) -> tuple[SharingConfig, list[str]]:
+    """check_sharing for a file; FileNotFoundError propagates as from load_sharing."""
     try:
         text = read_yaml_text(Path(path), lambda reason, line: SharingConfigError(at_line(str(path), line, reason)))
     except FileNotFoundError:
         raise
     except OSError as error:
         raise SharingConfigError(f"{path}: cannot read the file: {error}") from None
-    return parse_sharing(text, str(path))
+    return check_sharing(text, str(path))
 
 
 # -- errors and value checks -----------------------------------------------------------------------
@@ -166,10 +181,11 @@ def _str(value: Any, path: str) -> str:
     return value
 
 
-def _known_keys(mapping: dict, known: Any, path: str) -> None:
+def _known_keys(mapping: dict, known: Any, path: str, warnings: list[str]) -> None:
     for key in mapping:
         if key not in known:
-            _fail(_join(path, key), f"unknown key (known: {', '.join(known)})")
+            warnings.append(f"{_join(path, key)}: unknown key, ignored as the device plugin ignores it "
+                            f"(known here: {', '.join(known)})")
 
 
 def _required(mapping: dict, key: str, path: str, message: str) -> Any:
@@ -184,17 +200,17 @@ Check = Callable[[Any, str], Any]  # returns the value, or raises _Invalid namin
 Schema = dict[str, Any]  # key -> a Check, or a nested Schema
 
 
-def _checked(value: Any, schema: Schema, path: str) -> dict:
-    """A mapping whose keys are all in `schema` and whose values pass their checks (or nested schemas).
-    A null value counts as unset, as it does for the plugin's optional flags."""
+def _checked(value: Any, schema: Schema, path: str, warnings: list[str]) -> dict:
+    """A mapping whose values for the keys in `schema` pass their checks (or nested schemas); other
+    keys are warned about. A null value counts as unset, as it does for the plugin's optional flags."""
     mapping = _mapping(value, path)
-    _known_keys(mapping, schema, path)
+    _known_keys(mapping, schema, path, warnings)
     for key, item in mapping.items():
-        if item is None:
+        if item is None or key not in schema:
             continue
         check = schema[key]
         if isinstance(check, dict):
-            _checked(item, check, _join(path, key))
+            _checked(item, check, _join(path, key), warnings)
         else:
             check(item, _join(path, key))
     return mapping
@@ -230,7 +246,7 @@ def _duration(value: Any, path: str) -> Any:
 
 
 def _resource_pattern(value: Any, path: str) -> dict:
-    entry = _checked(value, {"pattern": _str, "name": _resource_name}, path)
+    entry = _checked(value, {"pattern": _str, "name": _resource_name}, path, [])  # the section is warned about whole
     for key in ("pattern", "name"):
         if entry.get(key) is None:
             _fail(_join(path, key), "missing; each resource has a 'pattern' and a 'name'")
@@ -273,18 +289,20 @@ _IMEX: Schema = {"channelIDs": _list_of(_int), "required": _bool}
 # -- the document ----------------------------------------------------------------------------------
 
 
-def _config(document: Any) -> SharingConfig:
+def _config(document: Any, warnings: list[str]) -> SharingConfig:
     if document is None:  # an empty file: the plugin's defaults, no sharing
         return SharingConfig()
     if not isinstance(document, dict):
         _fail("", f"expected a mapping of {', '.join(_TOP_LEVEL_KEYS)}, got {_kind(document)}")
-    _known_keys(document, _TOP_LEVEL_KEYS, "")
+    _known_keys(document, _TOP_LEVEL_KEYS, "", warnings)
     _check_version(document.get("version"))
-    flags = _checked(document.get("flags"), _FLAGS, "flags")
-    _checked(document.get("resources"), _RESOURCE_PATTERNS, "resources")
-    _checked(document.get("imex"), _IMEX, "imex")
+    flags = _checked(document.get("flags"), _FLAGS, "flags", warnings)
+    patterns = _checked(document.get("resources"), _RESOURCE_PATTERNS, "resources", warnings)
+    if patterns.get("gpus") or patterns.get("mig"):  # the plugin logs that it ignores them (config.go)
+        warnings.append("resources: renaming by pattern is ignored, as the device plugin ignores it")
+    _checked(document.get("imex"), _IMEX, "imex", warnings)
     mig_strategy = flags.get("migStrategy") or "none"  # unset or null: the plugin's default
-    return _sharing(document.get("sharing"), mig_strategy)
+    return _sharing(document.get("sharing"), mig_strategy, warnings)
 
 
 def _check_version(value: Any) -> None:
@@ -294,16 +312,16 @@ def _check_version(value: Any) -> None:
         _fail("version", f"unknown version {value!r}, expected {FORMAT_VERSION!r}")
 
 
-def _sharing(value: Any, mig_strategy: str) -> SharingConfig:
+def _sharing(value: Any, mig_strategy: str, warnings: list[str]) -> SharingConfig:
     section = _mapping(value, "sharing")
-    _known_keys(section, ("timeSlicing", "mps"), "sharing")
+    _known_keys(section, ("timeSlicing", "mps"), "sharing", warnings)
     time_slicing = mps = interval = None
     if "timeSlicing" in section:
-        time_slicing = _replicated(section["timeSlicing"], "sharing.timeSlicing", fail_default=False,
+        time_slicing = _replicated(section["timeSlicing"], "sharing.timeSlicing", warnings, fail_default=False,
                                    extra_keys=("interval",))
         interval = _interval(section["timeSlicing"])
     if "mps" in section:
-        mps = _replicated(section["mps"], "sharing.mps", fail_default=True)
+        mps = _replicated(section["mps"], "sharing.mps", warnings, fail_default=True)
         _check_mps(mps, mig_strategy)
     return SharingConfig(mig_strategy=mig_strategy, time_slicing=time_slicing, mps=mps, interval=interval)
 
@@ -322,29 +340,31 @@ def _check_mps(mps: ReplicatedResources, mig_strategy: str) -> None:
                   f"at most {MAX_MPS_REPLICAS} MPS replicas per device, got {resource.replicas}")
 
 
-def _replicated(value: Any, path: str, fail_default: bool, extra_keys: tuple[str, ...] = ()) -> ReplicatedResources:
+def _replicated(value: Any, path: str, warnings: list[str], fail_default: bool,
+                extra_keys: tuple[str, ...] = ()) -> ReplicatedResources:
     section = _mapping(value, path)
-    _known_keys(section, _REPLICATED_KEYS + extra_keys, path)
+    _known_keys(section, _REPLICATED_KEYS + extra_keys, path, warnings)
     rename_by_default = _bool(section.get("renameByDefault", False), f"{path}.renameByDefault")
     fail = _bool(section.get("failRequestsGreaterThanOne", fail_default), f"{path}.failRequestsGreaterThanOne")
     entries = section.get("resources")
     if entries is None or entries == []:
         _fail(f"{path}.resources", "no resources specified")
-    resources = tuple(_shared_resource(entry, f"{path}.resources[{i}]", rename_by_default)
+    resources = tuple(_shared_resource(entry, f"{path}.resources[{i}]", rename_by_default, warnings)
                       for i, entry in enumerate(_list(entries, f"{path}.resources")))
     return ReplicatedResources(rename_by_default=rename_by_default, fail_requests_greater_than_one=fail,
                                resources=resources)
 
 
-def _shared_resource(value: Any, path: str, rename_by_default: bool) -> SharedResource:
+def _shared_resource(value: Any, path: str, rename_by_default: bool, warnings: list[str]) -> SharedResource:
     entry = _mapping(value, path)
-    _known_keys(entry, _SHARED_RESOURCE_KEYS, path)
+    _known_keys(entry, _SHARED_RESOURCE_KEYS, path, warnings)
     name = _resource_name(_required(entry, "name", path, "no resource name specified"), f"{path}.name")
     replicas = _int(_required(entry, "replicas", path, "no replicas specified"), f"{path}.replicas")
     if replicas < 2:
         _fail(f"{path}.replicas", f"number of replicas must be >= 2, got {replicas}")
     return SharedResource(name=name, rename=_rename(entry, name, path, rename_by_default),
-                          devices=_devices(entry.get("devices", "all"), f"{path}.devices"), replicas=replicas)
+                          devices=_devices(entry.get("devices", "all"), f"{path}.devices", warnings),
+                          replicas=replicas)
 
 
 def _rename(entry: dict, name: str, path: str, rename_by_default: bool) -> str | None:
@@ -368,7 +388,7 @@ def _resource_name(value: Any, path: str) -> str:
     return full
 
 
-def _devices(value: Any, path: str) -> str | int | tuple[str, ...]:
+def _devices(value: Any, path: str, warnings: list[str]) -> str | int | tuple[str, ...]:
     if isinstance(value, str):
         if value != "all":
             _fail(path, f"devices set as {value!r} but the only valid string is 'all'")
@@ -377,10 +397,13 @@ def _devices(value: Any, path: str) -> str | int | tuple[str, ...]:
         if value <= 0:
             _fail(path, f"a count of devices must be > 0, got {value}")
         return value
-    if isinstance(value, list):
+    if isinstance(value, list):  # the plugin accepts an empty list (api/config/v1/replicas.go)
         if not value:
-            _fail(path, "an empty list shares nothing: list at least one device, or use 'all'")
-        return tuple(_selector(item, f"{path}[{i}]") for i, item in enumerate(value))
+            warnings.append(f"{path}: an empty list shares no device (list at least one, or use 'all')")
+        selectors = tuple(_selector(item, f"{path}[{i}]") for i, item in enumerate(value))
+        warnings += [f"{path}: device {selector} is repeated"
+                     for selector in dict.fromkeys(selectors) if selectors.count(selector) > 1]
+        return selectors
     _fail(path, f"must be 'all', a count of devices or a list of devices, got {_kind(value)}")
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 from gpud.encoding import encode
 from gpud.inventory import Inventory
 from gpud.logs import get_logger
-from gpud.sharing.config import SharingConfig, load_sharing
+from gpud.sharing.config import SharingConfig, check_sharing_file
 from gpud.sharing.resources import SharingError, compute_sharing
 from gpud.sharing.timeslice import apply_time_slice
 
@@ -17,11 +17,16 @@ log = get_logger("sharing")
 
 
 def read_sharing_file(path: Path) -> SharingConfig | None:
-    """The sharing config, or None when the file does not exist. Raises SharingConfigError."""
+    """The sharing config, or None when the file does not exist. Raises SharingConfigError; logs
+    what the file holds that the device plugin accepts but may not be what was meant."""
     try:
-        return load_sharing(path)
+        config, warnings = check_sharing_file(path)
     except FileNotFoundError:
         return None
+    for warning in warnings:
+        key, _, message = warning.partition(": ")
+        log.warning("sharing_file_warning", path=str(path), key=key, warning=message)
+    return config
 
 
 class SharingView:
@@ -39,7 +44,7 @@ class SharingView:
 
     def _empty(self) -> dict:
         return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
-                "error": "no inventory yet"}
+                "error": "no inventory yet", "warnings": []}
 
     def set_config(self, config: SharingConfig | None, inventory: Inventory | None) -> None:
         """Takes a re-read sharing config (None: the file is gone)."""
@@ -54,7 +59,8 @@ class SharingView:
         except SharingError as exc:  # e.g. a `devices` selector that matches nothing on this node
             computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
                         "error": str(exc)}
-        document = {**computed, "source": str(self.source) if self.config else None, "time_slice": self.time_slice}
+        document = {**computed, "source": str(self.source) if self.config else None, "time_slice": self.time_slice,
+                    "warnings": list(self.config.warnings) if self.config else []}
         if document != self.document:
             if self.document is not None:
                 log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
