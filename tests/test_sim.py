@@ -57,7 +57,7 @@ def test_pynvml_objects_come_through_unchanged(nvml):
 
 def test_functions_it_does_not_simulate_are_function_not_found(nvml):
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        nvml.nvmlDeviceGetClockInfo(nvml.nvmlDeviceGetHandleByIndex(0), 0)
+        nvml.nvmlDeviceGetFanSpeed(nvml.nvmlDeviceGetHandleByIndex(0))
     assert not hasattr(nvml, "_nvmlCheckReturn")  # pynvml internals stay hidden
 
 

@@ -8,6 +8,7 @@ out, the log says why, and gpud_collector_errors_total counts it.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Protocol
 
 from aiohttp import web
@@ -57,7 +58,19 @@ def _write(lines: list[str], family: Family) -> None:
     lines += [f"# HELP {family.name} {family.help}", f"# TYPE {family.name} {family.kind}"]
     for sample in family.samples:
         rendered = ",".join(f'{key}="{_escape(value)}"' for key, value in sample.labels.items())
-        lines.append(f"{sample.name}{{{rendered}}} {sample.value:g}")
+        lines.append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
+
+
+def _number(value: float) -> str:
+    """Every digit: a counter such as the energy in mJ since boot (1e9 and more) must grow visibly
+    between scrapes, which six significant digits ("%g") would hide."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 2 ** 53:
+        return str(int(value))
+    return repr(float(value))
 
 
 def _escape(value: str) -> str:

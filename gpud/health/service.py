@@ -4,7 +4,9 @@ log and the watch stream at once."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -12,9 +14,9 @@ from gpud.events import EventBus
 from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
 from gpud.health.tracker import Change, HealthTracker, Key, Reason, parse_reasons
-from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice
 from gpud.logs import get_logger
-from gpud.nvml.health import EventListener, NvmlEvent, Readings, read_readings
+from gpud.nvml.health import EventListener, FbMemory, NvmlEvent, Readings, read_mig_memory, read_readings
 from gpud.nvml.session import NvmlSession
 from gpud.persist import CorruptFile, read_json, write_json_atomic
 from gpud.samples import HOSTNAME, Family
@@ -24,21 +26,39 @@ HEALTH_VALUES = {"healthy": 0, "degraded": 1, "unhealthy": 2}
 # How long health changes gather before they are saved: an XID storm costs one write, not one per
 # XID, and a crash loses at most this much.
 SAVE_DELAY_S = 0.2
-# What /metrics says of the readings, with dcgm-exporter's names: (metric, help, type, reading attribute)
+# What /metrics says of the readings, with dcgm-exporter's names, units and types (its default counters,
+# etc/default-counters.csv; docs/metrics.md): (metric, help, type, reading attribute)
 GPU_READINGS = (
+    ("DCGM_FI_DEV_SM_CLOCK", "SM clock (MHz).", "gauge", "sm_clock_mhz"),
+    ("DCGM_FI_DEV_MEM_CLOCK", "Memory clock (MHz).", "gauge", "mem_clock_mhz"),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (C).", "gauge", "memory_temp_c"),
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (C).", "gauge", "temperature_c"),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (W).", "gauge", "power_w"),
-    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (MiB).", "gauge", "fb_used_mib"),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Energy used since the driver loaded (mJ).", "counter", "energy_mj"),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "PCIe replays.", "counter", "pcie_replays"),
+    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilisation (%).", "gauge", "gpu_util"),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilisation (%).", "gauge", "mem_copy_util"),
+    ("DCGM_FI_DEV_ENC_UTIL", "Encoder utilisation (%).", "gauge", "enc_util"),
+    ("DCGM_FI_DEV_DEC_UTIL", "Decoder utilisation (%).", "gauge", "dec_util"),
     ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (MiB).", "gauge", "fb_free_mib"),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (MiB).", "gauge", "fb_used_mib"),
+    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory the driver reserves (MiB).", "gauge", "fb_reserved_mib"),
     ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Single-bit ECC errors since the last reset.", "counter", "ecc_sbe_volatile"),
     ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Double-bit ECC errors since the last reset.", "counter", "ecc_dbe_volatile"),
-    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Rows remapped for correctable errors.", "counter",
-     "remapped_correctable"),
     ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Rows remapped for uncorrectable errors.", "counter",
      "remapped_uncorrectable"),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Rows remapped for correctable errors.", "counter",
+     "remapped_correctable"),
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether row remapping has failed.", "gauge", "remap_failed"),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "PCIe replays.", "counter", "pcie_replays"),
 )
+# The readings a MIG device has of its own: its GPU instance's memory (FbMemory's attributes).
+MIG_READINGS = frozenset(FbMemory.__dataclass_fields__)
+# dcgm-exporter's window for DCGM_EXP_XID_ERRORS_COUNT (its --xid-count-window-size default, 5 min).
+XID_WINDOW_MS = 300_000
+# The XIDs kept for that window: an XID storm (NVIDIA/NVSentinel#1710: 168,924 XID 45 in two days on a
+# fleet) costs bounded memory; past this many in 5 minutes the window count stops growing.
+XID_WINDOW_MAX = 10_000
+NO_XID = "No Error"  # dcgm-exporter's err_msg for err_code 0 (internal/pkg/collector/xid_errors.go)
 
 
 class HealthService:
@@ -53,6 +73,9 @@ class HealthService:
         self.tracker = HealthTracker(clear_after_passes=clear_after_passes)
         self.check_interval_s = check_interval_s
         self.readings: dict[str, Readings | None] = {}
+        self.mig_memory: dict[str, FbMemory | None] = {}  # MIG device UUID (one per GPU instance) -> memory
+        self.nvlink_bandwidth: dict[str, int] = {}  # GPU UUID -> NVLink data rate between the last two readings
+        self.recent_xids: deque[tuple[str, int, float]] = deque(maxlen=XID_WINDOW_MAX)  # (GPU, XID, monotonic)
         self.last_xid: dict[str, tuple[int, float]] = {}  # GPU UUID -> (XID, when): dcgm-exporter's gauge
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._mps_failures = mps_failures  # device UUID -> why its MPS daemon is down
@@ -137,6 +160,7 @@ class HealthService:
         gpu, xid = event.gpu, event.xid
         info = self.catalog.info(xid)
         self.last_xid[gpu] = (xid, time.time())
+        self.recent_xids.append((gpu, xid, time.monotonic()))
         self.xid_counts[(gpu, xid)] = self.xid_counts.get((gpu, xid), 0) + 1
         (log.warning if info.affects_health else log.info)(
             "xid", gpu=gpu, xid=xid, name=info.name, gi_id=event.gi_id, ci_id=event.ci_id, severity=info.severity,
@@ -154,12 +178,16 @@ class HealthService:
         if inventory is None:
             return
         uuids = [g.uuid for g in inventory.gpus if not g.lost]
+        instances = [dev.uuid for g in inventory.gpus if not g.lost for dev in _instance_devices(g)]
         previous = self.readings
         try:
             self.readings = await self.session.call(read_readings, uuids)
+            self.mig_memory = await self.session.call(read_mig_memory, instances) if instances else {}
         except Exception as exc:  # NVML unavailable: the inventory and /healthz say so
             log.warning("health_readings_failed", error=str(exc))
             return
+        self.nvlink_bandwidth = {uuid: rate for uuid, readings in self.readings.items()
+                                 if (rate := nvlink_mb_s(readings, previous.get(uuid))) is not None}
         changes: list[Change] = []
         unreachable = [uuid for uuid, readings in self.readings.items() if readings is None]
         if unreachable:  # lost since the inventory was read: the inventory says so at once
@@ -253,46 +281,128 @@ class HealthService:
         return self.tracker.view(self.inventory.current) if self.inventory.current else {"status": "unknown", "gpus": []}
 
     def collect(self) -> Iterator[Family]:
-        """The readings, XIDs and health of every GPU, for /metrics."""
+        """The readings, XIDs and health of every GPU, for /metrics, as dcgm-exporter writes them."""
         inventory = self.inventory.current
-        gpus = inventory.gpus if inventory else ()
+        if inventory is None:
+            return
+        gpus = [(gpu, _gpu_labels(gpu, inventory.driver_version)) for gpu in inventory.gpus]
         for name, help_text, kind, attribute in GPU_READINGS:
             family = Family(name, help_text, kind)
-            for gpu in gpus:
-                value = getattr(self.readings.get(gpu.uuid), attribute, None)
-                if value is not None:
-                    family.add(_gpu_labels(gpu), float(value))
+            for gpu, labels in gpus:
+                _add(family, labels, getattr(self.readings.get(gpu.uuid), attribute, None))
+                if attribute in MIG_READINGS:
+                    for dev in _instance_devices(gpu):
+                        _add(family, _instance_labels(labels, gpu, dev),
+                             getattr(self.mig_memory.get(dev.uuid), attribute, None))
             yield family
-        last_xid = Family("DCGM_FI_DEV_XID_ERRORS", "The last XID error seen on the GPU.", "gauge")
-        for gpu in gpus:
-            if gpu.uuid in self.last_xid:
-                last_xid.add(_gpu_labels(gpu), self.last_xid[gpu.uuid][0])
+        bandwidth = Family("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+                           "NVLink data received and sent over all links, as DCGM rates it (KiB/s / 1000).", "gauge")
+        for gpu, labels in gpus:
+            _add(bandwidth, labels, self.nvlink_bandwidth.get(gpu.uuid))
+        yield bandwidth
+        yield from self._xid_families(gpus)
+        yield from self._health_families(gpus)
+
+    def _xid_families(self, gpus: list[tuple[Gpu, dict[str, str]]]) -> Iterator[Family]:
+        last_xid = Family("DCGM_FI_DEV_XID_ERRORS", "The last XID error seen on the GPU (0: none).", "gauge")
+        for gpu, labels in gpus:
+            xid = self.last_xid.get(gpu.uuid, (0, 0.0))[0]
+            last_xid.add({**labels, "err_code": str(xid), "err_msg": self.catalog.info(xid).name if xid else NO_XID},
+                         xid)
         yield last_xid
-        xids = Family("gpud_xid_errors_total", "XID errors seen, by GPU and XID.", "counter")
-        by_uuid = {gpu.uuid: gpu for gpu in gpus}
-        for (uuid, xid), count in sorted(self.xid_counts.items()):
-            if uuid in by_uuid:
-                xids.add({**_gpu_labels(by_uuid[uuid]), "xid": str(xid)}, count)
-        yield xids
+        window = Family("DCGM_EXP_XID_ERRORS_COUNT", "XID errors seen in the last window_size_in_ms, by XID.", "gauge")
+        in_window = self._xids_in_window()
+        for gpu, labels in gpus:
+            labels = {**labels, "window_size_in_ms": str(XID_WINDOW_MS)}
+            counts = sorted((xid, count) for (uuid, xid), count in in_window.items() if uuid == gpu.uuid)
+            for xid, count in counts or [(None, 0)]:  # a GPU without XIDs in the window counts 0, without an xid
+                window.add(labels if xid is None else {**labels, "xid": str(xid)}, count)
+        yield window
+        totals = {"DCGM_EXP_XID_ERRORS_TOTAL": "XID errors seen, by XID.",
+                  "gpud_xid_errors_total": "XID errors seen, by GPU and XID (as DCGM_EXP_XID_ERRORS_TOTAL)."}
+        by_uuid = {gpu.uuid: labels for gpu, labels in gpus}
+        for name, help_text in totals.items():
+            family = Family(name, help_text, "counter")
+            for (uuid, xid), count in sorted(self.xid_counts.items()):
+                if uuid in by_uuid:
+                    family.add({**by_uuid[uuid], "xid": str(xid)}, count)
+            yield family
+
+    def _xids_in_window(self) -> dict[tuple[str, int], int]:
+        since = time.monotonic() - XID_WINDOW_MS / 1000
+        while self.recent_xids and self.recent_xids[0][2] < since:
+            self.recent_xids.popleft()
+        counts: dict[tuple[str, int], int] = {}
+        for uuid, xid, _ in self.recent_xids:
+            counts[(uuid, xid)] = counts.get((uuid, xid), 0) + 1
+        return counts
+
+    def _health_families(self, gpus: list[tuple[Gpu, dict[str, str]]]) -> Iterator[Family]:
         states = self.tracker.gpu_states()
         health = Family("gpud_gpu_health", "Device health: 0 healthy, 1 degraded, 2 unhealthy.", "gauge")
-        for gpu in gpus:
-            labels = _gpu_labels(gpu)
+        for gpu, labels in gpus:
             health.add(labels, HEALTH_VALUES.get(states.get(gpu.uuid, "healthy"), 2))
             for dev in gpu.mig.devices:
-                mig_labels = {**labels, "GPU_I_ID": str(dev.gi_id), "GPU_I_PROFILE": dev.profile, "mig_uuid": dev.uuid}
+                mig_labels = {**_instance_labels(labels, gpu, dev), "mig_uuid": dev.uuid}
                 health.add(mig_labels, HEALTH_VALUES.get(states.get(dev.uuid, "healthy"), 2))
         yield health
         lost = Family("gpud_gpu_lost", "1 when NVML reports the GPU lost.", "gauge")
-        for gpu in gpus:
-            lost.add(_gpu_labels(gpu), 1 if gpu.lost else 0)
+        for gpu, labels in gpus:
+            lost.add(labels, 1 if gpu.lost else 0)
         yield lost
 
 
-def _gpu_labels(gpu: Gpu) -> dict[str, str]:
-    """dcgm-exporter's labels of a GPU."""
+def _add(family: Family, labels: dict[str, str], value: float | None) -> None:
+    if value is not None:
+        family.add(labels, float(value))
+
+
+def _gpu_labels(gpu: Gpu, driver_version: str) -> dict[str, str]:
+    """dcgm-exporter's labels of a GPU, in its order (internal/pkg/rendermetrics/render_metrics.go;
+    `hostname` lower-case since NVIDIA/dcgm-exporter#655), and its default label counter, the driver."""
     return {"gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "device": f"nvidia{gpu.index}",
-            "modelName": gpu.name, "hostname": HOSTNAME}
+            "modelName": gpu.name, "hostname": HOSTNAME, "DCGM_FI_DRIVER_VERSION": driver_version}
+
+
+def _instance_labels(labels: dict[str, str], gpu: Gpu, dev: MigDevice) -> dict[str, str]:
+    """A GPU instance's labels: its GPU's, with GPU_I_PROFILE and GPU_I_ID after modelName."""
+    position = list(labels).index("modelName") + 1
+    items = list(labels.items())
+    return dict(items[:position] + [("GPU_I_PROFILE", _instance_profile(gpu, dev)), ("GPU_I_ID", str(dev.gi_id))]
+                + items[position:])
+
+
+def _instance_profile(gpu: Gpu, dev: MigDevice) -> str:
+    """The GPU instance's profile as DCGM names it, and so dcgm-exporter's GPU_I_PROFILE: "<slices>g.<memory
+    in GiB, rounded up>gb" (DcgmCacheManager.cpp names GPU-instance profiles so; the exporter reads the
+    name back as the instance's DCGM_FI_DEV_NAME, internal/pkg/deviceinfo/device_info.go). A "+me" profile
+    has no "+me" there. Without the GPU's profile table, NVML's name of the device."""
+    capabilities = gpu.mig.capabilities
+    profile = capabilities.gi_profile_by_id(dev.gi_profile_id) if capabilities else None
+    if profile is None:
+        return dev.profile
+    return f"{profile.slices}g.{math.ceil(profile.memory_mib / 1024)}gb"
+
+
+def _instance_devices(gpu: Gpu) -> list[MigDevice]:
+    """One MIG device per GPU instance, its first compute instance's: dcgm-exporter reports GPU instances,
+    and every MIG device of an instance sees the instance's memory."""
+    first: dict[int, MigDevice] = {}
+    for dev in sorted(gpu.mig.devices, key=lambda dev: (dev.gi_id, dev.ci_id)):
+        first.setdefault(dev.gi_id, dev)
+    return list(first.values())
+
+
+def nvlink_mb_s(readings: Readings | None, previous: Readings | None) -> int | None:
+    """DCGM's DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL: the growth of the NVLink data counters (KiB) per second
+    between two readings, divided by 1000, 0 on the first reading or after the counters went back (a
+    driver reload) (DcgmCacheManager.cpp ReadAndCacheNvLinkBandwidth). None without NVLink."""
+    if readings is None or readings.nvlink_data_kib is None:
+        return None
+    if previous is None or previous.nvlink_data_kib is None or readings.read_at <= previous.read_at:
+        return 0
+    grown = readings.nvlink_data_kib - previous.nvlink_data_kib
+    return max(0, int(grown / (readings.read_at - previous.read_at) / 1000))
 
 
 def _reason(reason: Any) -> dict:

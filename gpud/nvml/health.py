@@ -212,8 +212,17 @@ def _address(handle: Any) -> int:
 
 
 @dataclass(frozen=True)
-class Readings:
-    """One GPU's periodic health readings; None where the GPU does not support a reading."""
+class FbMemory:
+    """Framebuffer memory as nvidia-smi shows it: used without what the driver reserves (memory info v2)."""
+
+    fb_used_mib: int | None = None
+    fb_free_mib: int | None = None
+    fb_reserved_mib: int | None = None  # None where the driver has no memory info v2
+
+
+@dataclass(frozen=True)
+class Readings(FbMemory):
+    """One GPU's periodic health and telemetry readings; None where the GPU does not support a reading."""
 
     temperature_c: int | None = None
     slowdown_c: int | None = None
@@ -228,23 +237,40 @@ class Readings:
     remap_pending: bool | None = None
     remap_failed: bool | None = None
     pcie_replays: int | None = None
-    fb_used_mib: int | None = None
-    fb_free_mib: int | None = None
     retired_pages_pending: bool | None = None
     nvlinks_up: tuple[bool, ...] | None = None  # per link; None: no NVLink (a PCIe board)
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    memory_temp_c: int | None = None
+    energy_mj: int | None = None  # since the driver loaded
+    gpu_util: int | None = None  # percent; NVML gives none for a GPU in MIG mode
+    mem_copy_util: int | None = None
+    enc_util: int | None = None
+    dec_util: int | None = None
+    nvlink_data_kib: int | None = None  # NVLink data received and sent over all links since the driver loaded
+    read_at: float = 0.0  # time.monotonic() when read: NVLink bandwidth is a rate between two readings
     reset_required: bool = False  # an NVML call answered RESET_REQUIRED
 
 
 def read_readings(nvml: Any, uuids: list[str]) -> dict[str, Readings | None]:
     """Readings per GPU UUID; None for a GPU NVML cannot reach (lost)."""
-    return {uuid: _read_one(nvml, uuid) for uuid in uuids}
+    return {uuid: _read_one(nvml, uuid, _readings) for uuid in uuids}
+
+
+def read_mig_memory(nvml: Any, uuids: list[str]) -> dict[str, FbMemory | None]:
+    """Framebuffer memory per MIG device UUID: memory info answers on a MIG device handle with its GPU
+    instance's memory (nvml.h; DCGM reads a GPU instance's FB fields so, DcgmCacheManager.cpp
+    ReadAndCacheFBMemoryInfo). None for a device NVML cannot reach."""
+    return {uuid: _read_one(nvml, uuid, lambda nvml, handle, optional, _: _fb_memory(nvml, handle, optional))
+            for uuid in uuids}
 
 
 class _GpuLost(Exception):
     """A reading answered what a lost GPU answers."""
 
 
-def _read_one(nvml: Any, uuid: str) -> Readings | None:
+def _read_one(nvml: Any, uuid: str, read: Callable) -> Any:
+    """read(nvml, handle, optional, reset_required) for the device with this UUID; None when lost."""
     try:
         handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
     except nvml.NVMLError:
@@ -266,17 +292,19 @@ def _read_one(nvml: Any, uuid: str) -> Readings | None:
             return None
 
     try:
-        return _readings(nvml, handle, optional, lambda: reset_required)
+        return read(nvml, handle, optional, lambda: reset_required)
     except _GpuLost:
         return None
 
 
 def _readings(nvml: Any, handle: Any, optional: Callable, reset_required: Callable[[], bool]) -> Readings:
-    memory = _memory(nvml, handle, optional)
     remap = optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
     power = optional(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
     limit = optional(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+    utilization = optional(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+    fields = _field_values(nvml, handle, optional)
     return Readings(
+        **vars(_fb_memory(nvml, handle, optional)),
         temperature_c=optional(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
         slowdown_c=optional(lambda: nvml.nvmlDeviceGetTemperatureThreshold(
             handle, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)),
@@ -294,21 +322,66 @@ def _readings(nvml: Any, handle: Any, optional: Callable, reset_required: Callab
         remap_pending=bool(remap[2]) if remap else None,
         remap_failed=bool(remap[3]) if remap else None,
         pcie_replays=optional(lambda: nvml.nvmlDeviceGetPcieReplayCounter(handle)),
-        fb_used_mib=memory.used >> 20 if memory else None,
-        fb_free_mib=memory.free >> 20 if memory else None,
         retired_pages_pending=_flag(optional(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)), nvml),
         nvlinks_up=_nvlinks(nvml, handle),
+        sm_clock_mhz=optional(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+        mem_clock_mhz=optional(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)),
+        memory_temp_c=fields.get(nvml.NVML_FI_DEV_MEMORY_TEMP),
+        energy_mj=optional(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle)),
+        gpu_util=utilization.gpu if utilization else None,
+        mem_copy_util=utilization.memory if utilization else None,
+        enc_util=_percent(optional(lambda: nvml.nvmlDeviceGetEncoderUtilization(handle))),
+        dec_util=_percent(optional(lambda: nvml.nvmlDeviceGetDecoderUtilization(handle))),
+        nvlink_data_kib=_sum_or_none(fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX),
+                                     fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)),
+        read_at=time.monotonic(),
         reset_required=reset_required(),
     )
 
 
-def _memory(nvml: Any, handle: Any, optional: Callable) -> Any:
+def _fb_memory(nvml: Any, handle: Any, optional: Callable) -> FbMemory:
     """Memory info v2, whose `used` leaves out what the driver reserves, as nvidia-smi shows it
     (our H100 capture on 580: v1 used = 480 MiB = v2 reserved, v2 used = 0). v1 where the driver
-    has no v2 (its `used` then includes the reserved memory)."""
+    has no v2 (its `used` then includes the reserved memory, and nothing says how much is reserved:
+    DCGM too reports no FB_RESERVED without v2)."""
     version = getattr(nvml, "nvmlMemory_v2", None)
     memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=version)) if version else None
-    return memory if memory is not None else optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+    memory = memory if memory is not None else optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+    if memory is None:
+        return FbMemory()
+    reserved = getattr(memory, "reserved", None)
+    return FbMemory(memory.used >> 20, memory.free >> 20, reserved >> 20 if reserved is not None else None)
+
+
+# nvml.h: "A scopeId of UINT_MAX returns aggregate value summed up across all links" (NVLink throughput).
+ALL_LINKS = 0xFFFFFFFF
+_VALUE_MEMBERS = {"NVML_VALUE_TYPE_DOUBLE": "dVal", "NVML_VALUE_TYPE_UNSIGNED_INT": "uiVal",
+                  "NVML_VALUE_TYPE_UNSIGNED_LONG": "ulVal", "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": "ullVal",
+                  "NVML_VALUE_TYPE_SIGNED_LONG_LONG": "sllVal", "NVML_VALUE_TYPE_SIGNED_INT": "siVal",
+                  "NVML_VALUE_TYPE_UNSIGNED_SHORT": "usVal"}
+
+
+def _field_values(nvml: Any, handle: Any, optional: Callable) -> dict[int, float | int]:
+    """The field values DCGM reads for dcgm-exporter's defaults, in one call: memory temperature, and
+    the NVLink data counters (KiB) of every link (DCGM's DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL adds RX and
+    TX: DcgmCacheManager.cpp ReadAndCacheNvLinkBandwidth). Only the fields that answered."""
+    wanted = [nvml.NVML_FI_DEV_MEMORY_TEMP, (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+              (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]
+    members = {getattr(nvml, name): member for name, member in _VALUE_MEMBERS.items()}
+    answered = {}
+    for value in optional(lambda: nvml.nvmlDeviceGetFieldValues(handle, wanted)) or ():
+        if value.nvmlReturn == nvml.NVML_SUCCESS and value.valueType in members:
+            answered[value.fieldId] = getattr(value.value, members[value.valueType])
+    return answered
+
+
+def _percent(utilization: list[int] | None) -> int | None:
+    """The percentage of an encoder or decoder reading, [percent, sampling period in us]."""
+    return utilization[0] if utilization else None
+
+
+def _sum_or_none(*values: int | None) -> int | None:
+    return None if any(value is None for value in values) else sum(values)
 
 
 def _flag(value: int | None, nvml: Any) -> bool | None:
