@@ -196,3 +196,38 @@ def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container)
     erase = subprocess.run([rpm, "--root", str(root), "-e", "gpud"], capture_output=True, text=True, timeout=300)
     assert erase.returncode == 0, erase.stderr
     assert not (root / "usr/bin/gpud").exists()
+
+
+def test_a_gpu_process_in_a_systemd_run_scope_is_owned_by_that_scope(container):
+    """gpud on a simulated node names the transient scope `systemd-run --scope` puts a process in,
+    and drops the process once systemd stops the scope."""
+    box = container
+    if box.run("dpkg", "-s", "gpud").returncode != 0:  # run alone, or after the test that purges it
+        install = box.run("dpkg", "-i", "/root/gpud.deb")
+        assert install.returncode == 0, install.stdout + install.stderr
+    (box.root / "etc/gpud/gpud.yaml").write_text("simulate: H100-SXM5-80GB:1\nhealth:\n  check_interval_s: 0.5\n")
+    box.run("systemctl", "restart", "gpud", check=True)
+    box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud")
+    unit = "gpud-e2e-job.scope"
+    box.run("sh", "-c", f"systemd-run --unit={unit.removesuffix('.scope')} --scope sleep 300 >/dev/null 2>&1 &",
+            check=True)
+    def show(prop: str) -> str:
+        return box.run("systemctl", "show", "-p", prop, "--value", unit).stdout.strip()
+    box.wait_for(lambda: show("ActiveState") == "active", "the scope")
+    cgroup = show("ControlGroup")
+    # cgroup v2, or a v1 host's systemd hierarchy (the container's systemd uses the host's layout)
+    procs = " ".join(f"/sys/fs/cgroup{mount}{cgroup}/cgroup.procs" for mount in ("", "/systemd", "/unified"))
+    pid = int(box.run("sh", "-c", f"cat {procs} 2>/dev/null").stdout.split()[0])
+    status, text = box.curl("/v1/sim/processes", "POST", {"gpu": 0, "processes": [{"pid": pid,
+                                                                                  "used_memory_mib": 1024}]})
+    assert status == 200, text
+
+    def owner():
+        processes = json.loads(box.curl("/v1/gpus/0/processes")[1])["devices"][0]["processes"]
+        return next((p["owner"] for p in processes if p["pid"] == pid), None)
+    box.wait_for(lambda: owner() is not None, "the process listed")
+    assert owner()["kind"] == "systemd" and owner()["systemd_unit"] == unit, owner()
+    assert f'systemd_unit="{unit}"' in box.curl("/metrics")[1]
+    box.run("systemctl", "stop", unit, check=True)
+    box.wait_for(lambda: owner() is None, "the process gone once its scope stopped")
+    assert f'pid="{pid}"' not in box.curl("/metrics")[1]

@@ -1,4 +1,4 @@
-"""Changing routes on a whole GPU: POST /v1/gpus/{id}/reset."""
+"""Routes on one GPU beyond its description: POST /v1/gpus/{id}/reset, GET /v1/gpus/{id}/processes."""
 
 from __future__ import annotations
 
@@ -12,23 +12,38 @@ from gpud.inventory import InventoryService
 from gpud.mig.reconciler import MigReconciler
 from gpud.nvml.host_tools import ResetFailed
 from gpud.nvml.session import NvmlUnavailable
+from gpud.processes.monitor import ProcessMonitor
 
 
 class GpuRoutes:
-    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, body_timeout_s: float):
+    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, body_timeout_s: float,
+                 processes: ProcessMonitor):
         self.reconciler = reconciler
         self.inventory = inventory
         self.body_timeout_s = body_timeout_s
+        self.processes = processes
 
     def register(self, app: web.Application) -> None:
         app.router.add_post("/v1/gpus/{id}/reset", self.reset)
+        app.router.add_get("/v1/gpus/{id}/processes", self.get_processes)
 
-    @admin_only
     @json_errors
-    async def reset(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"force": (bool, type(None))}) \
-            if request.body_exists else {}
+    async def get_processes(self, request: web.Request) -> web.Response:
+        """The compute processes of a GPU (of each of its MIG devices), or of one MIG device, from the
+        monitor's last snapshot: anyone who may read the API sees every user's processes, as
+        nvidia-smi shows them to every user."""
         ident = request.match_info["id"]
+        gpu = self._gpu(ident)
+        snapshot = self.processes.current
+        if snapshot is None:
+            raise ApiError(503, "not-read-yet", "the compute processes have not been read yet")
+        if snapshot.error is not None:
+            raise ApiError(503, "nvml-unavailable", f"the compute processes cannot be read: {snapshot.error}")
+        device_uuid = ident if ident.startswith("MIG-") else gpu.uuid
+        return json_response({"gpu": gpu.index, "uuid": gpu.uuid, "read_at": snapshot.read_at,
+                              "devices": [d.as_dict() for d in snapshot.for_device(gpu, device_uuid)]})
+
+    def _gpu(self, ident: str):
         inventory = self.inventory.current
         if inventory is None:
             raise ApiError(503, "nvml-unavailable", "no inventory yet: NVML is not available")
@@ -36,6 +51,15 @@ class GpuRoutes:
         if gpu is None:
             raise ApiError(404, "gpu-not-found", f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
                                                  "or a PCI bus id)")
+        return gpu
+
+    @admin_only
+    @json_errors
+    async def reset(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request, self.body_timeout_s, {"force": (bool, type(None))}) \
+            if request.body_exists else {}
+        ident = request.match_info["id"]
+        gpu = self._gpu(ident)
         if gpu.uuid != ident and any(device.uuid == ident for device in gpu.mig.devices):
             raise ApiError(422, "not-a-gpu", f"'{ident}' is a MIG device: a reset takes its whole GPU "
                                              f"({gpu.index}, {gpu.uuid}); name the GPU")

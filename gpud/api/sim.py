@@ -86,12 +86,19 @@ class SimRoutes:
     @admin_only
     @json_errors
     async def sim_processes(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list,)})
-        pids = body["pids"]
-        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 22 for p in pids):
+        """The compute processes of a GPU or MIG device: `pids` (each with the simulator's default
+        memory), or `processes`, each {"pid", "used_memory_mib", "sm_percent"} (the last two optional)."""
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list, type(None)),
+                                                                     "processes": (list, type(None))})
+        if (body.get("pids") is None) == (body.get("processes") is None):
+            raise ApiError(400, "invalid-body", "give either 'pids' or 'processes'")
+        processes = body["pids"] if body.get("pids") is not None else body["processes"]
+        if not all(_is_pid(p) for p in body.get("pids") or ()):
             raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
-        await self._sim_call("sim_set_processes", body["gpu"], pids)
-        log.info("sim_processes_set", gpu=body["gpu"], pids=pids)
+        for process in body.get("processes") or ():
+            _check_process(process)
+        await self._sim_call("sim_set_processes", body["gpu"], processes)
+        log.info("sim_processes_set", gpu=body["gpu"], pids=[p if isinstance(p, int) else p["pid"] for p in processes])
         await self.inventory.refresh("simulated processes")
         return json_response({"injected": "processes", **body})
 
@@ -112,6 +119,22 @@ class SimRoutes:
             raise ApiError(503, "nvml-unavailable", str(exc)) from None
         except self.session.nvml.NVMLError as exc:
             raise ApiError(409, "nvml-error", describe_error(exc)) from None
+
+
+def _is_pid(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 22
+
+
+def _check_process(process: Any) -> None:
+    def whole(value: Any, low: int, high: int) -> bool:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high)
+
+    if not isinstance(process, dict) or set(process) - {"pid", "used_memory_mib", "sm_percent"} or \
+            not _is_pid(process.get("pid")) or not whole(process.get("used_memory_mib"), 1, 1 << 24) or \
+            not whole(process.get("sm_percent"), 0, 100):
+        raise ApiError(400, "invalid-field", "field 'processes' must list objects with 'pid' (a process id), and "
+                                             "optionally 'used_memory_mib' (a positive integer) and 'sm_percent' "
+                                             f"(0 to 100); got {process!r:.200}")
 
 
 def _check_holder(body: dict) -> None:

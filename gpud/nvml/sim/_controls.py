@@ -12,18 +12,47 @@ from pynvml import NVML_ERROR_IN_USE, NVML_ERROR_NOT_SUPPORTED, NVMLError
 from ._core import SimCore, sim_control
 from .errors import SimError
 from .events import NOT_ATTRIBUTED, Event
-from .state import LOST_HOW, Gpu, Holder, MigDevice
+from .host_processes import start_time
+from .state import LOST_HOW, MIB, Gpu, Holder, MigDevice, SimProcess
 from .topology import on_switches, reaches_switches
 
 
-def _validated_pids(pids: list[int]) -> list[int]:
-    if not isinstance(pids, list) or not all(_is_pid(pid) for pid in pids):
-        raise SimError(f"pids must be a list of positive integers, got {pids!r}")
-    return list(pids)
+_PROCESS_KEYS = {"pid", "used_memory_mib", "sm_percent"}
+
+
+def _sim_processes(processes: list, memory_mib: int) -> list[SimProcess]:
+    """Processes given as PIDs, or as {"pid", "used_memory_mib", "sm_percent"} (the last two optional),
+    on a device of memory_mib MiB. Each PID that names a host process now is tied to that process."""
+    if not isinstance(processes, list):
+        raise SimError(f"processes must be a list, got {processes!r}")
+    table = [_sim_process(entry, memory_mib) for entry in processes]
+    if len({process.pid for process in table}) != len(table):
+        raise SimError("a PID is listed twice")
+    return table
+
+
+def _sim_process(entry: object, memory_mib: int) -> SimProcess:
+    record = {"pid": entry} if not isinstance(entry, dict) else entry
+    if set(record) - _PROCESS_KEYS or not _is_pid(record.get("pid")):
+        raise SimError(f"a process is a PID (positive integer) or an object with 'pid' and optional "
+                       f"'used_memory_mib', 'sm_percent'; got {entry!r}")
+    memory = record.get("used_memory_mib")
+    if memory is not None and not (_is_int(memory) and 0 < memory <= memory_mib):
+        raise SimError(f"used_memory_mib must be 1..{memory_mib} (the device's memory), got {memory!r}")
+    sm_percent = record.get("sm_percent")
+    if sm_percent is not None and not (_is_int(sm_percent) and 0 <= sm_percent <= 100):
+        raise SimError(f"sm_percent must be 0..100, got {sm_percent!r}")
+    pid = record["pid"]
+    used = {} if memory is None else {"used_memory_bytes": memory * MIB}
+    return SimProcess(pid, sm_percent=sm_percent, host_start=start_time(pid), **used)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_pid(pid: object) -> bool:
-    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
+    return _is_int(pid) and pid > 0
 
 
 class SimControls(SimCore):
@@ -94,18 +123,22 @@ class SimControls(SimCore):
             self._commit()
 
     @sim_control
-    def sim_set_processes(self, target: int | str, pids: list[int]) -> None:
-        """Replace the compute processes of a GPU (index or UUID) or of a MIG device (MIG UUID)."""
-        pids = _validated_pids(pids)
+    def sim_set_processes(self, target: int | str, pids: list) -> None:
+        """Replace the compute processes of a GPU (index or UUID) or of a MIG device (MIG UUID).
+
+        Each entry is a PID (holding DEFAULT_PROCESS_MEMORY_BYTES, no SM use) or an object {"pid",
+        "used_memory_mib", "sm_percent"}. A PID of a process running on this host stays listed while
+        that process runs; other PIDs are processes of the simulated world only (SimProcess)."""
         if isinstance(target, str) and target.startswith("MIG-"):
-            self._mig_device_by_uuid(target).compute_instance.processes = pids
+            gpu, (gi, ci) = self._mig_device_and_gpu(target)
+            ci.process_table = _sim_processes(pids, self._gi_memory_mb(gpu, gi))
         else:
             gpu = self._target(target)
             if gpu.mig_enabled:
                 raise SimError(
                     f"GPU {gpu.index} is in MIG mode: processes run on MIG devices, pass a MIG UUID"
                 )
-            gpu.processes = pids
+            gpu.process_table = _sim_processes(pids, gpu.model.memory_mib - gpu.model.reserved_mib)
         self._commit()
 
     # --- processes holding the device ------------------------------------------------------------
@@ -262,10 +295,13 @@ class SimControls(SimCore):
         raise SimError(f"no GPU {gpu!r}: give an index 0..{len(self._gpus) - 1} or a GPU UUID")
 
     def _mig_device_by_uuid(self, uuid: str) -> MigDevice:
+        return self._mig_device_and_gpu(uuid)[1]
+
+    def _mig_device_and_gpu(self, uuid: str) -> tuple[Gpu, MigDevice]:
         for gpu in self._gpus:
             for mig_device in gpu.mig_devices():
                 if mig_device.compute_instance.uuid == uuid:
-                    return mig_device
+                    return gpu, mig_device
         raise SimError(f"no MIG device {uuid!r}")
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""NVML system and device queries (identity, health, processes)."""
+"""NVML system and device queries (identity, health)."""
 
 from __future__ import annotations
 
@@ -138,11 +138,11 @@ class DeviceCalls(SimCore):
         """version=pynvml.nvmlMemory_v2 calls nvmlDeviceGetMemoryInfo_v2 (`reserved` apart)."""
         gpu, mig_device = self._device(handle)
         if mig_device is None:
-            processes = len(gpu.running_processes())
-            return structs.memory_info(gpu.model.memory_mib, gpu.model.reserved_mib, processes, version)
+            held = sum(process.used_memory_bytes for process, _, _ in gpu.running_process_table())
+            return structs.memory_info(gpu.model.memory_mib, gpu.model.reserved_mib, held, version)
         gi = mig_device.gpu_instance  # a MIG device sees its GI's memory, shared by the GI's CIs
         # No source for a MIG device's reserved memory: none, its GI memory is already net.
-        return structs.memory_info(self._gi_memory_mb(gpu, gi), 0, gi.process_count(), version)
+        return structs.memory_info(self._gi_memory_mb(gpu, gi), 0, gi.process_memory_bytes(), version)
 
     # --- modes ----------------------------------------------------------------------------------
 
@@ -282,16 +282,4 @@ class DeviceCalls(SimCore):
         _require(gpu.model.ecc)
         return gpu
 
-    # --- processes ------------------------------------------------------------------------------
-
-    @nvml_call
-    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle) -> list:
-        """All processes of a GPU (with their GI/CI ids under MIG), or those of one MIG device."""
-        gpu, mig_device = self._device(handle)
-        if mig_device is None:
-            return [structs.process_info(*process) for process in gpu.running_processes()]
-        gi, ci = mig_device
-        return [structs.process_info(pid, gi.id, ci.id) for pid in ci.processes]
-
-    nvmlDeviceGetComputeRunningProcesses = nvmlDeviceGetComputeRunningProcesses_v3
-    nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses_v3
+    # Processes: _process_calls.py.

@@ -9,6 +9,8 @@ from ._controls import SimControls
 from ._device_calls import DeviceCalls
 from ._event_calls import EventCalls
 from ._mig_calls import MigCalls
+from ._process_calls import ProcessCalls
+from ._telemetry_calls import TelemetryCalls
 
 # pynvml functions that are pure Python helpers, not wrappers of the C library.
 _PYNVML_HELPERS = frozenset(
@@ -25,7 +27,7 @@ def _not_simulated(name: str):
     return call
 
 
-class SimulatedNvml(DeviceCalls, MigCalls, EventCalls, SimControls):
+class SimulatedNvml(DeviceCalls, MigCalls, EventCalls, ProcessCalls, TelemetryCalls, SimControls):
     """A simulated NVML with the pynvml module's surface.
 
     Use it where code would use `pynvml`: same function names, arguments and return shapes,

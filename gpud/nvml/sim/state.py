@@ -18,6 +18,7 @@ import pynvml
 
 from .errors import SimError
 from .events import NOT_ATTRIBUTED
+from .host_processes import start_time
 from .identity import gpu_uuid, mig_uuid, pci_buses
 from .models import ComputeInstanceProfile, GpuInstanceProfile, GpuModel
 from .placement import Span
@@ -29,6 +30,9 @@ FORMAT = 1
 # as nvidia-smi's "Unable to determine the device handle for GPU ...: Unknown Error" after an Xid 79;
 # "is-lost" — they fail with NVML_ERROR_GPU_IS_LOST ("... GPU is lost. Reboot the system").
 LOST_HOW = ("unknown", "is-lost")
+MIB = 1 << 20
+# What a simulated compute process holds on the GPU unless told otherwise (a CUDA context plus a little).
+DEFAULT_PROCESS_MEMORY_BYTES = 256 * MIB
 
 
 class Holder(NamedTuple):
@@ -38,6 +42,34 @@ class Holder(NamedTuple):
     process: str
 
 
+@dataclass(frozen=True)
+class SimProcess:
+    """A compute process the simulated driver lists on a GPU or MIG device.
+
+    host_start: when a process with this PID ran on this host as it was set, its start time
+    (/proc/<pid>/stat field 22). nvml.h, nvmlDeviceGetComputeRunningProcesses, lists "only ... compute
+    running processes (e.g. CUDA application which have active context)", and a context does not
+    outlive its process, so such a process is listed only while that same host process runs (a reused
+    PID has another start time). None: a PID of the simulated world only, listed until replaced.
+    sm_percent: the SM utilisation nvmlDeviceGetProcessUtilization samples for it; None or 0: no sample.
+    """
+
+    pid: int
+    used_memory_bytes: int = DEFAULT_PROCESS_MEMORY_BYTES
+    sm_percent: int | None = None
+    host_start: int | None = None
+
+    def running(self) -> bool:
+        return self.host_start is None or start_time(self.pid) == self.host_start
+
+    def as_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def live_pids(table: list[SimProcess]) -> list[int]:
+    return [process.pid for process in table if process.running()]
+
+
 @dataclass(eq=False)
 class ComputeInstance:
     id: int
@@ -45,7 +77,15 @@ class ComputeInstance:
     span: Span
     uuid: str  # of the MIG device this CI is
     serial: int  # in-memory only: tells this CI from an earlier one with the same id
-    processes: list[int] = field(default_factory=list)
+    process_table: list[SimProcess] = field(default_factory=list)
+
+    @property
+    def processes(self) -> list[int]:
+        """PIDs of the compute processes running on this MIG device now."""
+        return live_pids(self.process_table)
+
+    def running_process_table(self) -> list[SimProcess]:
+        return [process for process in self.process_table if process.running()]
 
 
 @dataclass(eq=False)
@@ -58,6 +98,9 @@ class GpuInstance:
 
     def process_count(self) -> int:
         return sum(len(ci.processes) for ci in self.compute_instances.values())
+
+    def process_memory_bytes(self) -> int:
+        return sum(p.used_memory_bytes for ci in self.compute_instances.values() for p in ci.running_process_table())
 
 
 @dataclass
@@ -107,7 +150,7 @@ class Gpu:
     mig_pending: int = pynvml.NVML_DEVICE_MIG_DISABLE
     compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
     lost: str | None = None  # one of LOST_HOW while the GPU is off the bus
-    processes: list[int] = field(default_factory=list)  # while MIG is off; else on the CIs
+    process_table: list[SimProcess] = field(default_factory=list)  # while MIG is off; else on the CIs
     holders: list[Holder] = field(default_factory=list)
     ecc: EccCounters = field(default_factory=EccCounters)
     remapped_rows: RemappedRows = field(default_factory=RemappedRows)
@@ -116,6 +159,11 @@ class Gpu:
     retired_pages_pending: bool = False
     gpu_instances: dict[int, GpuInstance] = field(default_factory=dict)
     links: tuple[Link, ...] = ()  # NVLink wiring, from the preset
+
+    @property
+    def processes(self) -> list[int]:
+        """PIDs of the compute processes running on the whole GPU now (MIG off)."""
+        return live_pids(self.process_table)
 
     @property
     def mig_enabled(self) -> bool:
@@ -149,6 +197,11 @@ class Gpu:
         """(pid, GI id, CI id) of every compute process; ids are 0xFFFFFFFF without MIG."""
         unattributed = [(pid, NOT_ATTRIBUTED, NOT_ATTRIBUTED) for pid in self.processes]
         return unattributed + [(pid, gi.id, ci.id) for gi, ci in self.mig_devices() for pid in ci.processes]
+
+    def running_process_table(self) -> list[tuple[SimProcess, int, int]]:
+        """Like running_processes, with each process's whole record."""
+        unattributed = [(p, NOT_ATTRIBUTED, NOT_ATTRIBUTED) for p in self.process_table if p.running()]
+        return unattributed + [(p, gi.id, ci.id) for gi, ci in self.mig_devices() for p in ci.running_process_table()]
 
 
 def new_gpus(preset: str, models: list[GpuModel]) -> list[Gpu]:
@@ -211,7 +264,7 @@ def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
         "mig_mode": {"current": gpu.mig_current, "pending": gpu.mig_pending},
         "compute_mode": gpu.compute_mode,
         "lost": gpu.lost or False,
-        "processes": gpu.processes,
+        "processes": [process.as_record() for process in gpu.process_table],
         "holders": [holder._asdict() for holder in gpu.holders],
         "ecc_errors": asdict(gpu.ecc),
         "remapped_rows": asdict(gpu.remapped_rows),
@@ -234,7 +287,7 @@ def _dump_gpu_instance(gi: GpuInstance) -> dict[str, Any]:
                 "profile_id": ci.profile.id,
                 "placement": ci.span._asdict(),
                 "uuid": ci.uuid,
-                "processes": ci.processes,
+                "processes": [process.as_record() for process in ci.process_table],
             }
             for _, ci in sorted(gi.compute_instances.items())
         ],
@@ -259,7 +312,7 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
     gpu.mig_pending = record["mig_mode"]["pending"]
     gpu.compute_mode = record["compute_mode"]
     gpu.lost = _restore_lost(record["lost"])
-    gpu.processes = list(record["processes"])
+    gpu.process_table = _restore_processes(record["processes"])
     gpu.holders = [Holder(int(h["pid"]), str(h["process"])) for h in record.get("holders", [])]
     gpu.ecc = EccCounters(**record["ecc_errors"])
     gpu.remapped_rows = RemappedRows(**record["remapped_rows"])
@@ -280,9 +333,14 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
                 span=Span(**ci_record["placement"]),
                 uuid=mig_uuid(gpu.uuid, gi.id, ci_record["id"]),
                 serial=next_serial(),
-                processes=list(ci_record["processes"]),
+                process_table=_restore_processes(ci_record["processes"]),
             )
         gpu.gpu_instances[gi.id] = gi
+
+
+def _restore_processes(records: list) -> list[SimProcess]:
+    # State files of older gpud versions list bare PIDs: processes of the simulated world, default memory.
+    return [SimProcess(record) if isinstance(record, int) else SimProcess(**record) for record in records]
 
 
 def _restore_lost(value: Any) -> str | None:

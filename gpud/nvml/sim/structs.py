@@ -8,11 +8,7 @@ from pynvml import NVML_ERROR_FUNCTION_NOT_FOUND, NVMLError
 from .events import Event
 from .identity import pci_bus_id, pci_bus_id_legacy
 from .models import ComputeInstanceProfile, GpuInstanceProfile
-from .state import ComputeInstance, Gpu, GpuInstance
-
-MIB = 1 << 20
-# What each simulated compute process holds on the GPU (a CUDA context plus a little).
-PROCESS_MEMORY_BYTES = 256 * MIB
+from .state import MIB, ComputeInstance, Gpu, GpuInstance, SimProcess
 
 
 def _profile_struct(version: int, v1_type: type, v2_type: type):
@@ -118,12 +114,12 @@ def pci_info(gpu: Gpu) -> pynvml.nvmlPciInfo_t:
     return info
 
 
-def memory_info(total_mib: int, reserved_mib: int, process_count: int, version: int | None):
+def memory_info(total_mib: int, reserved_mib: int, process_bytes: int, version: int | None):
     """v1 counts the driver's reserved memory as used; v2 reports it apart and `used` without it
     (H100 capture on 580: v1 used 480 MiB, v2 reserved 480 MiB and used 0, free equal in both).
     A v2 version other than nvmlMemory_v2 is a struct the driver does not know."""
     total, reserved = total_mib * MIB, reserved_mib * MIB
-    used = min(total - reserved, process_count * PROCESS_MEMORY_BYTES)
+    used = min(total - reserved, process_bytes)  # what the compute processes hold
     free = total - reserved - used
     if not version:
         return pynvml.c_nvmlMemory_t(total=total, free=free, used=reserved + used)
@@ -132,15 +128,23 @@ def memory_info(total_mib: int, reserved_mib: int, process_count: int, version: 
     return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=used)
 
 
-def process_info(pid: int, gpu_instance_id: int, compute_instance_id: int):
-    """The object pynvml's nvmlDeviceGetComputeRunningProcesses returns for one process."""
+def process_info(process: SimProcess, gpu_instance_id: int, compute_instance_id: int):
+    """The object pynvml's nvmlDeviceGetComputeRunningProcesses returns for one process (v3 struct:
+    GI/CI ids 0xFFFFFFFF without MIG, nvml.h nvmlProcessInfo_v2_t)."""
     struct = pynvml.c_nvmlProcessInfo_t(
-        pid=pid,
-        usedGpuMemory=PROCESS_MEMORY_BYTES,
+        pid=process.pid,
+        usedGpuMemory=process.used_memory_bytes,
         gpuInstanceId=gpu_instance_id,
         computeInstanceId=compute_instance_id,
     )
     return pynvml.nvmlStructToFriendlyObject(struct)
+
+
+def process_utilization_sample(process: SimProcess, timestamp_us: int):
+    """One entry of nvmlDeviceGetProcessUtilization (pynvml returns the structs themselves)."""
+    return pynvml.c_nvmlProcessUtilizationSample_t(
+        pid=process.pid, timeStamp=timestamp_us, smUtil=process.sm_percent or 0, memUtil=0, encUtil=0, decUtil=0
+    )
 
 
 def event_data(device, event: Event) -> pynvml.c_nvmlEventData_t:
