@@ -7,7 +7,9 @@ which names the file, the key path and (where the YAML says) the line.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +43,40 @@ class ConfigError(Exception):
 
 def _bounded(low: float | None = None, high: float | None = None, choices: tuple = ()) -> dict:
     return {"low": low, "high": high, "choices": choices}
+
+
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """Splits host:port (an IPv4 address, a host name, or an IPv6 address in brackets) -> (host, port).
+    ValueError says what is wrong. An empty host (":9400", all interfaces to Go programs such as
+    dcgm-exporter) is refused: TCP has no authentication, so every interface must be asked for."""
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        raise ValueError(f"expected host:port such as 127.0.0.1:9400; got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
+    elif ":" in host or "[" in host or "]" in host:
+        raise ValueError(f"an IPv6 address goes in brackets, as [::1]:9400; got {text!r}")
+    elif not host:
+        raise ValueError(f"no host in {text!r}: give 127.0.0.1:PORT for this node only, or 0.0.0.0:PORT "
+                         "for every interface (anyone who reaches it can read the metrics)")
+    elif re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv4 address") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"{host!r} is not an IP address or a host name")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"the port must be a number from 1 to 65535; got {port!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -110,7 +146,8 @@ class MpsConfig:
     enabled: bool = False
     # "all": one daemon per GPU, or per MIG device on a GPU in MIG mode. Or a list of GPU indices,
     # GPU UUIDs (a GPU in MIG mode: one daemon per MIG device) and MIG device UUIDs.
-    devices: tuple[str | int, ...] = ("all",)
+    # `devices: all` is taken as a plain word too, as mig-parted's and the device plugin's files write it.
+    devices: tuple[str | int, ...] = field(default=("all",), metadata={"or_word": "all"})
     # Default share of SMs a client may use, in percent (1 to 100). Unset: MPS's own default (100).
     active_thread_percentage: float | None = field(default=None, metadata=_bounded(1, 100))
     # Default device memory a client may pin, per device: in MiB, or as a percent of the device's
@@ -137,6 +174,13 @@ class SharingFileConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    # host:port ("[::1]:9400" for IPv6) of a read-only TCP listener serving only GET /metrics, for
+    # Prometheus, which cannot scrape a Unix socket. Unset: /metrics is served on the socket only.
+    listen: str | None = field(default=None, metadata={"check": listen_address})
+
+
+@dataclass(frozen=True)
 class HealthConfig:
     # Seconds between periodic checks (temperature, clocks, ECC counters, row remapping, power, MPS).
     check_interval_s: float = field(default=5.0, metadata=_bounded(0.5, 3600))
@@ -160,6 +204,7 @@ class Config:
     mps: MpsConfig = MpsConfig()
     sharing: SharingFileConfig = SharingFileConfig()
     health: HealthConfig = HealthConfig()
+    metrics: MetricsConfig = MetricsConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -297,6 +342,8 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
     if lists:  # tuple[X, ...], optionally `| None`
         if value is None and type(None) in _allowed_types(hint):
             return None
+        if isinstance(value, str) and value == fld.metadata.get("or_word"):
+            return (value,)
         return _convert_list(typing.get_args(lists[0])[0], value, dotted, source, line)
     allowed = _allowed_types(hint)
     if value is None:
@@ -316,6 +363,11 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
         raise ConfigError(source, dotted, f"must be between {low:g} and {high:g}; got {value!r}", line)
     if isinstance(value, str) and not value.strip():
         raise ConfigError(source, dotted, "must not be empty", line)
+    if "check" in bounds:  # a value with a syntax of its own: the check's ValueError says what is wrong
+        try:
+            bounds["check"](value)
+        except ValueError as exc:
+            raise ConfigError(source, dotted, str(exc), line) from None
     return value
 
 

@@ -15,6 +15,7 @@ from gpud.api.gpus import GpuRoutes
 from gpud.api.health import HealthRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
+from gpud.api.metrics_listener import MetricsListener, MetricsListenError
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.reload import ReloadRoute
@@ -35,6 +36,7 @@ from gpud.mps.manager import MpsManager
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
+from gpud.processes.monitor import ProcessMonitor
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfig, SharingConfigError
 from gpud.sharing.resources import mps_replicas
@@ -103,11 +105,18 @@ class Daemon:
         body_timeout_s = config.api.body_timeout_s
         sim_routes = SimRoutes(self.session, self.inventory, body_timeout_s).register if self.session.simulated \
             else register_not_simulated
+        self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s)
+        self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
+                                     "latency": self.latency, "processes": self.processes})
+        # metrics.listen: the same /metrics on TCP, for Prometheus; nothing else is reachable there
+        self.metrics_listener = MetricsListener(self.metrics, self.latency, idle_timeout_s=config.api.idle_timeout_s,
+                                                shutdown_timeout_s=config.api.shutdown_timeout_s)
         self.api = Api(self.session, self.inventory, node_base, more_routes=(
-            sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s).register,
+            sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s,
+                                                       self.processes).register,
             MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
-            MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps, "latency": self.latency}).register,
+            self.metrics.register,
             ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group,
             problems=self._state_problems)
         self._node_task: asyncio.Task | None = None
@@ -115,7 +124,10 @@ class Daemon:
         self._published_inventory: tuple | None = None
 
     async def start(self) -> None:
-        """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background."""
+        """Serves the API at once (it answers 503 until NVML is up), then brings NVML up in the background.
+        The metrics listener first: an address that cannot be listened on stops gpud before it serves
+        anything (MetricsListenError), as a listener explicitly asked for should."""
+        await self.metrics_listener.start(self.config.metrics.listen)
         sock = self._listener.open()
         api = self.config.api
         await self.api.start(sock, self.latency, idle_timeout_s=api.idle_timeout_s,
@@ -135,6 +147,7 @@ class Daemon:
         await self.inventory.refresh("startup")
         self.health.start()
         self._background.append(asyncio.create_task(self.health.run_checks(), name="health"))
+        self._background.append(asyncio.create_task(self.processes.run(), name="processes"))
         await self.mig.converge_at_start(self.config.mig.default_layout, self._mig_layouts)
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.converge("startup")
@@ -231,6 +244,7 @@ class Daemon:
         self.bus.close()  # open watch streams end, so in-flight requests can finish
         await self.mig.stop()  # MPS daemons are left running on purpose: their clients keep working
         await self.api.stop()  # stops accepting, lets in-flight requests finish
+        await self.metrics_listener.stop()
         self._listener.close()
         os.close(self._state_lock)
         await self.session.close()
@@ -239,14 +253,26 @@ class Daemon:
 
     async def reload(self, config: Config, sharing: SharingConfig | None) -> None:
         """Applies a re-read (and checked) config without dropping connections or MPS clients: MPS
-        daemons whose limits alone changed get them live; other keys take effect at the next start."""
+        daemons whose limits alone changed get them live, a changed metrics.listen is listened on at
+        once; other keys take effect at the next start."""
         log.info("reloading")
+        await self._move_metrics_listener(config.metrics.listen)  # first: when it fails, nothing changed
         configure_log_level(config.log.level)
         self.sharing.set_config(sharing, self.inventory.current)
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.reconfigure(config.mps)
-        self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing)
+        self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing,
+                              metrics=config.metrics)
         log.info("reloaded")
+
+    async def _move_metrics_listener(self, address: str | None) -> None:
+        try:
+            await self.metrics_listener.move(address)
+        except MetricsListenError as exc:
+            log.error("reload_refused", error=str(exc), listening=self.metrics_listener.address,
+                      why="the new metrics.listen cannot be listened on; the running config stays")
+            raise GpudError(409, "metrics-listen-failed", f"{exc}; the running config stays",
+                            listening=self.metrics_listener.address) from None
 
 
 async def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
@@ -266,6 +292,10 @@ async def serve(config: Config, reread: Callable[[], Config] | None = None) -> i
         return 1
     try:
         await daemon.start()
+    except MetricsListenError as exc:
+        log.error("metrics_listen_failed", address=exc.address, error=exc.reason,
+                  why="metrics.listen is set: gpud does not start without the listener it was asked for")
+        return 1
     except (SocketInUse, OSError) as exc:
         log.error("socket_unavailable", socket=str(config.socket_path), error=str(exc))
         return 1

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -64,15 +65,8 @@ class ConnectionLimits:
 
     def attach(self, server: web.Server) -> None:
         """Weighs every connection server accepts and answers those beyond their share."""
-        made, lost, handle = server.connection_made, server.connection_lost, server.request_handler
-
-        def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
-            made(handler, transport)
-            self._admit(handler, transport)
-
-        def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
-            lost(handler, exc)
-            self._release(handler)
+        follow_connections(server, self._admit, self._release)
+        handle = server.request_handler
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             refusal = self._excess.get(request.protocol)
@@ -84,7 +78,6 @@ class ConnectionLimits:
             response.force_close()
             return response
 
-        server.connection_made, server.connection_lost = connection_made, connection_lost
         server.request_handler = request_handler
 
     def _admit(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
@@ -138,3 +131,20 @@ class ConnectionLimits:
         if not self._by_uid[admitted.uid]:
             del self._by_uid[admitted.uid]
         self._others -= 1
+
+
+def follow_connections(server: web.Server, admit: Callable[[RequestHandler, asyncio.Transport], None],
+                       release: Callable[[RequestHandler], None]) -> None:
+    """Has server tell admit of each connection it accepts and release of each that closes, after
+    its own bookkeeping."""
+    made, lost = server.connection_made, server.connection_lost
+
+    def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        admit(handler, transport)
+
+    def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+        lost(handler, exc)
+        release(handler)
+
+    server.connection_made, server.connection_lost = connection_made, connection_lost

@@ -1,0 +1,428 @@
+"""metrics.listen: Prometheus scrapes gpud over TCP. The listener serves the socket's /metrics and
+nothing else; promtool parses what it serves, and a real Prometheus server scrapes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+from helpers import IN_CI, Running, answer_until, sim_config, start_daemon, stop_daemon
+
+from gpud.api.metrics_listener import MAX_CONNECTIONS_PER_ADDRESS
+from gpud.config import ConfigError, listen_address, load_config, parse_config
+from gpud.daemon import Daemon
+
+TWO_GPUS = "A100-SXM4-40GB:2"
+# Label names spelt as dcgm-exporter spells them (its render_metrics.go, /work/shared/reference/health.md
+# §C2): kept for its dashboards, though Prometheus's lint prefers snake_case.
+DCGM_EXPORTER_LABELS = {"UUID", "modelName", "GPU_I_ID", "GPU_I_PROFILE", "DCGM_FI_DRIVER_VERSION"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"CI must have {name} (Debian's prometheus package; scripts/test-all installs it)")
+        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+    return path
+
+
+def listening(tmp: Path, address: str, preset: str = TWO_GPUS):
+    return sim_config(tmp, preset).with_overrides(**{"metrics.listen": address})
+
+
+async def scrape(address: str, method: str = "GET", path: str = "/metrics", **kwargs) -> tuple[int, dict, str]:
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, f"http://{address}{path}", **kwargs) as response:
+            return response.status, dict(response.headers), await response.text()
+
+
+def families(text: str) -> list[str]:
+    return re.findall(r"^# TYPE (\S+) ", text, re.M)
+
+
+@pytest.fixture
+async def node(short_tmp):
+    address = f"127.0.0.1:{free_port()}"
+    running = await start_daemon(listening(short_tmp, address))
+    running.address = address
+    yield running
+    await stop_daemon(running)
+
+
+# -- what the listener serves ----------------------------------------------------------------
+
+
+def temperature_uuids(text: str) -> list[str]:
+    return sorted(re.findall(r'^DCGM_FI_DEV_GPU_TEMP\{[^}]*UUID="([^"]+)"', text, re.M))
+
+
+async def scrape_sampled(address: str, gpus: int, timeout: float = 10.0) -> tuple[int, dict, str]:
+    """A scrape once the first periodic readings are in (the simulated GPUs' temperatures)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, headers, text = await scrape(address)
+        if len(temperature_uuids(text)) == gpus or time.monotonic() > deadline:
+            return status, headers, text
+        await asyncio.sleep(0.05)
+
+
+async def test_it_serves_the_sockets_metrics(node):
+    status, headers, text = await scrape_sampled(node.address, 2)
+    assert status == 200 and headers["Content-Type"] == "text/plain; charset=utf-8"
+    async with node.http.get("http://localhost/metrics") as response:
+        over_socket = await response.text()
+    assert families(text) == families(over_socket) and "DCGM_FI_DEV_GPU_TEMP" in families(text)
+    _, gpus = await node.get("/v1/gpus")
+    uuids = sorted(gpu["uuid"] for gpu in gpus["gpus"])
+    assert len(uuids) == 2
+    assert temperature_uuids(text) == uuids
+    status, headers, body = await scrape(node.address, "HEAD")
+    assert status == 200 and body == "" and headers["Content-Type"].startswith("text/plain")
+
+
+OTHER_PATHS = ["/", "/v1/gpus", "/v1/node", "/v1/mig", "/v1/health", "/v1/watch", "/healthz", "/v1/openapi.json",
+               "/metrics/", "/Metrics", "/metrics/../v1/gpus", "/%2e%2e/v1/gpus"]
+CHANGES = [("/v1/reload", None), ("/v1/mig", {"layout": "all-1g.5gb"}), ("/v1/sim/xid", {"gpu": 0, "xid": 79}),
+           ("/v1/health/0/clear", None), ("/v1/mps/gpu-0/stop", None)]
+
+
+async def test_no_other_path_is_served(node):
+    for path in OTHER_PATHS:
+        status, _, body = await scrape(node.address, path=path)
+        assert status == 404 and json.loads(body)["error"]["code"] == "not-found", path
+
+
+async def test_no_method_changes_anything(node):
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        status, headers, body = await scrape(node.address, method, json={"layout": "all-1g.5gb"})
+        assert status == 405 and headers["Allow"] == "GET, HEAD", method
+        assert json.loads(body)["error"]["allowed"] == ["GET", "HEAD"]
+        for path, change in CHANGES:
+            status, _, _ = await scrape(node.address, method, path, json=change)
+            assert status == 404, (method, path)
+    _, health = await node.get("/v1/health")
+    assert health["status"] == "healthy"  # the simulated XID did not get through
+    _, mig = await node.get("/v1/mig")
+    assert mig["layout"] is None
+
+
+async def test_malformed_requests_get_a_json_error(node):
+    host, port = listen_address(node.address)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"400" and json.loads(body)["error"]["code"] == "bad-request"  # header too long
+    status, _, _ = await scrape(node.address)
+    assert status == 200  # and it still serves
+
+
+async def test_one_address_cannot_hold_every_connection(node):
+    host, port = listen_address(node.address)
+    held = [await asyncio.open_connection(host, port) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
+    for _, writer in held:  # each is served: every connection was admitted
+        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    for reader, _ in held:
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    reader, writer = await asyncio.open_connection(host, port)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # one more is closed unanswered
+    writer.close()
+    held.pop()[1].close()
+    await asyncio.sleep(0.1)
+    status, _, _ = await scrape(node.address)
+    assert status == 200  # a connection closed leaves room for another
+    for _, writer in held:
+        writer.close()
+
+
+async def test_a_silent_connection_is_closed_after_the_idle_timeout(short_tmp):
+    address = f"127.0.0.1:{free_port()}"
+    running = await start_daemon(listening(short_tmp, address).with_overrides(**{"api.idle_timeout_s": 0.2}))
+    try:
+        host, port = listen_address(address)
+        reader, writer = await asyncio.open_connection(host, port)
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert time.monotonic() - started < 2
+        writer.close()
+    finally:
+        await stop_daemon(running)
+
+
+async def test_ipv6_loopback(short_tmp):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    try:
+        address = f"[::1]:{free_port('::1')}"
+    except OSError:
+        pytest.skip("::1 is not configured on this host")
+    running = await start_daemon(listening(short_tmp, address))
+    try:
+        status, _, text = await scrape(address)
+        assert status == 200 and "DCGM_FI_DEV_GPU_TEMP" in text
+    finally:
+        await stop_daemon(running)
+
+
+async def test_off_by_default(short_tmp):
+    assert parse_config("").metrics.listen is None and parse_config("metrics: {}\n").metrics.listen is None
+    running = await start_daemon(sim_config(short_tmp, TWO_GPUS))
+    try:
+        assert running.daemon.metrics_listener.address is None
+    finally:
+        await stop_daemon(running)
+
+
+# -- promtool and a real Prometheus ----------------------------------------------------------
+
+
+# promtool's naming lints that dcgm-exporter's own names draw (DCGM_FI_DEV_PCIE_REPLAY_COUNTER: a
+# counter without _total, with "counter" in its name): the names are kept, so its dashboards work.
+DCGM_NAME_LINTS = re.compile(r'_total" suffix|should not include type|camelCase|abbreviated units|base unit')
+CAMEL_LABEL_LINT = "label names should be written in 'snake_case' not 'camelCase'"
+
+
+def lint_problems_that_are_ours(text: str, output: str) -> list[str]:
+    """promtool's lint lines, less those dcgm-exporter compatibility draws on purpose: naming lints
+    on its metric names, and its label spellings (which gpud's own families share, for joins)."""
+    camel_labels = {label for label in re.findall(r'[{,]([A-Za-z_][A-Za-z0-9_]*)="', text)
+                    if re.search(r"[a-z][A-Z]|^[A-Z]", label)}
+    assert camel_labels <= DCGM_EXPORTER_LABELS, f"labels not spelt as dcgm-exporter's: {camel_labels}"
+    ours = []
+    for line in output.splitlines():
+        metric, _, problem = line.partition(" ")
+        if problem == CAMEL_LABEL_LINT or metric.startswith("DCGM_") and DCGM_NAME_LINTS.search(problem):
+            continue
+        ours.append(line)
+    return ours
+
+
+async def test_promtool_parses_the_scrape_and_lints_only_dcgm_names(node):
+    promtool = tool("promtool")
+    await node.post("/v1/sim/xid", {"gpu": 1, "xid": 79})  # reasons, XID counts: more families to check
+    await answer_until(node, "/v1/health", lambda _, body: body["status"] == "unhealthy")
+    _, _, text = await scrape_sampled(node.address, 2)
+    checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    output = checked.stdout + checked.stderr
+    # 1: the text does not parse; 3: lint problems (promtool 2.42, cmd/promtool/main.go)
+    assert checked.returncode in (0, 3) and "error while linting" not in output, output
+    assert lint_problems_that_are_ours(text, output) == []
+
+
+@pytest.mark.slow
+async def test_a_real_prometheus_scrapes_gpud(node, tmp_path):
+    prometheus = tool("prometheus")
+    web = f"127.0.0.1:{free_port()}"
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+        f"scrape_configs:\n  - job_name: gpud\n    static_configs:\n      - targets: ['{node.address}']\n")
+    log = (tmp_path / "prometheus.log").open("w")
+    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        target = await prometheus_answer(web, "/api/v1/targets", server, tmp_path,
+                                          lambda data: [t for t in data["activeTargets"] if t["health"] == "up"])
+        assert target[0]["labels"] == {"instance": node.address, "job": "gpud"}
+        _, gpus = await node.get("/v1/gpus")
+        expected = {gpu["uuid"]: gpu for gpu in gpus["gpus"]}
+        series = await prometheus_answer(web, "/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP", server, tmp_path,
+                                         lambda data: len(data["result"]) >= len(expected) and data["result"])
+        assert sorted(s["metric"]["UUID"] for s in series) == sorted(expected)
+        for one in series:
+            labels, gpu = one["metric"], expected[one["metric"]["UUID"]]
+            assert labels["gpu"] == str(gpu["index"]) and labels["job"] == "gpud"
+            assert labels["modelName"].endswith(gpu["name"].removeprefix("NVIDIA "))
+            assert {"pci_bus_id", "device", "hostname", "instance"} <= set(labels)
+            assert 0 < float(one["value"][1]) < 100  # a temperature in °C
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+async def prometheus_answer(web: str, path: str, server: subprocess.Popen, tmp_path: Path, wanted,
+                            timeout: float = 30.0):
+    """Prometheus's API answer's data once wanted(data) is truthy (it is starting, then scraping)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        assert server.poll() is None, (tmp_path / "prometheus.log").read_text()
+        try:
+            last = await asyncio.to_thread(_get_json, f"http://{web}{path}")
+            found = wanted(last["data"])
+            if found:
+                return found
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"Prometheus never answered {path} as wanted: {last}\n"
+                         f"{(tmp_path / 'prometheus.log').read_text()[-3000:]}")
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+# -- configuration, a port in use, reload ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value, words", [
+    ("9400", "expected host:port"),
+    ("127.0.0.1", "expected host:port"),
+    (":9400", "no host"),
+    ("127.0.0.1:0", "1 to 65535"),
+    ("127.0.0.1:65536", "1 to 65535"),
+    ("127.0.0.1:-1", "1 to 65535"),
+    ("127.0.0.1:http", "1 to 65535"),
+    ("::1:9400", "in brackets"),
+    ("[::1:9400", "in brackets"),
+    ("[localhost]:9400", "not an IPv6 address"),
+    ("300.1.1.1:9400", "not an IPv4 address"),
+    ("bad host:9400", "not an IP address or a host name"),
+    ("-node:9400", "not an IP address or a host name"),
+])
+def test_bad_listen_addresses_name_the_key_and_line(value, words):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"log:\n  level: info\nmetrics:\n  listen: '{value}'\n", "gpud.yaml")
+    assert (caught.value.key, caught.value.line) == ("metrics.listen", 4)
+    assert words in str(caught.value) and "gpud.yaml, line 4, key 'metrics.listen'" in str(caught.value)
+
+
+@pytest.mark.parametrize("text, words", [("metrics:\n  listen: 9400\n", "expected a string"),
+                                         ("metrics:\n  listen: [127.0.0.1]\n", "expected a string"),
+                                         ("metrics:\n  listen: ''\n", "must not be empty"),
+                                         ("metrics:\n  port: 9400\n", "unknown key"),
+                                         ("metrics: 127.0.0.1:9400\n", "expected a mapping")])
+def test_wrong_types_are_refused(text, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_config(text)
+
+
+@pytest.mark.parametrize("value, host, port", [("127.0.0.1:9400", "127.0.0.1", 9400), ("[::1]:9400", "::1", 9400),
+                                               ("0.0.0.0:1", "0.0.0.0", 1), ("[::]:65535", "::", 65535),
+                                               ("gpu-node-7.internal:9400", "gpu-node-7.internal", 9400)])
+def test_good_listen_addresses(value, host, port):
+    assert parse_config(f"metrics:\n  listen: '{value}'\n").metrics.listen == value
+    assert listen_address(value) == (host, port)
+
+
+def test_a_port_in_use_stops_gpud_at_start(run_gpud, short_tmp):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        (short_tmp / "gpud.yaml").write_text(f"metrics:\n  listen: '{address}'\n")
+        gpud = run_gpud("--simulate", TWO_GPUS, "--sim-state", str(short_tmp / "sim.json"),
+                        "--config", str(short_tmp / "gpud.yaml"))
+        assert gpud.proc.wait(30) == 1
+    failed = [e for e in gpud.log_events() if e.get("event") == "metrics_listen_failed"]
+    assert failed and failed[0]["address"] == address and "in use" in failed[0]["error"], gpud.log_text()
+    assert not gpud.socket.exists()  # it never served
+
+
+class Reloadable:
+    """An in-process gpud started from a config file that POST /v1/reload re-reads."""
+
+    def __init__(self, tmp: Path):
+        self.file = tmp / "gpud.yaml"
+        self.overrides = {"api.socket": str(tmp / "g.sock"), "simulate": TWO_GPUS, "sim_state": str(tmp / "sim.json"),
+                          "state_dir": str(tmp / "state"), "sharing.file": str(tmp / "none.yaml"),
+                          "inventory.refresh_interval_s": 3600.0}
+
+    def write(self, listen: str | None) -> None:
+        self.file.write_text(f"metrics:\n  listen: {listen!r}\n" if listen else "metrics: {}\n")
+
+    def read(self):
+        return load_config(self.file).with_overrides(**self.overrides)
+
+    async def start(self) -> Running:
+        daemon = Daemon(self.read(), reread=self.read)
+        await daemon.start()
+        connector = aiohttp.UnixConnector(path=str(daemon.config.socket_path))
+        return Running(daemon, aiohttp.ClientSession(connector=connector))
+
+
+async def refused(address: str) -> bool:
+    host, port = listen_address(address)
+    try:
+        _, writer = await asyncio.open_connection(host, port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
+
+
+async def test_reload_moves_the_listener_and_keeps_it_when_the_new_address_fails(short_tmp):
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = Reloadable(short_tmp)
+    config.write(first)
+    running = await config.start()
+    try:
+        assert (await scrape(first))[0] == 200
+        config.write(second)  # a changed address: listened on at once, the old one closed
+        status, body = await running.post("/v1/reload")
+        assert status == 200 and body["reloaded"] is True
+        assert (await scrape(second))[0] == 200 and await refused(first)
+        assert running.daemon.config.metrics.listen == second
+        with socket.socket() as taken:  # a port in use: refused, the running listener stays
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            config.write("127.0.0.1:%d" % taken.getsockname()[1])
+            config.file.write_text(config.file.read_text() + "log:\n  level: debug\n")
+            status, body = await running.post("/v1/reload")
+            assert status == 409 and body["error"]["code"] == "metrics-listen-failed", body
+            assert "in use" in body["error"]["message"] and body["error"]["listening"] == second
+        assert (await scrape(second))[0] == 200 and running.daemon.config.metrics.listen == second
+        assert running.daemon.config.log.level == "info"  # nothing else of that reload was applied
+        config.write(None)  # unset: no listener
+        assert (await running.post("/v1/reload"))[0] == 200
+        assert await refused(second) and running.daemon.metrics_listener.address is None
+        config.write(first)  # set again
+        assert (await running.post("/v1/reload"))[0] == 200 and (await scrape(first))[0] == 200
+    finally:
+        await stop_daemon(running)
+    assert await refused(first)  # gpud stopped: so did the listener
+
+
+def test_gpud_serve_logs_where_it_listens_and_sighup_moves_it(run_gpud, short_tmp):
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"metrics:\n  listen: '{first}'\n")
+    gpud = run_gpud("--simulate", TWO_GPUS, "--sim-state", str(short_tmp / "sim.json"), "--config", str(config))
+    gpud.wait_healthy()
+    assert asyncio.run(scrape(first))[0] == 200
+
+    def listening_on(address):
+        return [e for e in gpud.log_events() if e.get("event") == "metrics_listening" and e["address"] == address]
+
+    assert listening_on(first)[0]["bound"] == [first]
+    config.write_text(f"metrics:\n  listen: '{second}'\n")
+    gpud.proc.send_signal(signal.SIGHUP)
+    gpud.wait_for(lambda: listening_on(second), what="metrics_listening on the new address")
+    assert asyncio.run(scrape(second))[0] == 200 and asyncio.run(refused(first))
+    assert gpud.stop() == 0
