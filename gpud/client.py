@@ -7,34 +7,62 @@ import json
 import os
 import socket
 import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpud.config import SYSTEM_RUNTIME_DIR, user_runtime_dir
 
+SYSTEM_SOCKET = SYSTEM_RUNTIME_DIR / "gpud.sock"
+SOCKET_ENV = "GPUD_SOCKET"
+
 
 class DaemonUnreachable(Exception):
-    pass
+    """No gpud answers on the socket: not running, refused, timed out, or gone mid-answer."""
 
 
 class ApiFailure(Exception):
+    """gpud answered with an error status; `error` is its error object (code, message and details)."""
+
     def __init__(self, status: int, document: Any):
-        error = document.get("error", {}) if isinstance(document, dict) else {}
-        self.status, self.code = status, error.get("code", f"http-{status}")
-        super().__init__(error.get("message") or f"HTTP {status}")
+        error = document.get("error") if isinstance(document, dict) else None
+        self.status = status
+        self.error: dict = dict(error) if isinstance(error, dict) else {}
+        self.error.setdefault("code", f"http-{status}")
+        self.error.setdefault("message", f"HTTP {status}")
+        self.code = self.error["code"]
+        super().__init__(self.error["message"])
 
 
-def default_socket() -> Path:
-    """$GPUD_SOCKET, else this user's gpud if one runs (in a directory only the user or root
-    controls: /tmp/gpud-UID could be another user's), else the system daemon's socket."""
-    if os.environ.get("GPUD_SOCKET"):
-        return Path(os.environ["GPUD_SOCKET"])
-    own = user_runtime_dir() / "gpud.sock"
+def find_socket(env: Mapping[str, str] = os.environ, system_socket: Path = SYSTEM_SOCKET,
+                own_dir: Path | None = None) -> tuple[Path, list[str]]:
+    """The socket the CLI talks to, and each place looked at (for the message when nothing answers).
+
+    $GPUD_SOCKET, else the system daemon's socket when there is one, else this user's own gpud in
+    its runtime directory, and only if no other user could have put a socket there (/tmp/gpud-UID
+    could be another user's). Nothing found: the system socket, the one a packaged gpud uses."""
+    if env.get(SOCKET_ENV):
+        return Path(env[SOCKET_ENV]), [f"${SOCKET_ENV}={env[SOCKET_ENV]}"]
+    tried = [f"${SOCKET_ENV} (unset)", str(system_socket)]
+    if _is_socket(system_socket):
+        return system_socket, tried
+    own = (own_dir or user_runtime_dir()) / "gpud.sock"
+    if own != system_socket:
+        try:
+            problem = untrusted_because(os.stat(own.parent))
+        except OSError:
+            problem = "does not exist"
+        tried.append(str(own) if problem is None else f"{own} (skipped: {own.parent} {problem})")
+        if problem is None and _is_socket(own):
+            return own, tried
+    return system_socket, tried
+
+
+def _is_socket(path: Path) -> bool:
     try:
-        trusted = untrusted_because(os.stat(own.parent)) is None and own.exists()
+        return stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
-        trusted = False
-    return own if trusted else SYSTEM_RUNTIME_DIR / "gpud.sock"
+        return False
 
 
 def untrusted_because(directory: os.stat_result) -> str | None:
@@ -49,7 +77,7 @@ def untrusted_because(directory: os.stat_result) -> str | None:
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float):
+    def __init__(self, path: Path, timeout: float | None):
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -74,7 +102,10 @@ class _UnixConnection(http.client.HTTPConnection):
 
 class Client:
     def __init__(self, socket_path: Path | None = None, timeout: float = 30.0):
-        self.socket_path = socket_path or default_socket()
+        if socket_path is None:
+            self.socket_path, self.tried = find_socket()
+        else:
+            self.socket_path, self.tried = Path(socket_path), []
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None, ok_statuses: tuple = ()) -> tuple[int, Any]:
@@ -88,10 +119,10 @@ class Client:
         return status, document
 
     def request_text(self, method: str, path: str) -> tuple[int, str]:
-        """For the routes that answer with text (YAML) rather than JSON."""
+        """For the routes that answer with text (YAML, Prometheus) rather than JSON."""
         status, raw = self._exchange(method, path, None)
         if status >= 400:
-            raise ApiFailure(status, json.loads(raw))
+            raise ApiFailure(status, _json_or_none(raw))
         return status, raw.decode()
 
     def _exchange(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
@@ -101,35 +132,55 @@ class Client:
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()
-            raw = response.read()
-        except FileNotFoundError:
-            raise DaemonUnreachable(f"gpud is not running: no socket at {self.socket_path}") from None
-        except PermissionError:
-            raise DaemonUnreachable(f"no permission to connect to {self.socket_path} "
-                                    "(join the gpud group, or use sudo)") from None
-        except (ConnectionRefusedError, ConnectionResetError):
-            raise DaemonUnreachable(f"gpud is not answering on {self.socket_path}") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise DaemonUnreachable(f"talking to gpud on {self.socket_path} failed: {exc}") from None
+            return response.status, response.read()
+        except OSError as exc:
+            raise self._unreachable(exc) from None
+        except http.client.HTTPException as exc:
+            raise DaemonUnreachable(f"gpud on {self.socket_path} went away before answering ({exc!r})") from None
         finally:
             conn.close()
-        return response.status, raw
 
-    def stream(self, path: str):
-        """The JSON lines of a streaming route, as they arrive."""
+    def stream(self, path: str) -> Iterator[Any]:
+        """The JSON lines of a streaming route, as they arrive. Returns when gpud ends the stream
+        (it is stopping); DaemonUnreachable when the connection breaks off."""
         conn = _UnixConnection(self.socket_path, None)
         try:
-            conn.request("GET", path)
-            response = conn.getresponse()
+            try:
+                conn.request("GET", path)
+                response = conn.getresponse()
+            except OSError as exc:
+                raise self._unreachable(exc) from None
             if response.status >= 400:
-                raise ApiFailure(response.status, json.loads(response.read() or b"{}"))
-            for line in response:
-                if line.strip():
-                    yield json.loads(line)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonUnreachable(f"gpud is not running: no socket at {self.socket_path}") from None
+                raise ApiFailure(response.status, _json_or_none(response.read()))
+            try:
+                for line in response:
+                    if line.strip():
+                        yield json.loads(line)
+            except (OSError, http.client.HTTPException) as exc:
+                raise DaemonUnreachable(f"gpud on {self.socket_path} went away: the stream broke off "
+                                        f"({exc.__class__.__name__})") from None
         finally:
             conn.close()
 
     def get(self, path: str, ok_statuses: tuple = ()) -> Any:
         return self.request("GET", path, ok_statuses=ok_statuses)[1]
+
+    def _unreachable(self, exc: OSError) -> DaemonUnreachable:
+        where = str(self.socket_path) + (f" (looked at: {', '.join(self.tried)})" if self.tried else "")
+        if isinstance(exc, FileNotFoundError):
+            return DaemonUnreachable(f"gpud is not running: no socket at {where}")
+        if isinstance(exc, PermissionError):
+            return DaemonUnreachable(f"no permission to connect to {self.socket_path} (join the gpud group, "
+                                     "or use sudo)")
+        if isinstance(exc, ConnectionRefusedError):
+            return DaemonUnreachable(f"gpud is not answering on {where}: connection refused")
+        if isinstance(exc, TimeoutError):
+            return DaemonUnreachable(f"gpud on {self.socket_path} did not answer within {self.timeout:g} s")
+        return DaemonUnreachable(f"talking to gpud on {self.socket_path} failed: {exc}")
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

@@ -51,5 +51,5 @@ def test_mig_apply_status_layouts_export(run_gpud, short_tmp):
     assert yaml.safe_load(exported.stdout)["version"] == "v1"
 
     unknown = cli("mig", "apply", "all-nothing", socket=gpud.socket)
-    assert unknown.returncode == 1 and "no layout 'all-nothing'" in unknown.stderr
+    assert unknown.returncode == 2 and "no layout 'all-nothing'" in unknown.stderr  # 404: invalid input
     assert gpud.stop() == 0

@@ -43,7 +43,9 @@ def test_deb_metadata_conffiles_and_scripts(packages):
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     for path in ("./usr/bin/gpud", "./usr/lib/systemd/system/gpud.service", "./usr/lib/systemd/system/gpud.socket",
                  "./etc/gpud/gpud.yaml", "./etc/gpud/mig-layouts.yaml", "./opt/gpud/lib/aiohttp/",
-                 "./opt/gpud/lib/gpud/mig/data/mig-layouts.yaml", "./opt/gpud/lib/gpud/health/xids.yaml"):
+                 "./opt/gpud/lib/gpud/mig/data/mig-layouts.yaml", "./opt/gpud/lib/gpud/health/xids.yaml",
+                 "./usr/share/man/man1/gpud.1.gz", "./usr/share/bash-completion/completions/gpud",
+                 "./usr/share/zsh/vendor-completions/_gpud"):
         assert path in listing, path
 
 

@@ -1,0 +1,424 @@
+"""The `gpud` subcommands that are clients of the daemon's socket: each takes the parsed arguments and
+a Client, prints a table (or the API's JSON with --json) and returns the exit code. Errors are raised
+(gpud.client's, or CliError) and reported by gpud.cli.main."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from gpud.cli_output import (EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, CliError, devices_text,
+                             format_gpu_table, print_json, reasons_text, stdout_reader_gone, table, terminal_columns,
+                             warn)
+from gpud.client import Client
+
+MIB = 1 << 20
+
+
+def _quoted(ident: str) -> str:
+    return urllib.parse.quote(ident, safe="")
+
+
+def gpu_ref(text: str) -> int | str:
+    """A GPU argument as the API takes it: an index as a number, anything else (a UUID) as text."""
+    return int(text) if text.isdigit() else text
+
+
+# -- node and GPUs -------------------------------------------------------------------------------
+
+
+def status(args: argparse.Namespace, client: Client) -> int:
+    health = client.get("/healthz", ok_statuses=(503,))
+    node = client.get("/v1/node")
+    gpu_health = client.get("/v1/health")
+    unhealthy = [gpu for gpu in gpu_health["gpus"] if _device_problems(gpu)]
+    problem = health["status"] != "ok" or bool(unhealthy)
+    if args.json:
+        print_json({"health": health, "node": node, "gpu_health": gpu_health})
+        return EXIT_PROBLEM if problem else EXIT_OK
+    backend = node["backend"] + (f" ({node['simulated_preset']})" if node.get("simulated_preset") else "")
+    print(f"gpud {node['gpud_version']} on {node['hostname']}, backend {backend}")
+    print(f"health:  {health['status']}" + (f" — {health['reason']}" if health.get("reason") else ""))
+    if node.get("driver_version"):
+        print(f"driver:  {node['driver_version']}  CUDA {node['cuda_version']}  NVML {node['nvml_version']}")
+        print(f"GPUs:    {node['gpu_count']}  MIG devices: {node['mig_device_count']}")
+    healthy = len(gpu_health["gpus"]) - len(unhealthy)
+    print(f"GPU health: {gpu_health['status']} ({healthy} of {len(gpu_health['gpus'])} GPUs healthy)")
+    for gpu in unhealthy:
+        for where, state, reasons in _device_problems(gpu):
+            print(f"  {where}: {state}" + (f" — {reasons_text(reasons)}" if reasons else ""))
+    return EXIT_PROBLEM if problem else EXIT_OK
+
+
+def _device_problems(gpu: dict) -> list[tuple[str, str, list]]:
+    """(where, state, reasons) for a GPU and each of its MIG devices that is not healthy."""
+    found = [(f"GPU {gpu['index']}", gpu["state"], gpu["reasons"])] if gpu["state"] != "healthy" else []
+    return found + [(f"GPU {gpu['index']} MIG {dev.get('profile', dev['uuid'])}", dev["state"], dev["reasons"])
+                    for dev in gpu.get("mig_devices", []) if dev["state"] != "healthy"]
+
+
+def gpus(args: argparse.Namespace, client: Client) -> int:
+    document = client.get("/v1/gpus")
+    health = client.get("/v1/health")
+    if args.json:
+        print_json({**document, "health": health})
+    else:
+        print(format_gpu_table(document["gpus"], health))
+    return EXIT_OK
+
+
+def gpu_show(args: argparse.Namespace, client: Client) -> int:
+    gpu = client.get(f"/v1/gpus/{_quoted(args.id)}")
+    health = client.get(f"/v1/gpus/{_quoted(args.id)}/health")
+    if args.json:
+        print_json({**gpu, "health": health})
+        return EXIT_OK
+    print(format_gpu_table([gpu], {"gpus": [health]}))
+    for where, state, reasons in _device_problems(health):
+        print(f"{where}: {state} — {reasons_text(reasons)}")
+    return EXIT_OK
+
+
+def gpu_reset(args: argparse.Namespace, client: Client) -> int:
+    _status, outcome = client.request("POST", f"/v1/gpus/{_quoted(args.id)}/reset", {"force": args.force})
+    if args.json:
+        print_json(outcome)
+        return EXIT_OK
+    peers = f" with its NVLink peers {', '.join(map(str, outcome['peers']))}" if outcome["peers"] else ""
+    print(f"GPU {outcome['gpu']} reset{peers}")
+    for device, pids in outcome["ended_processes"].items():  # by GPU or MIG device UUID
+        print(f"ended processes on {device}: {', '.join(map(str, pids))}")
+    for reason in outcome["cleared"]:
+        print(f"cleared {reason['kind']} {reason['code']} on {reason['device']}: {reason['message']}")
+    lost = [gpu for gpu in outcome["gpus"] if gpu["lost"]]
+    for gpu in outcome["gpus"]:
+        print(f"GPU {gpu['index']} ({gpu['uuid']}): {'lost' if gpu['lost'] else 'ok'}, MIG {gpu['mig_mode'] or 'n/a'}")
+    return EXIT_PROBLEM if lost else EXIT_OK
+
+
+def gpu_processes(args: argparse.Namespace, client: Client) -> int:
+    document = client.get(f"/v1/gpus/{_quoted(args.id)}/processes")
+    if args.json:
+        print_json(document)
+        return EXIT_OK
+    rows = [("DEVICE", "PID", "NAME", "MEMORY", "SM %", "OWNER")]
+    for device in document.get("devices", []):
+        where = _device_text(device)
+        if device.get("unavailable"):
+            rows.append((where, "-", "-", "-", "-", f"not listed: {device['unavailable']}"))
+        for process in device.get("processes", []):
+            rows.append((where, str(process.get("pid", "-")), process.get("comm") or "-", _memory_text(process),
+                         _percent_text(process), _owner_text(process.get("owner"))))
+    print(table(rows, terminal_columns()) if len(rows) > 1 else f"no compute processes on GPU {document.get('gpu')}")
+    return EXIT_OK
+
+
+def _device_text(device: dict) -> str:
+    mig = device.get("mig")
+    if not mig:
+        return "GPU"
+    return f"MIG {mig.get('profile') or '?'} gi {mig.get('gi_id')} ci {mig.get('ci_id')}"
+
+
+def _memory_text(process: dict) -> str:
+    used = process.get("used_memory_bytes")
+    return "-" if used is None else f"{used // MIB} MiB"
+
+
+def _percent_text(process: dict) -> str:
+    value = process.get("sm_utilization_percent")
+    return "-" if value is None else f"{value:g}"
+
+
+def _owner_text(owner: dict | None) -> str:
+    """Who a process belongs to: its container (runtime and short ID, pod), its systemd unit, or its cgroup."""
+    owner = owner or {}
+    if owner.get("container_id"):
+        pod = f" pod {owner['pod_uid']}" if owner.get("pod_uid") else ""
+        return f"{owner.get('container_runtime') or 'container'} {owner['container_id'][:12]}{pod}"
+    return owner.get("systemd_unit") or owner.get("cgroup") or owner.get("kind") or "-"
+
+
+# -- health, reload, watch -----------------------------------------------------------------------
+
+
+def health(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/health")
+    if args.json:
+        print_json(view)
+        return EXIT_OK if view["status"] == "healthy" else EXIT_PROBLEM
+    print(f"node: {view['status']}")
+    rows = [("DEVICE", "STATE", "REASONS")]
+    for gpu in view["gpus"]:
+        rows.append((f"GPU {gpu['index']}", gpu["state"], reasons_text(gpu["reasons"])))
+        for dev in gpu["mig_devices"]:
+            rows.append((f"  └ {dev['profile']} gi {dev['gi_id']} ci {dev['ci_id']}", dev["state"],
+                         reasons_text(dev["reasons"])))
+    print(table(rows))
+    return EXIT_OK if view["status"] == "healthy" else EXIT_PROBLEM
+
+
+def health_clear(args: argparse.Namespace, client: Client) -> int:
+    body = {"kind": args.kind} if args.kind else {}
+    _status, device = client.request("POST", f"/v1/health/{_quoted(args.id)}/clear", body)
+    if args.json:
+        print_json(device)
+        return EXIT_OK
+    print(f"{device['uuid']}: {device['state']}")
+    for reason in device["reasons"]:
+        print(f"  still: {reason['kind']} {reason['code']}: {reason['message']}")
+    return EXIT_OK
+
+
+def reload(args: argparse.Namespace, client: Client) -> int:
+    _status, answer = client.request("POST", "/v1/reload", {})
+    if args.json:
+        print_json(answer)
+    else:
+        print(f"reloaded: {answer['status']}")
+    return EXIT_OK
+
+
+def watch(args: argparse.Namespace, client: Client) -> int:
+    query = urllib.parse.urlencode({key: value for key, value in (("since", args.since), ("epoch", args.epoch),
+                                                                   ("types", args.types)) if value is not None})
+    epoch, seq = args.epoch, args.since
+    try:
+        for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch"):
+            if event.get("epoch") != epoch:  # the first line, or gpud restarted since --since
+                epoch = event.get("epoch")
+                print(f"gpud run {epoch}: resume with --since SEQ --epoch {epoch}", file=sys.stderr, flush=True)
+            seq = event.get("seq", seq)
+            if event.get("type") == "heartbeat":
+                if stdout_reader_gone():  # `gpud watch | head -1` after head has its line: no write to fail
+                    return EXIT_OK
+                continue
+            if args.json:
+                print(json.dumps(event), flush=True)
+            else:
+                print(f"#{event['seq']} {event['type']}: {json.dumps(event.get('data', {}))}", flush=True)
+            if event.get("type") == "overflow":
+                raise CliError(EXIT_PROBLEM, "watch-overflow", event.get("data", {}).get("message", "too slow"))
+    except KeyboardInterrupt:
+        return EXIT_OK
+    # The stream only ends when gpud does; a cut-off chunked stream reads as its end in http.client.
+    resume = f" (resume with --since {seq} --epoch {epoch})" if epoch is not None and seq is not None else ""
+    raise CliError(EXIT_UNREACHABLE, "daemon-gone", f"gpud on {client.socket_path} went away: the event stream "
+                                                    f"ended (gpud stopped, restarted or was killed){resume}")
+
+
+# -- MIG -----------------------------------------------------------------------------------------
+
+
+def mig_status(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/mig")
+    if args.json:
+        print_json(view)
+        return EXIT_OK if view["in_sync"] else EXIT_PROBLEM
+    print(f"layout: {view['layout'] or '(none)'}  state: {view['state']}  in sync: "
+          f"{'yes' if view['in_sync'] else 'no'}" + (f"\nerror: {view['error']}" if view["error"] else ""))
+    rows = [("GPU", "IN SYNC", "STATE", "DESIRED", "ACTUAL")]
+    for gpu in view["gpus"]:
+        rows.append((str(gpu["index"]), "yes" if gpu["in_sync"] else "no", gpu["state"] or "-",
+                     devices_text(gpu["desired"]), devices_text(gpu["actual"])))
+    print(table(rows))
+    return EXIT_OK if view["in_sync"] else EXIT_PROBLEM
+
+
+def mig_layouts(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/mig/layouts")
+    if args.json:
+        print_json(view)
+        return EXIT_OK
+    rows = [("LAYOUT", "FITS", "CHANGES", "WHY NOT / WARNINGS")]
+    for layout in view["layouts"]:
+        notes = ([layout["reason"]] if layout["reason"] else []) + \
+                [f"warning: {text}" for text in layout.get("warnings", [])]
+        rows.append((layout["name"] + (" *" if layout["active"] else ""), _fits_text(layout),
+                     "-" if layout["gpus_changed"] is None else f"{layout['gpus_changed']} GPUs",
+                     "\n".join(notes)))
+    print(f"from {view['source']} (* = current)")
+    print(table(rows, terminal_columns()))
+    shown = {text for layout in view["layouts"] for text in layout.get("warnings", [])}
+    for text in view.get("warnings", []):
+        if text not in shown:  # the node-wide ones; each layout's own are in the table
+            warn(text)
+    return EXIT_OK
+
+
+def _fits_text(layout: dict) -> str:
+    if layout.get("matching_gpus") == 0:
+        return "no GPU"  # its device filters select none of this node's GPUs
+    return "yes" if layout["fits"] else "no"
+
+
+def mig_export(args: argparse.Namespace, client: Client) -> int:
+    path = f"/v1/mig/export?{urllib.parse.urlencode({'name': args.name})}" if args.name else "/v1/mig/export"
+    _status, text = client.request_text("GET", path)
+    print(text, end="")
+    return EXIT_OK
+
+
+def mig_apply(args: argparse.Namespace, client: Client) -> int:
+    body: dict[str, Any] = {"layout": args.layout, "force": args.force, "dry_run": args.dry_run}
+    if args.file is not None:
+        body["config"] = _local_text(args.file)
+    _status, started = client.request("PUT", "/v1/mig", body)
+    if args.dry_run or args.no_wait:
+        print_json(started) if args.json else _print_plan(started["plan"])
+        return EXIT_OK
+    if not args.json:
+        _print_plan(started["plan"])
+    view = _follow_apply(client, quiet=args.json)
+    if args.json:
+        print_json(view)
+    else:
+        print(f"layout {view['layout']}: {view['state']}" + (f" — {view['error']}" if view["error"] else ""))
+    return EXIT_OK if view["state"] == "success" else EXIT_PROBLEM
+
+
+def _local_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(EXIT_USAGE, "file-unreadable", f"{path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _print_plan(plan: list[dict]) -> None:
+    for gpu in plan:
+        print(f"GPU {gpu['index']}: keep {gpu['keep']}, destroy {len(gpu['destroy'])}, "
+              f"create {', '.join(c['profile'] for c in gpu['create']) or 'nothing'} ({gpu['mutations']} changes)")
+
+
+def _follow_apply(client: Client, quiet: bool) -> dict:
+    """/v1/mig once the apply is over, saying each GPU's state as it changes."""
+    shown: dict[int, str] = {}
+    while True:
+        view = client.get("/v1/mig")
+        for gpu in view["gpus"]:
+            if gpu["state"] and shown.get(gpu["index"]) != gpu["state"]:
+                shown[gpu["index"]] = gpu["state"]
+                if not quiet:
+                    print(f"GPU {gpu['index']}: {gpu['state']}" + (f" — {gpu['error']}" if gpu["error"] else ""))
+        if view["state"] != "applying":
+            return view
+        time.sleep(0.2)
+
+
+# -- MPS and sharing -----------------------------------------------------------------------------
+
+
+def mps_status(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/mps")
+    running = all(d["state"] == "running" for d in view["daemons"])
+    if args.json:
+        print_json(view)
+        return EXIT_OK if running or not view["enabled"] else EXIT_PROBLEM
+    if not view["enabled"]:
+        print("MPS is not enabled (mps.enabled in gpud.yaml)")
+        return EXIT_OK
+    if view["error"]:
+        print(f"error: {view['error']}")
+    rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", "DEVICES")]
+    for daemon in view["daemons"]:
+        threads = daemon["active_thread_percentage"]
+        rows.append((daemon["name"], daemon["state"], str(daemon["pid"] or "-"), str(daemon["restarts"]),
+                     "-" if threads is None else f"{threads:g}",
+                     ",".join("-" if m is None else str(m) for m in daemon["pinned_memory_limit_mib"]),
+                     ",".join(daemon["devices"])))
+    print(table(rows))
+    return EXIT_OK if running else EXIT_PROBLEM
+
+
+def mps_control(args: argparse.Namespace, client: Client) -> int:
+    _status, daemon = client.request("POST", f"/v1/mps/{_quoted(args.name)}/{args.action}", {})
+    if args.json:
+        print_json(daemon)
+    else:
+        print(f"{daemon['name']}: {daemon['state']}, pid {daemon['pid'] or '-'}, restarts {daemon['restarts']}")
+    return EXIT_OK
+
+
+def mps_env(args: argparse.Namespace, client: Client) -> int:
+    limits = {key: value for key, value in (("memory_mib", args.memory_mib), ("threads_percent", args.threads_percent))
+              if value is not None}
+    query = f"?{urllib.parse.urlencode(limits)}" if limits else ""
+    document = client.get(f"/v1/mps/{_quoted(args.name)}/client-env{query}")
+    if args.json:
+        print_json(document)
+        return EXIT_OK
+    for key, value in document["env"].items():
+        print(f"{key}={value}")
+    return EXIT_OK
+
+
+def sharing(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/sharing")
+    if args.json:
+        print_json(view)
+        return EXIT_PROBLEM if view["error"] else EXIT_OK
+    print(f"strategy: {view['strategy']}  MIG strategy: {view['mig_strategy']}  from: {view['source'] or '(none)'}")
+    if view["error"]:
+        print(f"error: {view['error']}")
+    rows = [("RESOURCE", "STRATEGY", "REPLICAS", "COUNT", "HEALTHY")]
+    for resource in view["resources"]:
+        healthy = sum(d["healthy"] for d in resource["devices"])
+        replicas = "mixed" if resource["replicas"] is None else str(resource["replicas"])
+        rows.append((resource["name"], resource["strategy"], replicas, str(resource["count"]), str(healthy)))
+    print(table(rows))
+    for text in view.get("warnings", []):
+        warn(text)
+    return EXIT_PROBLEM if view["error"] else EXIT_OK
+
+
+def metrics(args: argparse.Namespace, client: Client) -> int:
+    _status, text = client.request_text("GET", "/metrics")
+    print(text, end="")
+    return EXIT_OK
+
+
+# -- simulator drills ----------------------------------------------------------------------------
+
+
+def sim_xid(args: argparse.Namespace, client: Client) -> int:
+    return _inject(args, client, "xid", {"xid": args.xid, "gi_id": args.gi, "ci_id": args.ci})
+
+
+def sim_lost(args: argparse.Namespace, client: Client) -> int:
+    return _inject(args, client, "gpu-lost", {"how": args.how})
+
+
+def sim_recover(args: argparse.Namespace, client: Client) -> int:
+    return _inject(args, client, "gpu-recover", {})
+
+
+def sim_processes(args: argparse.Namespace, client: Client) -> int:
+    return _inject(args, client, "processes", {"pids": args.pids})
+
+
+def sim_ecc(args: argparse.Namespace, client: Client) -> int:
+    return _inject(args, client, "ecc", {"double_bit": args.double_bit})
+
+
+def sim_holders(args: argparse.Namespace, client: Client) -> int:
+    if args.release == (args.process is not None or args.pid is not None):
+        raise CliError(EXIT_USAGE, "usage", "give either --release, or --process and --pid")
+    return _inject(args, client, "holders", {"release": True} if args.release else
+                   {"process": args.process, "pid": args.pid})
+
+
+def _inject(args: argparse.Namespace, client: Client, what: str, fields: dict) -> int:
+    body = {"gpu": gpu_ref(args.gpu), **{key: value for key, value in fields.items() if value is not None}}
+    _status, answer = client.request("POST", f"/v1/sim/{what}", body)
+    if args.json:
+        print_json(answer)
+    else:
+        details = " ".join(f"{key} {json.dumps(value)}" for key, value in answer.items()
+                           if key not in ("injected", "gpu"))
+        print(f"simulated {answer['injected']} on GPU {answer['gpu']}" + (f": {details}" if details else ""))
+    return EXIT_OK

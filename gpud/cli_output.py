@@ -1,0 +1,144 @@
+"""What the `gpud` command prints and how it exits: exit codes, errors (text or JSON on stderr),
+tables that fit the terminal. Standard library only: the CLI starts fast."""
+
+from __future__ import annotations
+
+import json
+import select
+import shutil
+import sys
+import textwrap
+from typing import Any
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_CODES = (
+    (EXIT_OK, "ok"),
+    (EXIT_PROBLEM, "a problem was found: the node or a GPU is not healthy, an apply failed, or gpud refused a "
+                   "valid request (HTTP 403, 409, 429, 5xx)"),
+    (EXIT_USAGE, "usage error or invalid input: bad arguments, a bad local file, or gpud answered 400, 404, 405, "
+                 "413 or 422"),
+    (EXIT_UNREACHABLE, "gpud is unreachable: no socket, connection refused, no answer in time, or gpud went "
+                       "away mid-answer"),
+)
+SOCKET_ORDER = ("--socket PATH", "$GPUD_SOCKET", "/run/gpud/gpud.sock when it exists (the system gpud)",
+                "your own runtime directory ($XDG_RUNTIME_DIR/gpud/gpud.sock, /run/gpud as root), only if "
+                "no other user can write there")
+NARROWEST_WRAPPED_COLUMN = 24
+
+
+class CliError(Exception):
+    """A command failed: exits with exit_code after saying what (as text, or JSON with --json)."""
+
+    def __init__(self, exit_code: int, code: str, message: str, **details: Any):
+        super().__init__(message)
+        self.exit_code, self.code, self.message, self.details = exit_code, code, message, details
+
+
+def exit_for_status(status: int) -> int:
+    """The exit code for an error status of the API: the request was wrong (2), or it was refused (1)."""
+    if status >= 500 or status in (403, 408, 409, 429):
+        return EXIT_PROBLEM
+    return EXIT_USAGE
+
+
+def report_error(error: CliError, as_json: bool) -> int:
+    if as_json:
+        document = {"error": {"code": error.code, "message": error.message, **error.details},
+                    "exit_code": error.exit_code}
+        print(json.dumps(document), file=sys.stderr)
+    else:
+        code = f" ({error.code})" if "http_status" in error.details else ""  # gpud's slug, to search its docs
+        print(f"gpud: {error.message}{code}", file=sys.stderr)
+        for key, value in error.details.items():
+            if isinstance(value, list) and value:
+                print(f"  {key.replace('_', ' ')}:", file=sys.stderr)
+                for item in value:
+                    print(f"    {_item_text(item)}", file=sys.stderr)
+    return error.exit_code
+
+
+def _item_text(item: Any) -> str:
+    if isinstance(item, dict) and {"gpu", "reason"} <= item.keys():  # a reset blocker, a busy GPU
+        return f"GPU {item['gpu']}: {item['reason']}"
+    if isinstance(item, dict):
+        return ", ".join(f"{key} {value}" for key, value in item.items())
+    return str(item)
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it: poll(2) reports POLLERR on such a write
+    end at once, before any write fails."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _fd, events in poller.poll(0))
+    except (OSError, ValueError):  # stdout closed or not a real file: nothing to tell
+        return False
+
+
+def print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2))
+
+
+def warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr)
+
+
+def terminal_columns() -> int:
+    """The terminal's width ($COLUMNS first); 100 when the output is not a terminal."""
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def table(rows: list[tuple[str, ...]], width: int | None = None) -> str:
+    """Left-aligned columns two spaces apart. With a width, the last column is wrapped so that every
+    line fits it (continuation lines start under that column)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        head = "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " if len(row) > 1 else ""
+        last = [row[-1]] if width is None else _wrapped(row[-1], max(width - len(head), NARROWEST_WRAPPED_COLUMN))
+        lines.append((head + last[0]).rstrip())
+        lines.extend((" " * len(head) + more).rstrip() for more in last[1:])
+    return "\n".join(lines)
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    pieces = [line for paragraph in text.split("\n")
+              for line in (textwrap.wrap(paragraph, width, break_on_hyphens=False) or [""])]
+    return pieces or [""]
+
+
+def reasons_text(reasons: list[dict]) -> str:
+    return "; ".join(f"{r['kind']} {r['code']}: {r['message']} (×{r['count']}, action: {r['action']})"
+                     for r in reasons)
+
+
+def devices_text(side: dict | None) -> str:
+    if side is None:
+        return "(left alone)"
+    if not side["mig_enabled"]:
+        return "MIG off"
+    return ", ".join(f"{count}× {name}" for name, count in side["devices"].items()) or "MIG on, no devices"
+
+
+def format_gpu_table(gpus: list[dict], health: dict | None = None) -> str:
+    """The GPUs and their MIG devices; with /v1/health's document, each device's health too."""
+    states = {}
+    for gpu in (health or {}).get("gpus", []):
+        states[gpu["uuid"]] = gpu["state"]
+        states.update((dev["uuid"], dev["state"]) for dev in gpu.get("mig_devices", []))
+    rows = [("IDX", "NAME", "UUID", "PCI BUS ID", "MEMORY", "MIG", "STATE", "HEALTH")]
+    for gpu in gpus:
+        mig = gpu["mig"]
+        mig_text = "n/a" if not mig["capable"] else (mig["mode"] or "?") + (
+            f" → {mig['pending_mode']}" if mig["pending_mode"] != mig["mode"] else "")
+        state = "lost" if gpu["lost"] else ("error" if gpu.get("error") else "ok")
+        rows.append((str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"],
+                     f"{gpu['memory_total_mib']} MiB", mig_text, state, states.get(gpu["uuid"], "-")))
+        for dev in mig["devices"]:
+            place = dev["placement"]
+            rows.append(("", f"└ MIG {dev['profile']}", dev["uuid"],
+                         f"gi {dev['gi_id']} ci {dev['ci_id']} @{place['start']}:{place['size']}",
+                         f"{dev['memory_total_mib']} MiB", f"{dev['sm_count']} SMs", "",
+                         states.get(dev["uuid"], "-")))
+    return table(rows)
