@@ -18,8 +18,14 @@ T = TypeVar("T")
 
 
 def write_json_atomic(path: Path, document: Any, *, durable: bool = True) -> None:
-    """Writes to a temporary file, fsyncs it, renames it over the old one and fsyncs the directory:
-    a reader (or gpud after a crash) finds the old document or the new one, never a mix.
+    """The document as indented JSON, written as write_text_atomic writes."""
+    write_text_atomic(path, json.dumps(document, indent=2) + "\n", durable=durable)
+
+
+def write_text_atomic(path: Path, text: str, *, durable: bool = True, mode: int | None = None) -> None:
+    """Writes to a hidden temporary file beside path, fsyncs it, renames it over the old one and
+    fsyncs the directory: a reader (or gpud after a crash) finds the old file or the new one, never a
+    mix. mode: the file's permissions, set before the rename (default: mkstemp's 0600).
 
     durable=False skips both fsyncs: the rename alone keeps the file whole across a killed
     process, which is all a file needs that no power loss can reach (the simulator's state)."""
@@ -27,8 +33,9 @@ def write_json_atomic(path: Path, document: Any, *, durable: bool = True) -> Non
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
-            json.dump(document, file, indent=2)
-            file.write("\n")
+            file.write(text)
+            if mode is not None:
+                os.fchmod(file.fileno(), mode)
             if durable:
                 file.flush()
                 os.fsync(file.fileno())

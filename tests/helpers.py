@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -250,3 +251,77 @@ def read_back(daemon: dict) -> tuple[float, dict]:
     control = MpsControl(MPS_CONTROL, MpsDirectories(Path(daemon["pipe_directory"]),
                                                      Path(daemon["log_directory"])), tuple(daemon["devices"]))
     return asyncio.run(control.limits())
+
+
+# -- real containers (podman) --------------------------------------------------------------------
+
+
+def minimal_rootfs(root: Path, *programs: str) -> Path:
+    """A root filesystem holding the programs (by name, found on PATH) and the libraries they load,
+    for `podman run --rootfs`; each program is also at /bin/<name>."""
+    for program in programs:
+        binary = Path(shutil.which(program)).resolve()
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout  # "not a dynamic..." for static
+        libraries = [word for word in ldd.split() if word.startswith("/") and ".so" in word]
+        for source in [binary, *map(Path, libraries)]:
+            target = root / str(source).lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source.resolve(), target)
+        (root / "bin").mkdir(exist_ok=True)
+        if not (root / "bin" / program).exists():
+            shutil.copy2(binary, root / "bin" / program)
+    for directory in ("proc", "sys", "dev", "etc", "tmp", "run"):
+        (root / directory).mkdir(exist_ok=True)
+    return root
+
+
+def hybrid_cgroup2_with_controllers() -> bool:
+    """crun refuses "cgroups in hybrid mode" while the cgroup2 mount beside v1 holds controllers, as
+    in some VM sandboxes (cgroup v1 with a cgroup2 at /sys/fs/cgroup/unified holding hugetlb)."""
+    controllers = Path("/sys/fs/cgroup/unified/cgroup.controllers")
+    return controllers.exists() and bool(controllers.read_text().strip())
+
+
+def podman(*args: str) -> subprocess.CompletedProcess:
+    command = [shutil.which("podman"), "--cgroup-manager", "cgroupfs", *args]
+    if hybrid_cgroup2_with_controllers():
+        # In a private mount namespace without the cgroup2 mount, crun sees plain cgroup v1: the host's
+        # mounts are untouched, and the container's cgroups are the host's real ones.
+        command = ["unshare", "--mount", "sh", "-c", 'umount /sys/fs/cgroup/unified && exec "$@"', "sh", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+# Lower limits than podman's defaults: raising RLIMIT_NOFILE/NPROC is refused in some sandboxes.
+PODMAN_RUN = ("run", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
+
+
+def need_podman_as_root() -> None:
+    """Skips a test without root or podman; under CI=true fails it (scripts/test-all installs podman)."""
+    import pytest
+    if shutil.which("podman") is None or os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("CI runs as root with Debian's podman (scripts/test-all installs it)")
+        pytest.skip("needs root and podman")
+
+
+def stand_in_nodes(root: Path, gpus: int, control=("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")) -> Path:
+    """Character devices under root/dev standing in for the driver's: /dev/nvidia<minor> for each GPU,
+    the control nodes, and every MIG capability node of those GPUs (minors from the driver's table).
+    They are /dev/null's numbers (1, 3), harmless to open. Needs root (mknod)."""
+    import pytest
+
+    from gpud.cdi.spec import parse_mig_minors
+    from gpud.nvml.sim.mig_minors import mig_minors_text
+
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("CI runs as root")
+        pytest.skip("needs root to make device nodes")
+    (root / "dev" / "nvidia-caps").mkdir(parents=True, exist_ok=True)
+    names = [f"dev/nvidia{minor}" for minor in range(gpus)] + [f"dev/{name}" for name in control]
+    minors = parse_mig_minors(mig_minors_text())
+    names += [f"dev/nvidia-caps/nvidia-cap{minor}" for cap, minor in minors.items()
+              if cap.startswith("gpu") and int(cap[3:cap.index("/")]) < gpus]
+    for name in names:
+        os.mknod(root / name, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    return root

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers import IN_CI, curl_as, gpud_for_users, mig_config, put_layout, sim_config, start_daemon, stop_daemon
+from helpers import (IN_CI, PODMAN_RUN, curl_as, gpud_for_users, mig_config, minimal_rootfs, need_podman_as_root,
+                     podman, put_layout, sim_config, start_daemon, stop_daemon)
 from openapi_check import assert_matches_openapi
 
 from gpud.nvml.processes import read_processes
@@ -404,50 +405,12 @@ def test_a_reader_who_is_not_admin_sees_every_process(run_gpud, short_tmp, users
 # -- real containers -------------------------------------------------------------------------------
 
 
-def minimal_rootfs(root: Path) -> Path:
-    """A root filesystem holding `sleep` and the libraries it loads, for `podman run --rootfs`."""
-    sleep = Path(shutil.which("sleep")).resolve()
-    libraries = re.findall(r"(/\S+\.so[.\d]*)", subprocess.run(["ldd", str(sleep)], capture_output=True,
-                                                                text=True, check=True).stdout)
-    for source in [sleep, *map(Path, libraries)]:
-        target = root / str(source).lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source.resolve(), target)
-    (root / "bin").mkdir(exist_ok=True)
-    if not (root / "bin" / "sleep").exists():
-        shutil.copy2(sleep, root / "bin" / "sleep")
-    for directory in ("proc", "sys", "dev", "etc", "tmp", "run"):
-        (root / directory).mkdir(exist_ok=True)
-    return root
-
-
-def hybrid_cgroup2_with_controllers() -> bool:
-    """crun refuses "cgroups in hybrid mode" while the cgroup2 mount beside v1 holds controllers, as
-    in some VM sandboxes (cgroup v1 with a cgroup2 at /sys/fs/cgroup/unified holding hugetlb)."""
-    controllers = Path("/sys/fs/cgroup/unified/cgroup.controllers")
-    return controllers.exists() and bool(controllers.read_text().strip())
-
-
-def podman(*args: str) -> subprocess.CompletedProcess:
-    command = [shutil.which("podman"), "--cgroup-manager", "cgroupfs", *args]
-    if hybrid_cgroup2_with_controllers():
-        # In a private mount namespace without the cgroup2 mount, crun sees plain cgroup v1: the host's
-        # mounts are untouched, and the container's cgroups are the host's real ones.
-        command = ["unshare", "--mount", "sh", "-c", 'umount /sys/fs/cgroup/unified && exec "$@"', "sh", *command]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
-
-
 @pytest.fixture
 def podman_container(short_tmp):
-    if shutil.which("podman") is None or os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("CI runs as root with Debian's podman (scripts/test-all installs it)")
-        pytest.skip("needs root and podman")
-    rootfs = minimal_rootfs(short_tmp / "rootfs")
+    need_podman_as_root()
+    rootfs = minimal_rootfs(short_tmp / "rootfs", "sleep")
     name = f"gpud-test-{os.getpid()}-{time.monotonic_ns()}"
-    # Lower limits than podman's defaults: raising RLIMIT_NOFILE/NPROC is refused in some sandboxes.
-    started = podman("run", "-d", "--name", name, "--network", "none", "--read-only", "--ulimit", "nofile=1024:1024",
-                     "--ulimit", "nproc=1024:1024", "--rootfs", str(rootfs), "/bin/sleep", "300")
+    started = podman(*PODMAN_RUN, "-d", "--name", name, "--read-only", "--rootfs", str(rootfs), "/bin/sleep", "300")
     if started.returncode != 0:
         if IN_CI:
             pytest.fail(f"podman could not run a container: {started.stderr}")

@@ -7,7 +7,7 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors
 from gpud.api.responses import json_response
-from gpud.mps.manager import DaemonState, MpsManager
+from gpud.mps.manager import DaemonState, MpsManager, client_env
 
 
 class MpsRoutes:
@@ -42,21 +42,7 @@ class MpsRoutes:
                                                        f"(the memory of the daemon's devices), got {memory}")
         if threads is not None and not 0 < threads <= 100:
             raise ApiError(422, "limit-beyond-device", f"threads_percent must be above 0 and at most 100, got {threads:g}")
-        env = {"CUDA_MPS_PIPE_DIRECTORY": str(daemon.control.directories.pipe),
-               "CUDA_VISIBLE_DEVICES": ",".join(spec.devices)}
-        pinned = [memory if memory is not None else default for default in spec.pinned_mib]
-        if any(mib is not None for mib in pinned):
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i, mib in enumerate(pinned)
-                                                              if mib is not None)
-        thread_share = threads if threads is not None else spec.active_thread_percentage
-        if thread_share is not None:
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{thread_share:g}"
-        pipe = str(daemon.control.directories.pipe)
-        return json_response({
-            "daemon": spec.name, "state": daemon.state, "env": env,
-            "mounts": [{"source": pipe, "target": pipe, "read_only": False}],
-            "host_ipc": True,  # MPS clients and the server share memory through /dev/shm
-        })
+        return json_response(client_env(daemon, memory, threads))
 
     @admin_only
     @json_errors

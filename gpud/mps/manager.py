@@ -53,6 +53,25 @@ class DaemonState:
     check_inconclusive: bool = False  # the last supervision check could not look (EMFILE and the like)
 
 
+def client_env(daemon: DaemonState, memory_mib: int | None = None, threads_percent: float | None = None) -> dict:
+    """What a container needs to be a client of this daemon (GET /v1/mps/{name}/client-env, the CDI
+    spec's MPS replicas): its environment, the pipe directory mount, and the host IPC it shares.
+    memory_mib and threads_percent override the daemon's default limits."""
+    spec = daemon.spec
+    pipe = str(daemon.control.directories.pipe)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_VISIBLE_DEVICES": ",".join(spec.devices)}
+    pinned = [memory_mib if memory_mib is not None else default for default in spec.pinned_mib]
+    if any(mib is not None for mib in pinned):
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i, mib in enumerate(pinned)
+                                                          if mib is not None)
+    thread_share = threads_percent if threads_percent is not None else spec.active_thread_percentage
+    if thread_share is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{thread_share:g}"
+    return {"daemon": spec.name, "state": daemon.state, "env": env,
+            "mounts": [{"source": pipe, "target": pipe, "read_only": False}],
+            "host_ipc": True}  # MPS clients and the server share memory through /dev/shm
+
+
 def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None
                   ) -> dict[str, DaemonSpec]:
     """The daemons the config asks for on this node, by name. replicas (device UUID -> MPS replicas

@@ -1,0 +1,442 @@
+"""The CDI spec: what it holds for GPUs, MIG devices and replicas, that it follows every change within a
+second and is never seen half-written, and that a real runtime (Debian's podman) runs containers with it."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import shutil
+import stat
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import referencing
+from referencing.jsonschema import DRAFT7
+from helpers import (IN_CI, PODMAN_RUN, REPO, cli, mig_config, mig_settled, minimal_rootfs, need_podman_as_root,
+                     podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon)
+from openapi_check import assert_matches_openapi
+
+from gpud.cdi.spec import parse_mig_minors
+from gpud.nvml.sim.mig_minors import mig_minors_text
+
+SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
+CAPTURE = REPO / "tests" / "fixtures" / "hardware" / "h100-sxm5-580.159.04" / "capture.log"
+# The container runtimes' spec directory podman 4.3 reads (it has no setting for another one).
+RUNTIME_SPEC_DIR = Path("/var/run/cdi")
+PODMAN_LOCK = Path("/tmp/gpud-tests-cdi.lock")  # tests in parallel processes share /var/run/cdi
+
+
+def validate(spec: dict) -> None:
+    resources = {name: DRAFT7.create_resource(json.loads((SCHEMA_DIR / name).read_text()))
+                 for name in ("schema.json", "defs.json")}
+    registry = referencing.Registry().with_resources(resources.items())
+    jsonschema.Draft7Validator(resources["schema.json"].contents, registry=registry).validate(spec)
+
+
+def cdi_config(tmp: Path, preset: str, dev_root: Path, **cdi):
+    config = mig_config(tmp, preset).with_overrides(**{"cdi.dev_root": str(dev_root)})
+    return config.with_overrides(**{f"cdi.{key}": value for key, value in cdi.items()})
+
+
+async def cdi_until(node, wanted, timeout: float = 1.0) -> dict:
+    """GET /v1/cdi until wanted(view) holds, at most `timeout` seconds: the promise is within a second."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, view = await node.get("/v1/cdi")
+        if wanted(view):
+            return view
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/v1/cdi not as wanted within {timeout}s: {view['devices']} {view['error']}")
+        await asyncio.sleep(0.02)
+
+
+def edits(spec: dict, name: str) -> dict:
+    (device,) = [d for d in spec["devices"] if d["name"] == name]
+    return device["containerEdits"]
+
+
+def node_paths(spec: dict, name: str) -> list[str]:
+    return [node["path"] for node in edits(spec, name)["deviceNodes"]]
+
+
+async def mig_devices(node) -> list[dict]:
+    _, gpus = await node.get("/v1/gpus")
+    return [{**device, "gpu": gpu["index"]} for gpu in gpus["gpus"] for device in gpu["mig"]["devices"]]
+
+
+def test_the_schema_tells_its_own_good_examples_from_bad():
+    for name in ("testdata_good_minimal.json", "testdata_good_spec-example.json"):
+        validate(json.loads((SCHEMA_DIR / name).read_text()))
+    assert (SCHEMA_DIR / "testdata_bad_empty.json").read_text() == ""  # the schema's bad example: no document
+    for bad in ({"kind": "gpud/gpu", "devices": []}, {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0"}]},
+                {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0", "containerEdits": {
+                    "deviceNodes": [{"hostPath": "/dev/nvidia0"}]}}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad)
+
+
+# -- the driver's MIG minors table -----------------------------------------------------------------
+
+
+def test_the_simulated_mig_minors_table_is_the_drivers():
+    text = mig_minors_text()
+    # Our H100 capture printed the first 20 lines of the real file
+    log = CAPTURE.read_text().splitlines()
+    start = log.index("+ cat /proc/driver/nvidia-caps/mig-minors") + 2  # then "+ head -20"
+    assert text.splitlines()[:20] == log[start:start + 20]
+    minors = parse_mig_minors(text)
+    # nv-caps.c: 2 + 32 GPUs × 15 GIs × (1 + 8 CIs) entries, numbered from 1 without gaps
+    assert len(minors) == 2 + 32 * 15 * 9 and sorted(minors.values()) == list(range(1, 2 + 32 * 15 * 9 + 1))
+    assert minors["gpu31/gi14/ci7/access"] == 4322 and minors["gpu1/gi0/access"] == 3 + 135
+
+
+def test_mig_minors_lines_of_another_shape_are_skipped():
+    text = ("config 1\ngarbage\n\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access x\nmonitor 2 3\n\xff\xfe 9\n"
+            "gpu0/gi1/ci2/access 15\ngpu0/gi1/cix/access 16\n gpu0/gi2/access 21\nnotconfig 99\n")
+    assert parse_mig_minors(text) == {"config": 1, "gpu0/gi1/access": 12, "gpu0/gi1/ci2/access": 15}
+
+
+# -- the spec --------------------------------------------------------------------------------------
+
+
+async def test_gpus_mig_devices_and_time_sliced_replicas(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=2)
+    sharing = ("version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+               "    - name: nvidia.com/mig-1g.5gb\n      replicas: 3\n")
+    config = sharing_config(short_tmp, "A100-SXM4-40GB:2", sharing).with_overrides(**{"cdi.dev_root": str(root)})
+    node = await start_daemon(config)
+    try:
+        await mig_settled(node)
+        assert (await put_layout(node, "all-balanced"))[0] == 200
+        devices = await mig_devices(node)
+        small = [d for d in devices if d["profile"] == "1g.5gb"]
+        view = await cdi_until(node, lambda v: all(f"{d['uuid']}::2" in v["devices"] for d in small))
+        assert_matches_openapi("GET", "/v1/cdi", 200, view)
+        spec = view["spec"]
+        validate(spec)
+        assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
+        assert (spec["kind"], view["kind"], view["path"]) == ("gpud/gpu", "gpud/gpu", str(short_tmp / "cdi/gpud-gpu.json"))
+        assert spec["cdiVersion"] == "0.5.0"  # hostPath in deviceNodes: the stand-ins are not at /dev
+        _, gpus = await node.get("/v1/gpus")
+        expected = []
+        for gpu in gpus["gpus"]:
+            expected += [str(gpu["index"]), gpu["uuid"]]
+            expected += [name for d in devices if d["gpu"] == gpu["index"]
+                         for name in (f"{d['gpu']}:{d['index']}", d["uuid"])]
+        expected += [f"{d['uuid']}::{n}" for d in small for n in range(3)] + ["all"]
+        assert view["devices"] == expected and view["unavailable"] == []
+        minors = parse_mig_minors(mig_minors_text())
+        for device in devices:
+            gpu, gi, ci = device["gpu"], device["gi_id"], device["ci_id"]
+            gi_minor, ci_minor = minors[f"gpu{gpu}/gi{gi}/access"], minors[f"gpu{gpu}/gi{gi}/ci{ci}/access"]
+            wanted = [f"/dev/nvidia{gpu}", f"/dev/nvidia-caps/nvidia-cap{gi_minor}",
+                      f"/dev/nvidia-caps/nvidia-cap{ci_minor}"]
+            assert node_paths(spec, device["uuid"]) == wanted == node_paths(spec, f"{gpu}:{device['index']}")
+        for node_entry in edits(spec, devices[0]["uuid"])["deviceNodes"]:
+            assert node_entry["hostPath"] == str(root) + node_entry["path"]
+        assert node_paths(spec, f"{small[0]['uuid']}::1") == node_paths(spec, small[0]["uuid"])
+        assert "env" not in edits(spec, f"{small[0]['uuid']}::1")  # time-slicing needs nothing more
+        assert node_paths(spec, "0") == ["/dev/nvidia0"]
+        assert set(node_paths(spec, "all")) == {p for d in devices for p in node_paths(spec, d["uuid"])}
+        assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == \
+            ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    finally:
+        await stop_daemon(node)
+
+
+async def test_device_nodes_only_where_they_exist(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=2, control=("nvidiactl",))
+    (root / "dev" / "nvidia1").unlink()
+    (root / "dev" / "nvidia-fake").write_text("a regular file is no device node")
+    node = await start_daemon(cdi_config(short_tmp, "A100-SXM4-40GB:2", root))
+    try:
+        view = await cdi_until(node, lambda v: v["devices"])
+        _, gpus = await node.get("/v1/gpus")
+        gpu0, gpu1 = gpus["gpus"]
+        assert view["devices"] == ["0", gpu0["uuid"], "all"]
+        assert view["unavailable"] == [{"device": name, "reason": "no device node /dev/nvidia1 on the host"}
+                                       for name in ("1", gpu1["uuid"])]
+        assert [n["path"] for n in view["spec"]["containerEdits"]["deviceNodes"]] == ["/dev/nvidiactl"]
+        validate(view["spec"])
+        # a MIG device whose capability nodes are missing is left out, its GPU stays
+        assert (await put_layout(node, "all-3g.20gb"))[0] == 200
+        devices = await mig_devices(node)
+        gone = [d for d in devices if d["gpu"] == 0][0]
+        minor = parse_mig_minors(mig_minors_text())[f"gpu0/gi{gone['gi_id']}/ci{gone['ci_id']}/access"]
+        (root / "dev" / "nvidia-caps" / f"nvidia-cap{minor}").unlink()
+        node.daemon.cdi.refresh("test: a node went")
+        _, view = await node.get("/v1/cdi")
+        assert gone["uuid"] not in view["devices"] and "0" in view["devices"]
+        assert {"device": gone["uuid"], "reason": f"no device node /dev/nvidia-caps/nvidia-cap{minor} on the host"} \
+            in view["unavailable"]
+    finally:
+        await stop_daemon(node)
+
+
+@pytest.mark.slow
+async def test_a_mig_change_on_a_dgx_a100_shows_exactly_the_new_devices_within_a_second(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=8)
+    node = await start_daemon(cdi_config(short_tmp, "dgx-a100", root))
+    try:
+        await mig_settled(node)
+        assert (await put_layout(node, "all-balanced"))[0] == 200
+        old = {d["uuid"] for d in await mig_devices(node)}
+        await cdi_until(node, lambda v: old <= set(v["devices"]))
+        status, _ = await put_layout(node, "all-1g.5gb")
+        applied = time.monotonic()
+        assert status == 200
+        new = {d["uuid"] for d in await mig_devices(node)}
+        assert len(new) == 8 * 7 and old - new
+
+        def only_new(view):
+            return {name for name in view["devices"] if name.startswith("MIG-")} == new
+        view = await cdi_until(node, only_new, timeout=1.0 - (time.monotonic() - applied))
+        assert not (old - new) & set(view["devices"])  # removed devices are gone
+        on_disk = json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text())
+        assert {d["name"] for d in on_disk["devices"] if d["name"].startswith("MIG-")} == new
+        assert sum(":" in name and "::" not in name for name in view["devices"]) == 8 * 7
+        validate(on_disk)
+    finally:
+        await stop_daemon(node)
+
+
+@pytest.mark.usefixtures("mps_tmp")
+async def test_mps_replicas_carry_the_client_environment_and_the_pipe_mount(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=1)
+    sharing = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+    config = sharing_config(short_tmp, "t4", sharing).with_overrides(**{
+        "cdi.dev_root": str(root), "mps.enabled": True, "mps.pipe_root": str(short_tmp / "mps"),
+        "mps.log_root": str(short_tmp / "mpslog")})
+    node = await start_daemon(config)
+    try:
+        _, gpu = await node.get("/v1/gpus/0")
+        view = await cdi_until(node, lambda v: f"{gpu['uuid']}::1" in v["devices"], timeout=10)
+        validate(view["spec"])
+        pipe = str(short_tmp / "mps" / "gpu0" / "pipe")
+        replica = edits(view["spec"], f"{gpu['uuid']}::0")
+        assert replica["env"] == ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                                  f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={gpu['memory_total_mib'] // 2}M",
+                                  f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_VISIBLE_DEVICES={gpu['uuid']}"]
+        assert replica["mounts"] == [{"hostPath": pipe, "containerPath": pipe,
+                                      "options": ["rw", "nosuid", "nodev", "bind"]}]
+        _, client = await node.get("/v1/mps/gpu0/client-env")
+        assert sorted(f"{k}={v}" for k, v in client["env"].items()) == replica["env"]
+        assert node_paths(view["spec"], f"{gpu['uuid']}::0") == ["/dev/nvidia0"]
+    finally:
+        await stop_daemon(node)
+
+
+async def test_mps_replicas_without_a_daemon_are_left_out(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=1)
+    sharing = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+    config = sharing_config(short_tmp, "t4", sharing).with_overrides(**{"cdi.dev_root": str(root)})
+    node = await start_daemon(config)
+    try:
+        view = await cdi_until(node, lambda v: v["devices"])
+        _, gpu = await node.get("/v1/gpus/0")
+        assert view["devices"] == ["0", gpu["uuid"], "all"]
+        assert [u["device"] for u in view["unavailable"]] == [f"{gpu['uuid']}::0", f"{gpu['uuid']}::1"]
+        assert all(u["reason"] == f"no MPS daemon serves {gpu['uuid']}" for u in view["unavailable"])
+    finally:
+        await stop_daemon(node)
+
+
+@pytest.mark.slow
+async def test_a_reader_never_sees_half_a_spec(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=8)
+    node = await start_daemon(cdi_config(short_tmp, "dgx-a100", root))
+    path = short_tmp / "cdi" / "gpud-gpu.json"
+    seen, bad, stop = set(), [], threading.Event()
+
+    def read_loop():
+        while not stop.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                seen.add(len(json.loads(text)["devices"]))
+            except ValueError:
+                bad.append(text)
+    try:
+        await cdi_until(node, lambda v: v["devices"])
+        reader = threading.Thread(target=read_loop)
+        reader.start()
+        gpu7 = root / "dev" / "nvidia7"
+        for _ in range(40):  # GPU 7's node goes and comes back: each refresh rewrites the spec
+            gpu7.unlink() if gpu7.exists() else os.mknod(gpu7, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+            node.daemon.cdi.refresh("test")
+            await asyncio.sleep(0.005)
+        stop.set()
+        reader.join()
+        assert bad == [] and len(seen) == 2, (seen, bad[:1])
+        assert [p.name for p in path.parent.iterdir()] == ["gpud-gpu.json"]  # no temporary files left
+    finally:
+        stop.set()
+        await stop_daemon(node)
+
+
+async def test_an_unwritable_spec_dir_is_reported_and_gpud_keeps_serving(short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=1)
+    blocker = short_tmp / "blocker"
+    blocker.write_text("a file where the spec directory should be")
+    node = await start_daemon(cdi_config(short_tmp, "A100-SXM4-40GB:1", root, spec_dir=str(blocker / "cdi")),
+                              healthy=False)
+    try:
+        view = await cdi_until(node, lambda v: v["error"])
+        assert view["error"].startswith(f"cannot write {blocker / 'cdi' / 'gpud-gpu.json'}") and view["spec"] is None
+        _, health = await node.get("/healthz")
+        assert view["error"] in health["problems"], health
+        blocker.unlink()
+        node.daemon.cdi.refresh("test: the directory can be made now")
+        _, view = await node.get("/v1/cdi")
+        assert view["error"] is None and (blocker / "cdi" / "gpud-gpu.json").exists()
+        _, health = await node.get("/healthz")
+        assert not any("gpud-gpu.json" in problem for problem in health.get("problems", [])), health
+    finally:
+        await stop_daemon(node)
+
+
+async def test_turned_off_no_spec_and_the_old_one_is_removed(short_tmp):
+    (short_tmp / "cdi").mkdir()
+    (short_tmp / "cdi" / "gpud-gpu.json").write_text('{"cdiVersion": "0.3.0", "kind": "gpud/gpu", "devices": []}')
+    node = await start_daemon(cdi_config(short_tmp, "A100-SXM4-40GB:1", short_tmp, enabled=False))
+    try:
+        status, view = await node.get("/v1/cdi")
+        assert status == 200 and (view["enabled"], view["path"], view["devices"]) == (False, None, [])
+        assert_matches_openapi("GET", "/v1/cdi", 200, view)
+        assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
+    finally:
+        await stop_daemon(node)
+
+
+async def test_no_device_node_no_spec_file(short_tmp):
+    """A simulated node with the real /dev (no NVIDIA nodes here): nothing to hand out, and a spec without
+    devices is one CDI readers refuse, so there is no file."""
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this host has NVIDIA device nodes")
+    node = await start_daemon(cdi_config(short_tmp, "A100-SXM4-40GB:1", Path("/")))
+    try:
+        view = await cdi_until(node, lambda v: v["written_at"])
+        assert view["devices"] == [] and len(view["unavailable"]) == 2
+        assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
+    finally:
+        await stop_daemon(node)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("cdi:\n  enabled: maybe\n", "cdi.enabled"), ("cdi:\n  spec_dir: 3\n", "cdi.spec_dir"),
+    ("cdi: [1]\n", "cdi"), ("cdi:\n  dev_root: ''\n", "cdi.dev_root"), ("cdi:\n  colour: red\n", "cdi.colour")])
+def test_bad_cdi_config_is_refused(text, error):
+    from gpud.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text)
+    assert raised.value.key == error
+
+
+# -- a real runtime --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_tmp):
+    need_podman_as_root()
+    if shutil.which("busybox") is None:
+        if IN_CI:
+            pytest.fail("CI needs busybox-static (scripts/test-all installs it)")
+        pytest.skip("busybox-static is not installed")
+    tmp = mps_tmp
+    root = stand_in_nodes(tmp / "root", gpus=1)
+    rootfs = minimal_rootfs(tmp / "rootfs", "busybox")
+    (tmp / "sharing.yaml").write_text("version: v1\nsharing:\n  mps:\n    resources:\n"
+                                      "    - name: nvidia.com/gpu\n      replicas: 2\n")
+    (tmp / "gpud.yaml").write_text(
+        f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\nsharing:\n  file: {tmp / 'sharing.yaml'}\n"
+        f"mps:\n  enabled: true\n  pipe_root: {tmp / 'mps'}\n  log_root: {tmp / 'mpslog'}\n"
+        f"mig:\n  layouts_file: {tmp / 'absent.yaml'}\n")
+    with PODMAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(tmp / "sim.json"),
+                        "--config", str(tmp / "gpud.yaml"))
+        try:
+            gpud.wait_healthy()
+            replica = f"{gpud.client.get('/v1/gpus/0')['uuid']}::0"
+            gpud.wait_for(lambda: replica in gpud.client.get("/v1/cdi")["devices"], 20, "the MPS replicas")
+            spec = gpud.client.get("/v1/cdi")["spec"]
+            inside = run_in_container(rootfs, replica, "env; ls /dev; cat /proc/mounts")
+            assert inside.returncode == 0, inside.stderr
+            lines = inside.stdout.splitlines()
+            assert edits(spec, replica)["env"] and all(variable in lines for variable in edits(spec, replica)["env"])
+            pipe = str(tmp / "mps" / "gpu0" / "pipe")
+            assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in lines and f" {pipe} " in inside.stdout
+            assert {"nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"} <= set(lines)
+
+            assert cli("mig", "apply", "all-3g.20gb", socket=gpud.socket).returncode == 0
+            old = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
+            gpud.wait_for(lambda: set(old) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the MIG devices")
+            assert_runs_with_its_nodes(gpud, rootfs, old[0])
+            assert_unresolvable(rootfs, replica)  # the GPU's replicas went with its MIG mode
+
+            assert cli("mig", "apply", "all-1g.5gb", socket=gpud.socket).returncode == 0
+            new = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
+            gpud.wait_for(lambda: set(new) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the new MIG devices")
+            assert set(old) - set(new)
+            for name in set(old) - set(new):
+                assert_unresolvable(rootfs, name)
+            assert_runs_with_its_nodes(gpud, rootfs, new[-1])
+        finally:
+            gpud.stop()
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+
+
+def assert_runs_with_its_nodes(gpud, rootfs: Path, device: str) -> None:
+    """A container with the device has exactly the device nodes the spec gives it, the GPU's and its MIG caps."""
+    inside = run_in_container(rootfs, device, "ls /dev /dev/nvidia-caps")
+    assert inside.returncode == 0, inside.stderr
+    wanted = node_paths(gpud.client.get("/v1/cdi")["spec"], device)
+    caps = sorted(path.rsplit("/", 1)[1] for path in wanted if path.startswith("/dev/nvidia-caps/"))
+    assert len(caps) == 2 and inside.stdout.split("/dev/nvidia-caps:")[1].split() == caps
+    assert "nvidia0" in inside.stdout.split()
+
+
+def assert_unresolvable(rootfs: Path, device: str) -> None:
+    refused = run_in_container(rootfs, device, "true")
+    assert refused.returncode != 0 and "unresolvable CDI devices" in refused.stderr, refused.stderr
+
+
+def run_in_container(rootfs: Path, device: str, script: str):
+    return podman(*PODMAN_RUN, "--rm", "--read-only", "--device", f"gpud/gpu={device}", "--rootfs", str(rootfs),
+                  "/bin/busybox", "sh", "-c", script)
+
+
+
+@pytest.mark.slow
+def test_gpud_cdi_prints_the_names_a_runtime_takes(run_gpud, short_tmp):
+    root = stand_in_nodes(short_tmp / "root", gpus=1)
+    blocker = short_tmp / "blocker"
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  dev_root: {root}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
+                    "--config", str(short_tmp / "gpud.yaml"))
+    gpud.wait_healthy()
+    uuid = gpud.client.get("/v1/gpus/0")["uuid"]
+    gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["devices"], 5, "the spec")
+    shown = cli("cdi", socket=gpud.socket)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  devices: 3",
+                                         "  gpud/gpu=0", f"  gpud/gpu={uuid}", "  gpud/gpu=all"]
+    as_json = cli("cdi", "--json", socket=gpud.socket)
+    assert json.loads(as_json.stdout)["devices"] == ["0", uuid, "all"]
+    assert gpud.stop() == 0
+    blocker.write_text("not a directory")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  dev_root: {root}\n  spec_dir: {blocker / 'cdi'}\n"
+                                         f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
+                    "--config", str(short_tmp / "gpud.yaml"))
+    gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["error"], 10, "the write error")
+    failed = cli("cdi", socket=gpud.socket)
+    assert failed.returncode == 1 and f"error: cannot write {blocker / 'cdi' / 'gpud-gpu.json'}" in failed.stdout
+    assert gpud.stop() == 0
