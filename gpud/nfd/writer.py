@@ -1,0 +1,134 @@
+"""Keeps NFD's feature file current: rewritten (whole, by rename) within a second of every change of
+the labels, and only then.
+
+Changes arrive on the event bus (MIG, health, sharing, inventory) and are written after a short quiet
+time, so one MIG apply that moves many devices is one write. Some changes publish no event (the MIG
+state leaving `pending` once start-up convergence is over), so the labels are also compared once a
+second: a comparison costs a few dictionaries, a write happens only when the text differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Callable
+
+from gpud.events import CLOSED, OVERFLOW, EventBus
+from gpud.logs import get_logger
+from gpud.nfd.labels import HEADER, feature_file
+from gpud.persist import write_text_atomic
+
+log = get_logger("nfd")
+
+QUIET_S = 0.15  # changes of one burst (a MIG apply, an XID on every MIG device) make one write
+CHECK_INTERVAL_S = 1.0  # changes that publish no event are seen within this
+
+
+class NfdWriter:
+    """Turned off (nfd.enabled false), it writes nothing and removes gpud's own old file at path, so
+    NFD stops publishing labels nothing keeps current."""
+
+    def __init__(self, path: Path, labels: Callable[[], dict[str, str] | None], bus: EventBus, *,
+                 enabled: bool = True, create_directory: bool = True):
+        self.path = path
+        self.enabled = enabled
+        # False for NFD's own features.d: where it is missing, NFD is not installed, and gpud waits
+        # for it (checked every CHECK_INTERVAL_S) instead of making it or calling that a fault.
+        self._create_directory = create_directory
+        self._labels = labels  # None while there is no inventory: nothing is written then
+        self._bus = bus
+        self._written: str | None = None  # the text the file holds, as gpud last wrote it
+        self._document = {"enabled": enabled, "path": str(path), "labels": {}, "dropped": [], "bytes": 0,
+                          "written_at": None, "error": None, "waiting": None}
+
+    @property
+    def problem(self) -> str | None:
+        """Why the file is not current (for /healthz), None when it is."""
+        error = self._document["error"]
+        return f"the NFD feature file {self.path} is not current: {error}" if error else None
+
+    def view(self) -> dict:
+        """GET /v1/nfd: what the file holds, what was left out of it and why, the last write error."""
+        return self._document
+
+    async def run(self) -> None:
+        if not self.enabled:
+            self._remove_own_file()
+            return
+        subscription = self._bus.subscribe()
+        try:
+            while True:
+                await self.write_if_changed()
+                try:
+                    first = await asyncio.wait_for(subscription.queue.get(), CHECK_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    continue
+                await asyncio.sleep(QUIET_S)
+                burst = [first, *_drain(subscription.queue)]
+                if CLOSED in burst:  # gpud is stopping
+                    return
+                if OVERFLOW in burst:  # the bus cut this queue off: a new one
+                    subscription = self._bus.subscribe()
+        finally:
+            self._bus.unsubscribe(subscription)
+
+    async def write_if_changed(self) -> None:
+        labels = self._labels()
+        if labels is None:
+            return
+        text, dropped = feature_file(labels)
+        if text == self._written:
+            return
+        if not self._create_directory and not self.path.parent.is_dir():
+            waiting = f"{self.path.parent} does not exist: NFD is not installed here; the file is written once it is"
+            if self._document["waiting"] != waiting:
+                log.info("nfd_file_waiting", path=str(self.path), why=waiting)
+                self._document = {**self._document, "waiting": waiting}
+            return
+        try:
+            await asyncio.to_thread(write_atomic, self.path, text)
+        except OSError as exc:
+            if self._document["error"] != str(exc):  # once per cause, not once a second
+                log.error("nfd_file_not_written", path=str(self.path), error=str(exc),
+                          consequence="NFD keeps publishing the labels of the last file written")
+            self._document = {**self._document, "error": str(exc)}
+            return
+        self._written = text
+        for entry in dropped:
+            log.error("nfd_label_dropped", label=entry.label, value=entry.value, reason=entry.reason,
+                      path=str(self.path))
+        written = {name: value for name, value in labels.items() if name not in {d.label for d in dropped}}
+        log.info("nfd_file_written", path=str(self.path), labels=len(written), dropped=len(dropped),
+                 mig_config=written.get("nvidia.com/mig.config"), health=written.get("nvidia.com/gpu.health"))
+        self._document = {**self._document, "labels": dict(sorted(written.items())),
+                          "dropped": [entry._asdict() for entry in dropped], "bytes": len(text.encode()),
+                          "written_at": time.time(), "error": None, "waiting": None}
+
+    def _remove_own_file(self) -> None:
+        """Removes the file at path when gpud wrote it (its header says so), never another's."""
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as file:
+                ours = file.read(len(HEADER)) == HEADER
+            if ours:
+                self.path.unlink()
+                log.info("nfd_file_removed", path=str(self.path), why="nfd.enabled is false")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("nfd_file_not_removed", path=str(self.path), error=str(exc),
+                      consequence="NFD keeps publishing the labels of gpud's last file")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """nfd-worker skips names starting with "." (source/local/local.go getFeaturesFromFiles), and
+    NFD's guide asks for a temporary file renamed over the old one (customization-guide.md "Local
+    feature source" note): write_text_atomic's hidden temporary file is exactly that, so nfd-worker
+    reads the old file or the new one, never a part. Mode 0644: labels are no secret, and nfd-worker
+    may not run as root."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    write_text_atomic(path, text, mode=0o644)
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    return [queue.get_nowait() for _ in range(queue.qsize())]
