@@ -76,22 +76,26 @@ def test_ready_comes_even_without_a_driver(run_gpud, short_tmp, notify_socket):
     assert any(line.startswith("STATUS=") and "Driver Not Loaded" in line for line in ready)
 
 
-def test_the_unit_passes_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("unit", ["gpud.service", "gpud-device-plugin.service"])
+def test_the_units_pass_systemd_analyze_verify(tmp_path, unit):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         if IN_CI:
             pytest.fail("CI must have systemd-analyze (package systemd)")
         pytest.skip("systemd-analyze is not installed")
-    # A root holding the OS's units, the unit, and the binaries it names, as a package installs them.
+    # A root holding the OS's units, the packaged units, the binaries they name and the directory the
+    # device plugin's condition wants, as a package installs them on a Kubernetes node.
     shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
     for binary in ("usr/bin/gpud", "bin/kill"):
         (tmp_path / binary).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / binary).write_text("#!/bin/sh\n")
         (tmp_path / binary).chmod(0o755)
+    (tmp_path / "var/lib/kubelet/device-plugins").mkdir(parents=True)
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
-    shutil.copy(REPO / "systemd" / "gpud.service", unit_dir)
-    result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", "/etc/systemd/system/gpud.service"],
+    for packaged in ("gpud.service", "gpud-device-plugin.service"):
+        shutil.copy(REPO / "systemd" / packaged, unit_dir)
+    result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", f"/etc/systemd/system/{unit}"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
 

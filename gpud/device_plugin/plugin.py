@@ -1,0 +1,124 @@
+"""The device plugin process: an endpoint per shared resource of gpud, each registered with the kubelet.
+
+A resource that appears gets an endpoint and registers; one already registered keeps its endpoint
+and only sends new ListAndWatch frames (a MIG change, health); one that disappears first sends an
+empty device list (the kubelet then advertises none of it) and its endpoint stops, unless gpud's
+sharing document has an error (migStrategy single halfway through a MIG change has no resources
+at all): the endpoint then stays, empty, until gpud says which resources there are. Once a second
+the kubelet's directory is looked at: a re-created kubelet.sock (the kubelet restarted) has every
+endpoint register again; an endpoint whose socket is gone (the kubelet removes plugin sockets when
+it starts) is restarted and registers again; a failed registration is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+from gpud.device_plugin import DEFAULT_KUBELET_DIR
+from gpud.device_plugin.endpoint import Endpoint
+from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
+from gpud.device_plugin.state import NodeState
+from gpud.logs import get_logger
+
+log = get_logger("device_plugin")
+
+KUBELET_SOCKET = "kubelet.sock"
+KUBELET_CHECK_S = 1.0
+
+
+class DevicePlugin:
+    def __init__(self, gpud_socket: Path | None, kubelet_dir: Path = DEFAULT_KUBELET_DIR,
+                 unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S):
+        self.kubelet_dir = kubelet_dir
+        self.kubelet_socket = kubelet_dir / KUBELET_SOCKET
+        self.follower = GpudFollower(gpud_socket, self.apply, unreachable_grace_s)
+        self.state = NodeState()
+        self.endpoints: dict[str, Endpoint] = {}
+        self._kubelet_identity: tuple[int, int] | None = None
+        self._lock = asyncio.Lock()  # one change to the endpoints at a time
+
+    async def serve(self) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("device_plugin_starting", kubelet_dir=str(self.kubelet_dir),
+                 gpud_socket=str(self.follower.client.socket_path))
+        self._kubelet_identity = self._kubelet_identity_now()  # endpoints register with this kubelet
+        tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self._watch_kubelet())]
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for task in [*tasks, stopping]:
+            task.cancel()
+        failures = []
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await task
+                except Exception as exc:  # a loop died: exit non-zero, so that systemd or the DaemonSet restarts us
+                    failures.append(exc)
+                    log.exception("device_plugin_failed", error=repr(exc))
+        async with self._lock:
+            for endpoint in self.endpoints.values():
+                await endpoint.stop("the plugin is stopping")
+        log.info("device_plugin_stopped", failed=bool(failures))
+        return 1 if failures else 0
+
+    async def apply(self, state: NodeState) -> None:
+        """Brings the endpoints in line with gpud's resources."""
+        async with self._lock:
+            self.state = state
+            for name in [n for n in self.endpoints if n not in state.resources]:
+                await self.endpoints[name].update(replace(self.endpoints[name].resource, devices=()))
+                if state.sharing_error is None:
+                    await self.endpoints.pop(name).stop("gpud no longer has this resource")
+            for name, resource in state.resources.items():
+                if name in self.endpoints:
+                    await self.endpoints[name].update(resource)
+                    continue
+                endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state)
+                await endpoint.start()
+                self.endpoints[name] = endpoint
+                if self._kubelet_identity is not None:
+                    await endpoint.register(self.kubelet_socket)
+
+    async def _watch_kubelet(self) -> None:
+        while True:
+            await asyncio.sleep(KUBELET_CHECK_S)
+            async with self._lock:
+                await self._check_kubelet()
+
+    def _kubelet_identity_now(self) -> tuple[int, int] | None:
+        """Which kubelet.sock is there: a re-created one (the kubelet restarted) differs."""
+        try:
+            st = os.stat(self.kubelet_socket)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_ctime_ns)
+
+    async def _check_kubelet(self) -> None:
+        identity = self._kubelet_identity_now()
+        restarted = identity is not None and identity != self._kubelet_identity
+        if identity != self._kubelet_identity:
+            log.info("kubelet_socket_changed" if identity else "kubelet_socket_gone", socket=str(self.kubelet_socket))
+            self._kubelet_identity = identity
+        for endpoint in self.endpoints.values():
+            if not endpoint.socket_is_ours():
+                log.warning("endpoint_socket_gone", resource=endpoint.resource.name, socket=str(endpoint.socket),
+                            action="restarting the endpoint")
+                await endpoint.stop("its socket was removed")
+                await endpoint.start()
+            if identity is not None and (restarted or not endpoint.registered):
+                await endpoint.register(self.kubelet_socket)
+
+
+def run(gpud_socket: Path | None, kubelet_dir: Path, unreachable_grace_s: float) -> int:
+    if not kubelet_dir.is_dir():
+        log.error("kubelet_dir_missing", kubelet_dir=str(kubelet_dir))
+        return 2
+    return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s).serve())

@@ -1,0 +1,70 @@
+"""What the device plugin knows of the node: gpud's shared resources, CDI names and MPS clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    """One device the kubelet schedules: a GPU or MIG UUID, or a replica ID `<uuid>::<n>`."""
+
+    id: str
+    parent: str  # the GPU or MIG device the ID stands for
+    gpu_index: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str
+    strategy: str  # none | time-slicing | mps
+    fail_requests_greater_than_one: bool
+    devices: tuple[PluginDevice, ...]
+
+    def device(self, device_id: str) -> PluginDevice | None:
+        return next((d for d in self.devices if d.id == device_id), None)
+
+
+@dataclass(frozen=True)
+class MpsClient:
+    """What a container needs to be a client of the MPS daemon that serves a device."""
+
+    daemon: str
+    state: str
+    env: dict[str, str]
+    mounts: tuple[tuple[str, str, bool], ...]  # (host path, container path, read only)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    resources: dict[str, Resource] = field(default_factory=dict)
+    cdi_kind: str | None = None  # "<vendor>/<class>" of gpud's CDI spec; None: gpud writes none
+    cdi_names: frozenset[str] = frozenset()
+    mps_clients: dict[str, MpsClient] = field(default_factory=dict)  # by device UUID
+    # why gpud computed no resources (e.g. migStrategy single halfway through a MIG change)
+    sharing_error: str | None = None
+
+    def all_unhealthy(self) -> NodeState:
+        """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
+        return replace(self, resources={
+            name: replace(r, devices=tuple(replace(d, healthy=False) for d in r.devices))
+            for name, r in self.resources.items()})
+
+
+def resources_from_sharing(document: dict[str, Any]) -> dict[str, Resource]:
+    """The resources of a GET /v1/sharing answer."""
+    return {entry["name"]: Resource(
+        name=entry["name"], strategy=entry["strategy"],
+        fail_requests_greater_than_one=bool(entry["fail_requests_greater_than_one"]),
+        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]))
+                      for d in entry["devices"]))
+        for entry in document["resources"]}
+
+
+def mps_client(client_env: dict[str, Any]) -> MpsClient:
+    """A GET /v1/mps/{name}/client-env answer."""
+    return MpsClient(daemon=client_env["daemon"], state=client_env["state"], env=dict(client_env["env"]),
+                     mounts=tuple((m["source"], m["target"], bool(m.get("read_only", False)))
+                                  for m in client_env["mounts"]))
