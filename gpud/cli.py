@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpud {__version__}")
     commands = _group(parser, "commands")
     _add_serve(commands)
+    _add_device_plugin(commands)
     _add_client(commands, "status", cli_client.status, "the daemon, the node and its health (exit 1 if not healthy)")
     _add_gpus(commands)
     _add_health(commands)
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
+    _add_client(commands, "nfd", cli_client.nfd, "the labels gpud writes for Node Feature Discovery (exit 1 if the "
+                                                 "file could not be written)")
+    _add_client(commands, "cdi", cli_client.cdi, "the CDI spec gpud writes for container runtimes: its path, kind "
+                                                 "and device names (exit 1 if it could not be written)")
     _add_client(commands, "metrics", cli_client.metrics, "the Prometheus metrics gpud serves")
     _add_sim(commands)
     config = _group(commands.add_parser("config", help="work with config files"), "config commands")
@@ -177,6 +182,22 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--log-level", choices=LOG_LEVELS)
     serve.add_argument("--log-format", choices=LOG_FORMATS)
     _local_command(serve, _serve)
+
+
+def _add_device_plugin(commands: Any) -> None:
+    from gpud.device_plugin import DEFAULT_KUBELET_DIR
+
+    plugin = commands.add_parser("device-plugin", help="run a kubelet device plugin that follows gpud's shared "
+                                                       "resources (a client of gpud's socket)")
+    plugin.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
+                                                    "your own)")
+    plugin.add_argument("--kubelet-dir", type=Path, default=DEFAULT_KUBELET_DIR,
+                        help=f"where kubelet.sock is and the plugin's sockets go (default {DEFAULT_KUBELET_DIR})")
+    plugin.add_argument("--unhealthy-after", type=float, default=30.0, metavar="SECONDS",
+                        help="report every device Unhealthy once gpud has been unreachable this long (default 30)")
+    plugin.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    plugin.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
+    _local_command(plugin, _device_plugin)  # --json: its usage errors as JSON, as every command's
 
 
 def _add_gpus(commands: Any) -> None:
@@ -292,6 +313,17 @@ def _serve(args: argparse.Namespace) -> int:
         return load_config(args.config).with_overrides(**overrides)
 
     return asyncio.run(daemon.serve(config, reread))
+
+
+def _device_plugin(args: argparse.Namespace) -> int:
+    from gpud.device_plugin.plugin import run
+    from gpud.logs import configure_logging
+
+    if args.unhealthy_after < 0:
+        raise CliError(EXIT_USAGE, "usage",
+                       f"device-plugin: --unhealthy-after must be 0 or more, got {args.unhealthy_after:g}")
+    configure_logging(args.log_level, args.log_format)
+    return run(args.socket, args.kubelet_dir, args.unhealthy_after)
 
 
 def _config_validate(args: argparse.Namespace) -> int:

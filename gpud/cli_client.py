@@ -376,6 +376,46 @@ def sharing(args: argparse.Namespace, client: Client) -> int:
     return EXIT_PROBLEM if view["error"] else EXIT_OK
 
 
+def nfd(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/nfd")
+    problem = EXIT_PROBLEM if view["error"] else EXIT_OK
+    if args.json:
+        print_json(view)
+        return problem
+    if not view["enabled"]:
+        print(f"off (nfd.enabled is false): nothing is written to {view['path']}")
+        return EXIT_OK
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view["written_at"])) if view["written_at"] \
+        else "not yet"
+    print(f"file: {view['path']}  written: {written}  size: {view['bytes']} bytes")
+    if view["error"]:
+        print(f"error: {view['error']}")
+    if view.get("waiting"):
+        print(f"not written: {view['waiting']}")
+        return EXIT_OK
+    print(table([("LABEL", "VALUE"), *sorted(view["labels"].items())]))
+    for dropped in view["dropped"]:
+        warn(f"left out {dropped['label']}={dropped['value']}: {dropped['reason']}")
+    return problem
+
+
+def cdi(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/cdi")
+    if args.json:
+        print_json(view)
+    elif not view["enabled"]:
+        print("CDI spec: off (cdi.enabled is false)")
+    else:
+        print(f"CDI spec: {view['path']}  kind: {view['kind']}  devices: {len(view['devices'])}")
+        for name in view["devices"]:
+            print(f"  {view['kind']}={name}")
+        for device in view["unavailable"]:
+            print(f"  left out: {device['device']}: {device['reason']}")
+        if view["error"]:
+            print(f"error: {view['error']}")
+    return EXIT_PROBLEM if view["error"] else EXIT_OK
+
+
 def metrics(args: argparse.Namespace, client: Client) -> int:
     _status, text = client.request_text("GET", "/metrics")
     print(text, end="")

@@ -24,6 +24,7 @@ from gpud.yamlfile import compose_yaml, read_yaml_text
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
 SYSTEM_RUNTIME_DIR = Path("/run/gpud")
 SYSTEM_STATE_DIR = Path("/var/lib/gpud")
+NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/gpud")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 
@@ -195,6 +196,32 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class CdiConfig:
+    # Write a CDI spec (gpud-gpu.json, kind gpud/gpu) of the node's GPUs, MIG devices and replicas,
+    # rewritten on every change, so container runtimes can be handed `--device gpud/gpu=<name>`.
+    enabled: bool = True
+    # The directory runtimes read specs from. Unset: /var/run/cdi; on a simulated node <runtime dir>/cdi,
+    # so simulated devices never reach the host's runtimes unless this is set.
+    spec_dir: str | None = None
+    # The host root device nodes are found under (/dev/nvidia0 is <dev_root>/dev/nvidia0); the
+    # container path stays /dev/... Only nodes that exist there go in the spec.
+    dev_root: str = "/"
+    # The driver's table of MIG capability minors. Unset: /proc/driver/nvidia-caps/mig-minors; on a
+    # simulated node the simulator's copy beside its state file.
+    mig_minors: str | None = None
+
+
+@dataclass(frozen=True)
+class NfdConfig:
+    # Write Node Feature Discovery's local feature file (nvidia.com/... labels: sharing, MIG layout
+    # and its state, health), rewritten on every change. false: none, and gpud's old file is removed.
+    enabled: bool = True
+    # Unset: NFD's features.d/gpud; on a simulated node <runtime dir>/nfd/gpud, so simulated GPUs
+    # never label the host unless this is set.
+    features_file: str | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
@@ -205,6 +232,8 @@ class Config:
     sharing: SharingFileConfig = SharingFileConfig()
     health: HealthConfig = HealthConfig()
     metrics: MetricsConfig = MetricsConfig()
+    cdi: CdiConfig = CdiConfig()
+    nfd: NfdConfig = NfdConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -259,6 +288,27 @@ class Config:
         if self.mps.log_root:
             return Path(self.mps.log_root)
         return Path("/var/log/gpud/mps") if os.geteuid() == 0 else self.state_path / "mps-logs"
+
+    @property
+    def cdi_spec_path(self) -> Path:
+        if self.cdi.spec_dir:
+            return Path(self.cdi.spec_dir)
+        return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
+
+    @property
+    def mig_minors_path(self) -> Path:
+        if self.cdi.mig_minors:
+            return Path(self.cdi.mig_minors)
+        if self.simulate:
+            state = self.sim_state_path
+            return state.with_name(state.name + ".mig-minors")
+        return Path("/proc/driver/nvidia-caps/mig-minors")
+
+    @property
+    def nfd_features_path(self) -> Path:
+        if self.nfd.features_file:
+            return Path(self.nfd.features_file)
+        return self.runtime_dir / "nfd" / "gpud" if self.simulate else NFD_FEATURES_FILE
 
     @property
     def sim_state_path(self) -> Path | None:

@@ -12,16 +12,19 @@ from typing import Callable
 
 from gpud import __version__
 from gpud.api.gpus import GpuRoutes
+from gpud.api.cdi import CdiRoutes
 from gpud.api.health import HealthRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
 from gpud.api.metrics_listener import MetricsListener, MetricsListenError
 from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
+from gpud.api.nfd import NfdRoutes
 from gpud.api.reload import ReloadRoute
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.sharing import SharingRoutes
 from gpud.api.sim import SimRoutes, register_not_simulated
+from gpud.cdi.writer import CdiWriter, remove_spec
 from gpud.config import Config, ConfigError
 from gpud.errors import GpudError
 from gpud.events import EventBus
@@ -32,7 +35,9 @@ from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import MpsManager, client_env
+from gpud.nfd.labels import node_labels
+from gpud.nfd.writer import NfdWriter
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
@@ -106,6 +111,9 @@ class Daemon:
         sim_routes = SimRoutes(self.session, self.inventory, body_timeout_s).register if self.session.simulated \
             else register_not_simulated
         self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s)
+        self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
+                             create_directory=bool(config.nfd.features_file or config.simulate))
+        self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
                                      "latency": self.latency, "processes": self.processes})
         # metrics.listen: the same /metrics on TCP, for Prometheus; nothing else is reachable there
@@ -114,7 +122,8 @@ class Daemon:
         self.api = Api(self.session, self.inventory, node_base, more_routes=(
             sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s,
                                                        self.processes).register,
-            MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register,
+            MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register, NfdRoutes(self.nfd).register,
+            CdiRoutes(self.cdi).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
             self.metrics.register,
             ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group,
@@ -140,6 +149,9 @@ class Daemon:
                  state_dir=str(cfg.state_path), version=__version__)
         self._node_task = asyncio.create_task(self._run_node(), name="node")
         self._background.append(asyncio.create_task(self.latency.run(), name="latency"))
+        self._background.append(asyncio.create_task(self.nfd.run(), name="nfd"))
+        if self.cdi:
+            self._background.append(asyncio.create_task(self.cdi.run(), name="cdi"))
 
     async def _run_node(self) -> None:
         self._background.append(asyncio.create_task(self._report_status(), name="status"))
@@ -158,7 +170,7 @@ class Daemon:
         """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving."""
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
                    *self.mig.corrupt_files]
-        problems = [self.mig.problem, self.health.events_problem]
+        problems = [self.mig.problem, self.health.events_problem, self.nfd.problem, self.cdi and self.cdi.error]
         return [problem for problem in problems if problem] + [file.message() for file in corrupt]
 
     def _own_pids(self) -> set[int]:
@@ -173,6 +185,29 @@ class Daemon:
             reasons[gpu["uuid"]] = gpu["reasons"]
             reasons.update({device["uuid"]: device["reasons"] for device in gpu["mig_devices"]})
         return reasons
+
+    def _cdi_writer(self, config: Config) -> CdiWriter | None:
+        """The CDI spec writer; None when cdi.enabled is false (and the spec an earlier gpud wrote is removed,
+        so runtimes do not hand out devices nobody keeps current)."""
+        if not config.cdi.enabled:
+            remove_spec(config.cdi_spec_path)
+            return None
+        if self.session.simulated:
+            from gpud.nvml.sim.mig_minors import write_mig_minors
+            write_mig_minors(config.mig_minors_path)
+        return CdiWriter(config.cdi_spec_path, Path(config.cdi.dev_root), config.mig_minors_path, self.inventory,
+                         self.sharing, self._mps_clients, self.bus)
+
+    def _mps_clients(self) -> dict[str, dict]:
+        """Device UUID -> the client environment of the MPS daemon serving it, for the CDI spec's MPS replicas."""
+        return {uuid: client_env(daemon) for daemon in self.mps.daemons.values() for uuid in daemon.spec.devices}
+
+    def _nfd_labels(self) -> dict[str, str] | None:
+        """The node's labels for NFD; None until the first inventory."""
+        inventory = self.inventory.current
+        if inventory is None:
+            return None
+        return node_labels(self.sharing.document, self.mig.view(inventory), self.health.view())
 
     def _unhealthy_devices(self) -> set[str]:
         """Device UUIDs health calls unhealthy: their sharing replicas are served unhealthy. (Sharing is

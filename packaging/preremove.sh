@@ -3,9 +3,9 @@
 set -e
 if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
     if [ -d /run/systemd/system ]; then
-        systemctl disable --now gpud.service gpud.socket >/dev/null 2>&1 || true
+        systemctl disable --now gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     else
-        systemctl disable gpud.service >/dev/null 2>&1 || true
+        systemctl disable gpud-device-plugin.service gpud.service >/dev/null 2>&1 || true
     fi
     # gpud leaves its MPS control daemons running across its own restarts (KillMode=process);
     # when gpud itself goes away, they go too.

@@ -47,3 +47,15 @@ def test_only_the_daemon_and_the_cli_import_the_api():
     offenders = {name: sorted(m for m in imported if _in(m, "gpud.api"))
                  for name, imported in _modules().items() if not _in(name, "gpud.api") and name not in WIRING}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_device_plugin_is_only_a_client_of_gpuds_socket():
+    """It runs as its own process: what it knows of the GPUs comes over gpud's socket, never from NVML
+    or from gpud's own services."""
+    forbidden = ("pynvml", "gpud.nvml", "gpud.daemon", "gpud.inventory", "gpud.health", "gpud.mig", "gpud.mps",
+                 "gpud.sharing")
+    graph = _modules()
+    assert "gpud.device_plugin.plugin" in graph
+    offenders = {name: sorted(m for m in imported if any(_in(m, f) for f in forbidden))
+                 for name, imported in graph.items() if _in(name, "gpud.device_plugin")}
+    assert {name: found for name, found in offenders.items() if found} == {}

@@ -45,7 +45,9 @@ def test_deb_metadata_conffiles_and_scripts(packages):
                  "./etc/gpud/gpud.yaml", "./etc/gpud/mig-layouts.yaml", "./opt/gpud/lib/aiohttp/",
                  "./opt/gpud/lib/gpud/mig/data/mig-layouts.yaml", "./opt/gpud/lib/gpud/health/xids.yaml",
                  "./usr/share/man/man1/gpud.1.gz", "./usr/share/bash-completion/completions/gpud",
-                 "./usr/share/zsh/vendor-completions/_gpud"):
+                 "./usr/share/zsh/vendor-completions/_gpud", "./usr/lib/systemd/system/gpud-device-plugin.service",
+                 "./opt/gpud/lib/grpc/", "./opt/gpud/lib/gpud/device_plugin/api_pb2.py",
+                 "./opt/gpud/lib/gpud/device_plugin/api_pb2_grpc.py"):
         assert path in listing, path
 
 
@@ -59,6 +61,10 @@ def test_the_packaged_gpud_runs_on_the_os_python_alone(packages, short_tmp):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(short_tmp)}  # nothing from the venv or the user
     version = subprocess.run(command + ["--version"], capture_output=True, text=True, env=env, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("gpud "), version.stderr
+    # the device plugin's gRPC modules (generated at build time) load: it gets as far as the kubelet's directory
+    plugin = subprocess.run(command + ["device-plugin", "--kubelet-dir", str(short_tmp / "none"), "--log-format",
+                                       "json"], capture_output=True, text=True, env=env, timeout=60)
+    assert plugin.returncode == 2 and "kubelet_dir_missing" in plugin.stdout, plugin.stdout + plugin.stderr
     sock = short_tmp / "p.sock"
     proc = subprocess.Popen(command + ["serve", "--simulate", "t4", "--socket", str(sock), "--sim-state",
                                        str(short_tmp / "sim.json"), "--state-dir", str(short_tmp / "state")],
