@@ -1,23 +1,59 @@
-"""packaging/build.sh: the .deb and .rpm, their metadata, and that the packaged gpud runs offline on
-the OS's python3 alone (no venv, no network). Installing them into a booted system is issue 7's
-nspawn test, still to come."""
+"""packaging/build.sh: one .deb and one .rpm for CPython 3.10-3.13 (one library tree per ABI under
+/usr/lib/gpud, chosen by /usr/bin/gpud), clean by lintian and rpmlint, nothing from the build machine
+inside, and the packaged gpud runs offline on an interpreter alone. Installing them into a booted
+system is tests/test_e2e_systemd.py."""
 
 from __future__ import annotations
 
+import fnmatch
+import io
+import os
+import re
 import shutil
+import stat
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 from helpers import IN_CI, REPO
 
+from gpud import __version__
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 
-# Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
-# after the other.
+# The modules that build the packages into build/ and dist/ share one pytest-xdist worker, one after
+# the other.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
 OS_PYTHON = "/usr/bin/python3"
+ABIS = ("3.10", "3.11", "3.12", "3.13")
+LIB = "usr/lib/gpud"
+# Where the package may put files (FHS; Debian policy and Fedora's guidelines accept each of them).
+ALLOWED_PLACES = ("usr/bin/gpud", f"{LIB}/", "usr/lib/systemd/system/gpud", "usr/lib/sysusers.d/gpud",
+                  "usr/lib/tmpfiles.d/gpud", "usr/share/doc/gpud/", "usr/share/licenses/gpud/",
+                  "usr/share/man/man1/gpud.1.gz", "usr/share/bash-completion/completions/gpud",
+                  "usr/share/zsh/vendor-completions/_gpud", "usr/share/lintian/overrides/gpud", "etc/gpud/")
+# What a build machine leaves in what it makes: our checkout's path (the venv, build/, the staged tree)
+# and the temporary directories pip builds in.
+BUILD_MARKERS = (str(REPO).encode(), b"pip-req-build-", b"pip-build-env-", b"pip-wheel-", b"pip-install-")
+PACKAGING_README = (REPO / "packaging" / "README.md").read_text()
+
+
+def build(version: str | None = None) -> tuple[Path, Path]:
+    env = {**os.environ, **({"GPUD_VERSION": version} if version else {})}
+    result = subprocess.run(["packaging/build.sh"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    version = version or __version__
+    deb, rpm = REPO / "dist" / f"gpud_{version}_amd64.deb", REPO / "dist" / f"gpud-{version}-1.x86_64.rpm"
+    assert deb.exists() and rpm.exists()
+    return deb, rpm
+
+
+def needs(tool: str) -> None:
+    if shutil.which(tool) is None:
+        if IN_CI:
+            pytest.fail(f"CI installs {tool} (scripts/test-all)")
+        pytest.skip(f"{tool} is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -26,48 +62,165 @@ def packages():
         if IN_CI:
             pytest.fail("CI runs on Debian 12, with dpkg-deb and python3")
         pytest.skip("needs dpkg-deb and /usr/bin/python3")
-    result = subprocess.run(["packaging/build.sh"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    from gpud import __version__
-    deb, rpm = REPO / "dist" / f"gpud_{__version__}_amd64.deb", REPO / "dist" / f"gpud-{__version__}-1.x86_64.rpm"
-    assert deb.exists() and rpm.exists()
-    return deb, rpm
+    return build()
+
+
+@pytest.fixture(scope="module")
+def unpacked(packages, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("deb") / "root"
+    subprocess.run(["dpkg-deb", "-x", str(packages[0]), str(root)], check=True)
+    return root
+
+
+def deb_members(deb: Path) -> list[tarfile.TarInfo]:
+    data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        return archive.getmembers()
+
+
+def launcher_for(root: Path, here: Path) -> Path:
+    """/usr/bin/gpud of the unpacked package, pointed at the unpacked /usr/lib/gpud."""
+    text = (root / "usr/bin/gpud").read_text()
+    assert text.count("GPUD_LIB=/usr/lib/gpud\n") == 1
+    launcher = here / "gpud-here"
+    launcher.write_text(text.replace("GPUD_LIB=/usr/lib/gpud\n", f"GPUD_LIB={root / LIB}\n"))
+    launcher.chmod(0o755)
+    return launcher
 
 
 def test_deb_metadata_conffiles_and_scripts(packages):
     deb, _ = packages
     info = subprocess.run(["dpkg-deb", "-I", str(deb)], capture_output=True, text=True, check=True).stdout
-    assert "Package: gpud" in info and "Depends: python3 (>= 3.11)" in info
-    conffiles = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
-    assert b"conffiles" in conffiles and b"postinst" in conffiles and b"prerm" in conffiles
-    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    assert "Package: gpud" in info and "Section: admin" in info and "Priority: optional" in info
+    depends = re.search(r"^ Depends: (.+)$", info, re.M)[1].split(", ")
+    assert "python3 (>= 3.10)" in depends and "python3 (<< 3.14)" in depends, depends
+    assert any(d.startswith("libc6 (>= 2.") for d in depends), depends
+    control = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
+    assert b"conffiles" in control and b"postinst" in control and b"prerm" in control
+    listing = {member.name for member in deb_members(deb)}
     for path in ("./usr/bin/gpud", "./usr/lib/systemd/system/gpud.service", "./usr/lib/systemd/system/gpud.socket",
-                 "./etc/gpud/gpud.yaml", "./etc/gpud/mig-layouts.yaml", "./opt/gpud/lib/aiohttp/",
-                 "./opt/gpud/lib/gpud/mig/data/mig-layouts.yaml", "./opt/gpud/lib/gpud/health/xids.yaml",
-                 "./usr/share/man/man1/gpud.1.gz", "./usr/share/bash-completion/completions/gpud",
-                 "./usr/share/zsh/vendor-completions/_gpud", "./usr/lib/systemd/system/gpud-device-plugin.service",
-                 "./opt/gpud/lib/grpc/", "./opt/gpud/lib/gpud/device_plugin/api_pb2.py",
-                 "./opt/gpud/lib/gpud/device_plugin/api_pb2_grpc.py"):
+                 "./usr/lib/systemd/system/gpud-device-plugin.service", "./etc/gpud/gpud.yaml",
+                 "./etc/gpud/mig-layouts.yaml", f"./{LIB}/launch.py", f"./{LIB}/common/gpud/mig/data/mig-layouts.yaml",
+                 f"./{LIB}/common/gpud/health/xids.yaml", f"./{LIB}/common/gpud/device_plugin/api_pb2.py",
+                 f"./{LIB}/common/gpud/device_plugin/api_pb2_grpc.py", "./usr/share/man/man1/gpud.1.gz",
+                 "./usr/share/bash-completion/completions/gpud", "./usr/share/zsh/vendor-completions/_gpud",
+                 "./usr/share/doc/gpud/copyright", "./usr/share/doc/gpud/changelog.Debian.gz",
+                 "./usr/share/lintian/overrides/gpud"):
         assert path in listing, path
 
 
-def test_the_packaged_gpud_runs_on_the_os_python_alone(packages, short_tmp):
-    deb, _ = packages
-    root = short_tmp / "root"
-    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
-    launcher = (root / "usr/bin/gpud").read_text().replace("/opt/gpud/lib", str(root / "opt/gpud/lib"))
-    (root / "gpud-here").write_text(launcher)
-    command = [OS_PYTHON, "-I", str(root / "gpud-here")]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(short_tmp)}  # nothing from the venv or the user
-    version = subprocess.run(command + ["--version"], capture_output=True, text=True, env=env, timeout=60)
-    assert version.returncode == 0 and version.stdout.startswith("gpud "), version.stderr
-    # the device plugin's gRPC modules (generated at build time) load: it gets as far as the kubelet's directory
-    plugin = subprocess.run(command + ["device-plugin", "--kubelet-dir", str(short_tmp / "none"), "--log-format",
-                                       "json"], capture_output=True, text=True, env=env, timeout=60)
-    assert plugin.returncode == 2 and "kubelet_dir_missing" in plugin.stdout, plugin.stdout + plugin.stderr
-    sock = short_tmp / "p.sock"
-    proc = subprocess.Popen(command + ["serve", "--simulate", "t4", "--socket", str(sock), "--sim-state",
-                                       str(short_tmp / "sim.json"), "--state-dir", str(short_tmp / "state")],
+def test_files_are_in_their_places_with_sane_modes_and_nothing_left_by_a_build(packages):
+    for member in deb_members(packages[0]):
+        path = member.name.removeprefix("./")
+        if member.isdir():
+            assert stat.S_IMODE(member.mode) == 0o755, path
+            continue
+        assert path.startswith(ALLOWED_PLACES), path
+        assert member.uid == 0 and member.gid == 0, path
+        if not member.issym():  # a link's own mode means nothing on Linux
+            assert stat.S_IMODE(member.mode) == (0o755 if path == "usr/bin/gpud" else 0o644), (path, oct(member.mode))
+        name = path.rsplit("/", 1)[-1]
+        assert "/__pycache__/" not in path and not name.endswith((".pyc", ".pyx", ".pxd", ".c", ".h")), path
+        assert name not in ("example.py", "RECORD", "direct_url.json") and "_testcapi" not in name, path
+        assert not name.startswith("."), path
+        assert "/tests/" not in path and "/testdata/" not in path and "/bin/" not in path.removeprefix("usr/bin/"), path
+
+
+def test_no_build_machine_path_anywhere(unpacked):
+    for path in unpacked.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            content = path.read_bytes()
+            assert not any(marker in content for marker in BUILD_MARKERS), path
+        elif path.is_symlink():  # links made by build.sh: relative, inside /usr/lib/gpud, to a real file
+            target = os.readlink(path)
+            assert not target.startswith("/") and path.resolve().is_file(), (path, target)
+            assert path.resolve().is_relative_to(unpacked / LIB), (path, target)
+
+
+def test_shared_objects_are_stripped(unpacked):
+    objects = [path for path in (unpacked / LIB).rglob("*.so") if not path.is_symlink()]
+    assert len(objects) > 20
+    for path in objects:
+        sections = subprocess.run(["readelf", "-S", "-W", str(path)], capture_output=True, text=True,
+                                  check=True).stdout
+        assert " .symtab " not in sections and " .debug_" not in sections and " .comment " not in sections, path
+
+
+def test_shared_objects_need_no_newer_glibc_than_the_package_declares_nor_than_rhel_9s(packages, unpacked):
+    info = subprocess.run(["dpkg-deb", "-f", str(packages[0]), "Depends"], capture_output=True, text=True,
+                          check=True).stdout
+    declared = tuple(int(part) for part in re.search(r"libc6 \(>= ([\d.]+)\)", info)[1].split("."))
+    needed = set()
+    for path in (unpacked / LIB).rglob("*.so"):
+        symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True).stdout
+        needed.update(tuple(int(part) for part in version.split("."))
+                      for version in re.findall(r"GLIBC_([\d.]+)", symbols))
+    assert max(needed) <= declared <= (2, 34), (max(needed), declared)
+
+
+@pytest.mark.parametrize("abi", ABIS)
+def test_one_library_tree_per_cpython_abi(unpacked, abi):
+    tag = "cp" + abi.replace(".", "")
+    tree = unpacked / LIB / tag
+    for compiled in ("grpc/_cython/cygrpc", "aiohttp/_http_parser", "multidict/_multidict", "yarl/_quoting_c"):
+        assert (tree / f"{compiled}.cpython-{tag[2:]}-x86_64-linux-gnu.so").is_file(), compiled
+    others = [path for path in tree.rglob("*.so") if f".cpython-{tag[2:]}-" not in path.name]
+    assert not others, others
+    # what every ABI shares is once in common/: gpud itself, the pure-Python libraries, protobuf's abi3 module
+    common = unpacked / LIB / "common"
+    assert (common / "gpud/cli.py").is_file() and (common / "structlog").is_dir()
+    assert not list(common.rglob("*.cpython-*.so"))
+    assert (common / "google/_upb").is_dir() and not (tree / "gpud").exists()
+
+
+def test_copyright_covers_every_bundled_library(unpacked):
+    copyright_text = (unpacked / "usr/share/doc/gpud/copyright").read_text()
+    assert copyright_text.startswith("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/")
+    patterns = [pattern for line in copyright_text.splitlines() if line.startswith("Files: ")
+                for pattern in line.removeprefix("Files: ").split()]
+    libraries = [entry for tree in (unpacked / LIB).iterdir() if tree.is_dir() for entry in tree.iterdir()
+                 if not entry.name.endswith(".dist-info") and entry.name != "gpud"]
+    assert len(libraries) > 20
+    for entry in libraries:
+        sample = str((entry / "__init__.py" if entry.is_dir() else entry).relative_to(unpacked))
+        assert any(fnmatch.fnmatch(sample, pattern) for pattern in patterns if pattern != "*"), sample
+    licences_named = set(re.findall(r"^License: (.+)$", copyright_text, re.M))
+    for expression in licences_named:
+        for licence in re.split(r" (?:and|or) ", expression):
+            assert f"License: {licence}\n " in copyright_text, f"no text for {licence}"
+
+
+def test_lintian_reports_no_errors_and_only_justified_warnings(packages):
+    needs("lintian")
+    result = subprocess.run(["lintian", "--tag-display-limit", "0", str(packages[0])], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode in (0, 1, 2), result.stderr  # 0 clean, 1/2 tags; anything else is lintian failing
+    tags = re.findall(r"^([EW]): gpud(?: \S+)?: (\S+)", result.stdout, re.M)
+    assert not [tag for level, tag in tags if level == "E"], result.stdout
+    assert all(f"`{tag}`" in PACKAGING_README for _, tag in tags), result.stdout
+    overrides = (REPO / "packaging/gpud.lintian-overrides").read_text()
+    for tag in re.findall(r"^gpud: (\S+)", overrides, re.M):
+        assert f"`{tag}`" in PACKAGING_README, f"override of {tag} not explained in packaging/README.md"
+
+
+def test_rpmlint_reports_no_errors_and_only_justified_warnings(packages):
+    needs("rpmlint")
+    config = REPO / "packaging/rpmlint.toml"
+    result = subprocess.run(["rpmlint", "-c", str(config), str(packages[1])], capture_output=True, text=True,
+                            timeout=600)
+    tags = re.findall(r"^gpud\.x86_64: ([EW]): (\S+)", result.stdout, re.M)
+    assert "1 packages and 0 specfiles checked" in result.stdout, result.stdout + result.stderr
+    assert not [tag for level, tag in tags if level == "E"], result.stdout
+    assert all(f"`{tag}`" in PACKAGING_README for _, tag in tags), result.stdout
+    for tag in re.findall(r'^\s+"([a-z%-]+)', config.read_text(), re.M):  # the filtered tags
+        assert f"`{tag.strip()}`" in PACKAGING_README, f"filter of {tag} not explained in packaging/README.md"
+
+
+def assert_serves_gpus(launcher: Path, env: dict[str, str], here: Path) -> None:
+    """The packaged gpud starts on a simulated T4 and answers GET /v1/gpus."""
+    sock = here / "p.sock"
+    proc = subprocess.Popen([str(launcher), "serve", "--simulate", "t4", "--socket", str(sock), "--sim-state",
+                             str(here / "sim.json"), "--state-dir", str(here / "state")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         client = Client(sock, timeout=5)
@@ -84,16 +237,116 @@ def test_the_packaged_gpud_runs_on_the_os_python_alone(packages, short_tmp):
         proc.wait(10)
 
 
-def test_rpm_metadata_config_files_and_scriptlets(packages):
+def test_the_packaged_gpud_runs_on_the_os_python_alone(unpacked, short_tmp):
+    launcher = launcher_for(unpacked, short_tmp)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(short_tmp)}  # nothing from the venv or the user
+    version = subprocess.run([str(launcher), "--version"], capture_output=True, text=True, env=env, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith(f"gpud {__version__}"), version.stderr
+    assert_serves_gpus(launcher, env, short_tmp)
+    # no bytecode written beside the package's files
+    assert not list((unpacked / LIB).rglob("__pycache__"))
+
+
+def find_interpreter(abi: str) -> str | None:
+    """A CPython `abi` on this machine: the OS's, or one a developer installed (pyenv)."""
+    found = shutil.which(f"python{abi}", path="/usr/bin:/usr/local/bin")
+    candidates = sorted(Path.home().glob(f".pyenv/versions/{abi}.*/bin/python{abi}"))
+    return found or (str(candidates[-1]) if candidates else None)
+
+
+@pytest.mark.parametrize("abi", ABIS)
+def test_the_launcher_runs_gpud_on_each_python_found_here(unpacked, short_tmp, abi):
+    interpreter = find_interpreter(abi)
+    if interpreter is None:
+        if IN_CI and abi == "3.11":
+            pytest.fail("Debian 12 has python3.11")
+        pytest.skip(f"no python{abi} here (tests/test_e2e_systemd.py boots Debian 13 for 3.13)")
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(interpreter)
+    env = {"PATH": f"{bin_dir}:/bin", "HOME": str(short_tmp)}
+    launcher = launcher_for(unpacked, short_tmp)
+    # the device plugin imports grpc, whose compiled module exists only in this ABI's tree
+    plugin = subprocess.run([str(launcher), "device-plugin", "--kubelet-dir", str(short_tmp / "none"),
+                             "--log-format", "json"], capture_output=True, text=True, env=env, timeout=60)
+    assert plugin.returncode == 2 and "kubelet_dir_missing" in plugin.stdout, plugin.stdout + plugin.stderr
+    assert_serves_gpus(launcher, env, short_tmp)  # aiohttp and what it needs on this version only
+
+
+def fake_python(bin_dir: Path, name: str, supported: bool) -> None:
+    """An interpreter that answers the launcher's version check, then says it was the one run."""
+    script = bin_dir / name
+    script.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-I -S -c" ]; then exit {0 if supported else 1}; fi\n'
+                      f'echo "{name} $*"\n')
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize(("installed", "chosen"), [
+    ({"python3": True, "python3.12": True}, "python3"),           # Debian, Ubuntu, Fedora: python3 fits
+    ({"python3": False, "python3.11": True, "python3.12": True}, "python3.12"),  # RHEL 9: python3 is 3.9
+    ({"python3.10": True}, "python3.10"),                          # no python3 at all
+])
+def test_the_launcher_chooses_python3_if_it_fits_else_the_newest_python3_x(unpacked, short_tmp, installed, chosen):
+    for name, supported in installed.items():
+        fake_python(short_tmp, name, supported)
+    launcher = launcher_for(unpacked, short_tmp)
+    result = subprocess.run([str(launcher), "status", "--json"], capture_output=True, text=True, timeout=30,
+                            env={"PATH": str(short_tmp)})
+    assert result.returncode == 0 and result.stdout == f"{chosen} -I {unpacked / LIB}/launch.py status --json\n", \
+        result.stdout + result.stderr
+
+
+def test_the_launcher_says_when_no_python_fits(unpacked, short_tmp):
+    fake_python(short_tmp, "python3", supported=False)  # e.g. RHEL 9's 3.9, with no python3.1X beside it
+    result = subprocess.run([str(launcher_for(unpacked, short_tmp)), "--version"], capture_output=True, text=True,
+                            timeout=30, env={"PATH": str(short_tmp)})
+    assert result.returncode == 127 and result.stdout == ""
+    assert "needs Python 3.10, 3.11, 3.12 or 3.13" in result.stderr, result.stderr
+
+
+def test_launch_py_says_when_the_package_has_no_tree_for_this_python(unpacked, short_tmp):
+    shutil.copy(unpacked / LIB / "launch.py", short_tmp / "launch.py")
+    (short_tmp / "cp399").mkdir()
+    os_python = subprocess.run([OS_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    result = subprocess.run([OS_PYTHON, "-I", str(short_tmp / "launch.py"), "--version"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 127, result.stderr
+    assert f"no libraries for Python {os_python} (it has: cp399)" in result.stderr, result.stderr
+
+
+def test_rpm_metadata_config_files_scriptlets_and_rich_dependency(packages, tmp_path):
     _, rpm = packages
-    if shutil.which("rpm") is None:
-        if IN_CI:
-            pytest.fail("CI installs rpm (scripts/test-all)")
-        pytest.skip("rpm is not installed")
+    needs("rpm")
     query = lambda *flags: subprocess.run(["rpm", "-qp", *flags, str(rpm)], capture_output=True, text=True,  # noqa: E731
                                           check=True).stdout
     assert query("-c").split() == ["/etc/gpud/gpud.yaml", "/etc/gpud/mig-layouts.yaml"]
     scripts = query("--scripts")
     assert "postinstall scriptlet" in scripts and "groupadd --system gpud" in scripts
-    assert "/usr/lib/systemd/system/gpud.service" in query("-l")
-    assert "python3 >= 3.11" in query("--requires")
+    files = query("-l").split()
+    assert "/usr/lib/systemd/system/gpud.service" in files and "/usr/share/licenses/gpud/copyright" in files
+    assert not [path for path in files if path.startswith("/opt")]
+    assert f"- {__version__}" in query("--changelog")
+    assert query("--qf", "%{GROUP}") == "System Environment/Daemons"
+    rich = "(python(abi) = 3.10 or python(abi) = 3.11 or python(abi) = 3.12 or python(abi) = 3.13)"
+    assert rich in query("--requires").splitlines()
+    # rpm reads it back as one rich dependency: in an empty root, exactly that is missing
+    subprocess.run(["rpm", "--root", str(tmp_path), "--initdb"], check=True)
+    test_install = subprocess.run(["rpm", "--root", str(tmp_path), "-i", "--test", str(rpm)], capture_output=True,
+                                  text=True)
+    assert test_install.returncode != 0 and f"{rich} is needed by gpud" in test_install.stderr, test_install.stderr
+
+
+def test_gpud_version_overrides_the_version_without_touching_the_checkout(packages, tmp_path):
+    before = (REPO / "gpud/__init__.py").read_bytes()
+    deb, rpm = build("0.0.9")
+    try:
+        assert (REPO / "gpud/__init__.py").read_bytes() == before
+        info = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True)
+        assert info.stdout.strip() == "0.0.9"
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path)], check=True)
+        assert '__version__ = "0.0.9"' in (tmp_path / LIB / "common/gpud/__init__.py").read_text()
+        assert (tmp_path / LIB / "common/gpud-0.0.9.dist-info").is_dir()
+    finally:
+        deb.unlink()
+        rpm.unlink()
