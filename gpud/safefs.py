@@ -61,8 +61,8 @@ def secure_directory(path: Path, mode: int, owner: tuple[int, int] | None = None
                 continue
             os.close(fd)
             where, fd = where / name, child
-            if created and last:
-                os.fchmod(fd, mode)  # the umask may have taken bits the mode asked for
+            if created:  # the umask may have taken bits the mode (0755 on the way) asked for
+                os.fchmod(fd, mode if last else 0o755)
             _check_directory(os.fstat(fd), where, last, owner[0] if owner else None)
         if owner is not None:
             os.fchown(fd, *owner)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import pwd
 import signal
 import time
 from pathlib import Path
 
+import pytest
 from helpers import cli, read_back, running_daemons
 from openapi_check import assert_matches_openapi
 
@@ -139,4 +141,20 @@ def test_one_daemon_per_mig_device_and_mps_follows_a_mig_change(run_gpud, mps_tm
     assert sorted(d["devices"][0] for d in daemons) == sorted(d["uuid"] for d in devices)
     events = [e["event"] for e in gpud.log_events()]
     assert events.index("mps_daemon_stopped") < events.index("mig_gpu_applied")
+    assert gpud.stop() == 0
+
+
+def test_a_daemon_for_mps_user_runs_with_that_users_groups_only(run_gpud, mps_tmp):
+    """mps.user: the control daemon (and so its servers) get the user's uid, primary gid and no
+    supplementary group, not root's gid 0 and groups, which setting the uid alone would leave."""
+    if os.geteuid() != 0:
+        pytest.skip("only root can run the daemon as another user")
+    nobody = pwd.getpwnam("nobody")
+    mps_tmp.chmod(0o755)  # the daemon, as nobody, reaches its pipe and log directories through it
+    gpud = start(run_gpud, mps_tmp, preset="A100-SXM4-40GB:1", user="nobody")
+    (daemon,) = running_daemons(gpud, 1)
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{daemon['pid']}/status").read_text().splitlines())
+    assert status["Uid"].split()[:2] == [str(nobody.pw_uid)] * 2
+    assert status["Gid"].split()[:2] == [str(nobody.pw_gid)] * 2
+    assert status["Groups"].split() == []
     assert gpud.stop() == 0

@@ -320,3 +320,17 @@ async def test_a_state_file_planted_as_a_symlink_is_reported_not_read(short_tmp)
     finally:
         await stop_daemon(node)
     assert victim.read_text() == "{}\n" and (state / "mig-desired.json").is_symlink()
+
+
+def test_directories_made_on_the_way_get_their_mode_whatever_the_umask(short_tmp):
+    """Under the unit's UMask, directories secure_directory creates on the way (/run/gpud/mps above
+    an MPS pipe directory) are still 0755, so an MPS daemon running as mps.user reaches its own."""
+    from gpud.safefs import secure_directory
+
+    previous = os.umask(0o077)
+    try:
+        secure_directory(short_tmp / "mps" / "gpu0" / "pipe", 0o755)
+    finally:
+        os.umask(previous)
+    for made in (short_tmp / "mps", short_tmp / "mps" / "gpu0", short_tmp / "mps" / "gpu0" / "pipe"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o755, made

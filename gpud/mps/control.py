@@ -56,6 +56,14 @@ class MpsControl:
                    CUDA_VISIBLE_DEVICES=",".join(self.visible_devices))
         return env
 
+    def _identity(self) -> dict:
+        """Who the MPS binary runs as: mps.user with its own primary group and no other (Popen's user=
+        alone changes only the uid, leaving root's gid 0 and groups); gpud's own identity without one."""
+        if not self.user:
+            return {}
+        entry = pwd.getpwnam(self.user)
+        return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
     async def start(self, wait_s: float = 10.0) -> int:
         """Starts the daemon and waits until its control socket answers. Returns its PID."""
         binary = self.resolve_binary()
@@ -70,7 +78,7 @@ class MpsControl:
                 raise MpsError(f"not starting the MPS control daemon: {exc}") from None
         proc = await asyncio.create_subprocess_exec(
             binary, "-d", env=self.environment(), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, user=self.user,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, **self._identity(),
             start_new_session=True)  # its own session: no signal meant for gpud reaches it
         output, _ = await asyncio.wait_for(proc.communicate(), wait_s)
         if proc.returncode != 0:
@@ -88,7 +96,7 @@ class MpsControl:
         binary = self.resolve_binary()
         proc = await asyncio.create_subprocess_exec(
             binary, env=self.environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, user=self.user)
+            stderr=asyncio.subprocess.STDOUT, **self._identity())
         try:
             output, _ = await asyncio.wait_for(proc.communicate(text.encode() + b"\n"), self.command_timeout_s)
         except asyncio.TimeoutError:
