@@ -1,5 +1,6 @@
 #!/bin/sh
-# deb: "remove", "purge", "upgrade"…; rpm: 0 (erase) or 1 (upgrade).
+# deb: "remove", "purge", "upgrade", …; rpm: 0 (erase) or 1 (the old version's files are gone after
+# an upgrade). Only a purge deletes what gpud wrote.
 set -e
 if [ -d /run/systemd/system ]; then
     systemctl daemon-reload >/dev/null 2>&1 || true

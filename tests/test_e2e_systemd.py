@@ -1,24 +1,33 @@
-"""The operator's path under a real systemd: a Debian 12 root booted with systemd-nspawn, the .deb
-installed there without network, `systemctl start gpud` on a simulated node, then what an
-operator does: status, curl, reload, restart with MPS running, a non-admin user, a stalled
-watchdog, remove and purge."""
+"""The operator's path under a real systemd: a Debian 12 root and a Debian 13 root (Python 3.11 and 3.13)
+each booted with systemd-nspawn, the same .deb installed there without network, `systemctl start gpud`
+on a simulated node, then what an operator does: status, curl, reload, restart with MPS running, a
+non-admin user, a stalled watchdog, remove and purge; and upgrades to the next version, downgrades and
+reinstalls that keep the operator's config, the MIG layout and the running MPS daemons (the .rpm too,
+with `rpm --root`, as far as that goes without systemd)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers import IN_CI, REPO, SYSTEM_PATH
 
+from gpud import __version__
+
 # Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
 # after the other.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
 PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,procps,passwd,nvidia-cuda-mps"
+# Debian 12 (python3 3.11) and Debian 13 (python3 3.13): the same .deb boots on each, one after the other.
+DISTRIBUTIONS = ("bookworm", "trixie")
 
 
 class Container:
@@ -102,22 +111,75 @@ def _apt_mirror() -> str:
     raise AssertionError("apt has no Debian mirror configured")
 
 
+@dataclass(frozen=True)
+class Release:
+    """One version of gpud as packaged: its .deb and .rpm, and the /etc/gpud/gpud.yaml they ship."""
+
+    version: str
+    deb: Path
+    rpm: Path
+    default_config: str
+
+
+def _build(tree: Path, version: str | None = None) -> Release:
+    """packaging/build.sh run in `tree` (the checkout, or a copy of it), with GPUD_VERSION when given."""
+    env = dict(os.environ, GPUD_VERSION=version) if version else None
+    build = subprocess.run(["packaging/build.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    version = version or __version__
+    (deb,), (rpm,) = (tree / "dist").glob(f"gpud_{version}_*.deb"), (tree / "dist").glob(f"gpud-{version}-*.rpm")
+    return Release(version, deb, rpm, (tree / "etc/gpud/gpud.yaml").read_text())
+
+
+def _next_version(version: str) -> str:
+    bumped = re.sub(r"\d+$", lambda last: str(int(last[0]) + 1), version)
+    assert bumped != version, f"no version follows {version!r}: it does not end in a number"
+    return bumped
+
+
 @pytest.fixture(scope="module")
-def container(tmp_path_factory):
+def release() -> Release:
+    """Version N: the checkout, packaged."""
     needed = ("debootstrap", "systemd-nspawn", "nsenter", "dpkg-deb")
     if os.geteuid() != 0 or any(shutil.which(tool, path=SYSTEM_PATH) is None for tool in needed):
         if IN_CI:
             pytest.fail(f"CI runs as root with {', '.join(needed)} (scripts/test-all installs them)")
         pytest.skip("needs root, debootstrap and systemd-nspawn")
-    build = subprocess.run(["packaging/build.sh"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert build.returncode == 0, build.stderr[-2000:]
-    root = tmp_path_factory.mktemp("debian12")
+    return _build(REPO)
+
+
+@pytest.fixture(scope="module")
+def next_release(release, tmp_path_factory) -> Release:
+    """Version N+1: the checkout's files copied (the checkout and its dist/ stay as they are), the
+    default gpud.yaml changed as a new release may change it, packaged with the next version."""
+    tree = tmp_path_factory.mktemp("next-release")
+    skipped = shutil.ignore_patterns(".*", "build", "dist", "__pycache__", "*.egg-info")
+    for entry in REPO.iterdir():
+        if skipped(str(REPO), [entry.name]):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, tree / entry.name, ignore=skipped)
+        else:
+            shutil.copy2(entry, tree / entry.name)
+    # The packaging tools and the downloaded wheels are the checkout's, not fetched again.
+    (tree / "build").mkdir()
+    for cache in ("tools", "pip-cache", "uv-cache"):
+        if (REPO / "build" / cache).is_dir():
+            (tree / "build" / cache).symlink_to(REPO / "build" / cache)
+    config = tree / "etc/gpud/gpud.yaml"
+    config.write_text(config.read_text() + "\n# A default that came with the next release.\n")
+    return _build(tree, _next_version(release.version))
+
+
+@pytest.fixture(scope="module", params=DISTRIBUTIONS)
+def container(request, release, tmp_path_factory):
+    codename = request.param
+    root = tmp_path_factory.mktemp(codename)
     root.chmod(0o755)  # it is the container's "/": its users must be able to traverse it
     subprocess.run([shutil.which("debootstrap", path=SYSTEM_PATH), "--variant=minbase",
-                    "--components=main,non-free", f"--include={PACKAGES}", "bookworm", str(root),
+                    "--components=main,non-free", f"--include={PACKAGES}", codename, str(root),
                     _apt_mirror()], check=True, capture_output=True, timeout=1200)
-    from gpud import __version__
-    shutil.copy(REPO / "dist" / f"gpud_{__version__}_amd64.deb", root / "root" / "gpud.deb")
+    shutil.copy(release.deb, root / "root" / "gpud.deb")
     dropin = root / "etc/systemd/system/gpud.service.d"
     dropin.mkdir(parents=True)
     # The operator's drop-in that puts this install on a simulated node, with MPS on and a short
@@ -172,28 +234,36 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     assert not (box.root / "usr/bin/gpud").exists() and (box.root / "etc/gpud/gpud.yaml").exists()
     assert box.run("kill", "-0", str(mps_pid)).returncode != 0  # its MPS daemon went with it
     box.run("apt-get", "purge", "-y", "gpud", check=True)
-    for leftover in ("etc/gpud", "var/lib/gpud", "var/log/gpud", "opt/gpud", "run/gpud",
+    for leftover in ("etc/gpud", "var/lib/gpud", "var/log/gpud", "usr/lib/gpud", "opt/gpud", "run/gpud",
                      "usr/lib/systemd/system/gpud.service", "etc/systemd/system/multi-user.target.wants/gpud.service"):
         assert not box.run("test", "-e", f"/{leftover}").returncode == 0, leftover
 
 
-def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container):
+def _rpm_in(root: Path):
+    """rpm acting on the package database and files of `root` (its scriptlets run chrooted there)."""
     rpm = shutil.which("rpm", path=SYSTEM_PATH)
     if rpm is None:
         pytest.fail("scripts/test-all installs rpm") if IN_CI else pytest.skip("rpm is not installed")
-    from gpud import __version__
-    package = REPO / "dist" / f"gpud-{__version__}-1.x86_64.rpm"
-    root = container.root
     subprocess.run([rpm, "--root", str(root), "--initdb"], check=True)
+    return lambda *args: subprocess.run([rpm, "--root", str(root), *args], capture_output=True, text=True,
+                                        timeout=300)
+
+
+# The rpm checks need no systemd and no second distribution: Debian 12's root only.
+@pytest.mark.parametrize("container", ["bookworm"], indirect=True)
+def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container, release):
+    root = container.root
+    rpm = _rpm_in(root)
     # --nodeps: the Debian root's python3 is dpkg's, unknown to rpm's database.
-    result = subprocess.run([rpm, "--root", str(root), "-i", "--nodeps", str(package)], capture_output=True,
-                            text=True, timeout=300)
+    result = rpm("-i", "--nodeps", str(release.rpm))
     assert result.returncode == 0, result.stderr
     for path in ("usr/bin/gpud", "usr/lib/systemd/system/gpud.service", "usr/lib/systemd/system/gpud.socket",
-                 "etc/gpud/gpud.yaml", "opt/gpud/lib/gpud/cli.py"):
+                 "etc/gpud/gpud.yaml"):
         assert (root / path).exists(), path
+    cli = [path for path in rpm("-ql", "gpud").stdout.split() if path.endswith("/gpud/cli.py")]
+    assert cli and all((root / path.lstrip("/")).exists() for path in cli)
     assert "gpud-admin:" in (root / "etc/group").read_text()  # the postinstall scriptlet ran
-    erase = subprocess.run([rpm, "--root", str(root), "-e", "gpud"], capture_output=True, text=True, timeout=300)
+    erase = rpm("-e", "gpud")
     assert erase.returncode == 0, erase.stderr
     assert not (root / "usr/bin/gpud").exists()
 
@@ -231,3 +301,250 @@ def test_a_gpu_process_in_a_systemd_run_scope_is_owned_by_that_scope(container):
     box.run("systemctl", "stop", unit, check=True)
     box.wait_for(lambda: owner() is None, "the process gone once its scope stopped")
     assert f'pid="{pid}"' not in box.curl("/metrics")[1]
+
+
+# linux/capability.h: the bit of each capability gpud.service keeps.
+CAPABILITY_BITS = {"CAP_CHOWN": 0, "CAP_DAC_READ_SEARCH": 2, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7,
+                   "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21, "CAP_MKNOD": 27}
+
+
+def _sandbox_of(box: Container, pid: str) -> dict[str, str]:
+    """The kernel's view of a process's sandbox: /proc/<pid>/status lines (proc(5))."""
+    lines = box.run("cat", f"/proc/{pid}/status", check=True).stdout.splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    return {"CapBnd": status["CapBnd"].strip(), "NoNewPrivs": status["NoNewPrivs"].strip(),
+            "Seccomp": status["Seccomp"].strip(), "Uid": status["Uid"].split()[1]}
+
+
+def test_the_sandbox_holds_gpud_and_its_mps_daemons_and_mig_mps_reset_still_work(container):
+    """What `systemd-analyze security` scores is what the kernel enforces on gpud and on the MPS
+    daemon it starts as mps.user, and the privileged work still succeeds under it: a MIG apply
+    with its GPU reset, an MPS daemon started as another user, an explicit reset, the device plugin."""
+    box = container
+    if box.run("dpkg", "-s", "gpud").returncode != 0:  # run alone, or after the test that purges it
+        install = box.run("dpkg", "-i", "/root/gpud.deb")
+        assert install.returncode == 0, install.stdout + install.stderr
+    box.run("sh", "-c", "id gpud-mps >/dev/null 2>&1 || useradd -r -M gpud-mps", check=True)
+    mps_uid = box.run("id", "-u", "gpud-mps", check=True).stdout.strip()
+    (box.root / "etc/gpud/gpud.yaml").write_text(
+        "simulate: A100-SXM4-40GB:2\nmps:\n  enabled: true\n  devices: [1]\n  user: gpud-mps\n")
+    box.run("systemctl", "restart", "gpud", check=True)
+    box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud")
+
+    unit = (box.root / "usr/lib/systemd/system/gpud.service").read_text()
+    kept = next(line for line in unit.splitlines() if line.startswith("CapabilityBoundingSet=")).split("=", 1)[1]
+    bounding = f"{sum(1 << CAPABILITY_BITS[name] for name in kept.split()):016x}"
+    gpud = _sandbox_of(box, box.show("MainPID"))
+    assert gpud == {"CapBnd": bounding, "NoNewPrivs": "1", "Seccomp": "2", "Uid": "0"}, gpud
+    assert box.show("DevicePolicy") == "closed" and box.show("UMask") == "0022"
+
+    def mps_daemon():
+        daemons = json.loads(box.curl("/v1/mps")[1])["daemons"]
+        return daemons[0] if daemons and daemons[0]["state"] == "running" else None
+    box.wait_for(mps_daemon, "the MPS daemon as gpud-mps")
+    mps = _sandbox_of(box, str(mps_daemon()["pid"]))
+    assert mps == {"CapBnd": bounding, "NoNewPrivs": "1", "Seccomp": "2", "Uid": mps_uid}, mps
+
+    layout = ("version: v1\nmig-configs:\n  sandboxed:\n    - devices: [0]\n      mig-enabled: true\n"
+              "      mig-devices: {\"1g.5gb\": 7}\n")
+    status, text = box.curl("/v1/mig?wait=true", "PUT", {"layout": "sandboxed", "config": layout})
+    assert status == 200, text  # an A100 changes MIG mode with a GPU reset
+    assert json.loads(box.curl("/v1/mig")[1])["in_sync"]
+    status, text = box.curl("/v1/gpus/0/reset", "POST", {})
+    assert status == 200 and 0 in json.loads(text)["reset"], text
+    box.wait_for(mps_daemon, "the MPS daemon back after the resets")
+    assert _sandbox_of(box, str(mps_daemon()["pid"]))["Uid"] == mps_uid
+
+    # The device plugin, with no capability, no device and only AF_UNIX, still serves its
+    # endpoints beside the kubelet's socket.
+    plugins = "/var/lib/kubelet/device-plugins"
+    box.run("mkdir", "-p", plugins, check=True)
+    box.run("systemctl", "start", "gpud-device-plugin", check=True)
+    try:
+        box.wait_for(lambda: box.run("sh", "-c", f"ls {plugins}/*.sock").returncode == 0, "the plugin's endpoints")
+        pid = box.run("systemctl", "show", "-p", "MainPID", "--value", "gpud-device-plugin").stdout.strip()
+        plugin = _sandbox_of(box, pid)
+        assert plugin == {"CapBnd": "0000000000000000", "NoNewPrivs": "1", "Seccomp": "2", "Uid": "0"}, plugin
+    finally:
+        box.run("systemctl", "stop", "gpud-device-plugin")
+        box.run("rm", "-rf", "/var/lib/kubelet")
+
+
+# The operator's edit of /etc/gpud/gpud.yaml, which no package change may touch: two simulated H100s,
+# MPS on every device, the simulated GPUs' state where it outlives gpud's restarts as a driver's does.
+OPERATOR_CONFIG = """\
+# edited by the operator
+simulate: H100-SXM5-80GB:2
+sim_state: /run/gpud/sim-e2e.json
+mps:
+  enabled: true
+  devices: all
+"""
+# GPU 0 split into two 3g.40gb MIG devices, GPU 1 whole: with MPS on every device, three MPS daemons.
+MIG_LAYOUT = {"layout": "e2e-upgrade", "config": """\
+version: v1
+mig-configs:
+  e2e-upgrade:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+    - devices: [1]
+      mig-enabled: false
+"""}
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What a package change must leave as it was, and gpud's process, which it must replace."""
+
+    main_pid: str
+    mps: dict  # daemon name -> PID, of the running ones
+    mig: dict  # the layout, whether in sync, each GPU's actual MIG state
+    mig_applies: int  # entries in the MIG apply history
+    simulated_gpus: str  # the simulator's state file: rewritten by every MIG change it sees
+
+    def kept(self, before: NodeState) -> bool:
+        return (self.mps, self.mig, self.mig_applies, self.simulated_gpus) == \
+            (before.mps, before.mig, before.mig_applies, before.simulated_gpus)
+
+
+def _node_state(box: Container) -> NodeState | None:
+    """None while gpud does not answer (restarting)."""
+    try:
+        mig, mps = json.loads(box.curl("/v1/mig")[1]), json.loads(box.curl("/v1/mps")[1])
+    except ValueError:
+        return None
+    return NodeState(box.show("MainPID"), {d["name"]: d["pid"] for d in mps["daemons"] if d["state"] == "running"},
+                     {"layout": mig["layout"], "in_sync": mig["in_sync"], "gpus": [g["actual"] for g in mig["gpus"]]},
+                     len(mig["history"]), box.run("cat", "/run/gpud/sim-e2e.json").stdout)
+
+
+def _state_after_package_change(box: Container, before: NodeState, timeout: float = 30) -> NodeState:
+    """The node as the new gpud sees it once it adopted what ran before (or the last state seen)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = _node_state(box)
+        if after is not None and after.kept(before) or time.monotonic() > deadline:
+            assert after is not None, "gpud does not answer after the package change"
+            return after
+        time.sleep(0.3)
+
+
+def _assert_kept(before: NodeState, after: NodeState) -> None:
+    assert after.main_pid not in (before.main_pid, "0", "")  # gpud restarted on the new code
+    assert after.mps == before.mps  # the same MPS daemons, adopted by the new gpud
+    assert after.mig == before.mig and after.mig["in_sync"]  # the same layout, in sync
+    assert after.mig_applies == before.mig_applies  # no MIG apply ran
+    assert after.simulated_gpus == before.simulated_gpus  # the GPUs saw no MIG change at all
+
+
+def test_upgrade_downgrade_and_reinstall_keep_the_config_mig_layout_and_mps_daemons(container, release,
+                                                                                   next_release):
+    """Each package change leaves: dpkg's record of the version installed, gpud enabled and running that
+    version in a new process, the operator's gpud.yaml as edited (the changed package's default beside
+    it as gpud.yaml.dpkg-dist), the MIG layout with no MIG operation, the MPS daemons with their PIDs."""
+    box = container
+    if box.run("dpkg", "-s", "gpud").returncode == 0:  # an earlier test's install
+        box.run("apt-get", "purge", "-y", "gpud", check=True)
+    shutil.copy(next_release.deb, box.root / "root" / "gpud-next.deb")
+    install = box.run("dpkg", "-i", "/root/gpud.deb")
+    assert install.returncode == 0, install.stdout + install.stderr
+    config = box.root / "etc/gpud/gpud.yaml"
+    config.write_text(OPERATOR_CONFIG)
+    box.run("systemctl", "restart", "gpud", check=True)
+    box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud on the operator's config")
+    status, text = box.curl("/v1/mig?wait=true", "PUT", MIG_LAYOUT)
+    assert status == 200, text
+    box.wait_for(lambda: len(_node_state(box).mps) == 3, "three MPS daemons")
+    state = _node_state(box)
+    assert state.mig["in_sync"] and state.mig["gpus"][0] == {"mig_enabled": True, "devices": {"3g.40gb": 2}}
+
+    for change, deb, installed in (("upgrade", "gpud-next.deb", next_release), ("downgrade", "gpud.deb", release),
+                                   ("reinstall", "gpud.deb", release)):
+        # what `apt install ./gpud.deb` does, without the conffile prompt: keep the operator's file
+        result = box.run("dpkg", "-i", "--force-confdef", "--force-confold", f"/root/{deb}")
+        assert result.returncode == 0, (change, result.stdout + result.stderr)
+        assert box.run("dpkg-query", "-W", "-f", "${Version}", "gpud").stdout == installed.version, change
+        assert config.read_text() == OPERATOR_CONFIG, change
+        assert (box.root / "etc/gpud/gpud.yaml.dpkg-dist").read_text() == installed.default_config, change
+        assert box.run("systemctl", "is-enabled", "gpud").stdout.strip() == "enabled", change
+        after = _state_after_package_change(box, state)
+        assert json.loads(box.curl("/v1/node")[1])["gpud_version"] == installed.version, change
+        _assert_kept(state, after)
+        state = after
+
+    box.run("apt-get", "remove", "-y", "gpud", check=True)
+    for pid in state.mps.values():  # a removal takes the MPS daemons with it
+        assert box.run("kill", "-0", str(pid)).returncode != 0, pid
+    assert box.run("systemctl", "is-enabled", "gpud").stdout.strip() != "enabled"
+    # Installed again after the removal (its configuration kept): enabled and running, as before it.
+    install = box.run("dpkg", "-i", "/root/gpud.deb")
+    assert install.returncode == 0, install.stdout + install.stderr
+    assert config.read_text() == OPERATOR_CONFIG
+    assert box.run("systemctl", "is-enabled", "gpud").stdout.strip() == "enabled"
+    box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud installed again")
+    box.run("apt-get", "purge", "-y", "gpud", check=True)
+
+
+def _mps_daemon_in(root: Path, pipe: str) -> int | None:
+    """The PID of an MPS control daemon chrooted in `root` that serves `pipe`."""
+    wanted = f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "nvidia-cuda-mps" and \
+                    Path(os.readlink(entry / "root")) == root.resolve() and \
+                    wanted in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue  # gone meanwhile
+    return None
+
+
+@pytest.mark.parametrize("container", ["bookworm"], indirect=True)
+def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_mps(container, release,
+                                                                                   next_release):
+    """rpm runs the new package's %post before the old one's %preun and %postun: those must neither
+    disable gpud nor stop its MPS daemons. There is no running systemd here (scriptlets chrooted into
+    the root): the unit's enablement stands for what they would do to the service."""
+    root = container.root
+    rpm = _rpm_in(root)
+    if rpm("-q", "gpud").returncode == 0:  # an earlier test's install
+        rpm("-e", "gpud")
+    install = rpm("-i", "--nodeps", str(release.rpm))
+    assert install.returncode == 0, install.stderr
+    config = root / "etc/gpud/gpud.yaml"
+    config.write_text(OPERATOR_CONFIG)
+    # An MPS control daemon where gpud keeps its daemons' pipes, as gpud would have started it.
+    pipe, logs = "/run/gpud/mps/gpu0/pipe", "/var/log/gpud/mps/gpu0"
+    for directory in (pipe, logs):
+        (root / directory.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    enabled = lambda: subprocess.run(["chroot", str(root), "systemctl", "is-enabled", "gpud.service"],  # noqa: E731
+                                     capture_output=True, text=True).stdout.strip()
+    assert enabled() == "enabled"
+    subprocess.run(["chroot", str(root), "env", f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_MPS_LOG_DIRECTORY={logs}",
+                    "nvidia-cuda-mps-control", "-d"], check=True, timeout=30)
+    try:
+        mps_pid = _mps_daemon_in(root, pipe)
+        assert mps_pid is not None
+        for change, flags, installed in (("upgrade", ["-U"], next_release),
+                                         ("downgrade", ["-U", "--oldpackage"], release),
+                                         ("reinstall", ["--reinstall"], release)):
+            result = rpm(*flags, "--nodeps", str(installed.rpm))
+            assert result.returncode == 0, (change, result.stderr)
+            assert rpm("-q", "--qf", "%{VERSION}", "gpud").stdout == installed.version, change
+            assert config.read_text() == OPERATOR_CONFIG, change
+            assert (root / "etc/gpud/gpud.yaml.rpmnew").read_text() == installed.default_config, change
+            assert enabled() == "enabled", change
+            assert _mps_daemon_in(root, pipe) == mps_pid, change
+        erase = rpm("-e", "gpud")
+        assert erase.returncode == 0, erase.stderr
+        assert enabled() != "enabled"
+        deadline = time.monotonic() + 10
+        while _mps_daemon_in(root, pipe) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _mps_daemon_in(root, pipe) is None  # a removal takes the MPS daemons with it
+        assert (root / "etc/gpud/gpud.yaml.rpmsave").read_text() == OPERATOR_CONFIG
+    finally:
+        leftover = _mps_daemon_in(root, pipe)
+        if leftover is not None:
+            os.kill(leftover, signal.SIGKILL)
