@@ -13,7 +13,8 @@ if not os.path.isdir(abi_dir):
                      % (sys.version_info[0], sys.version_info[1], ", ".join(supported)))
     sys.exit(127)
 sys.path[:0] = [abi_dir, os.path.join(here, "common")]
-# The package manager owns /usr/lib/gpud: no __pycache__ beside its files, which it would not remove.
+# /usr/lib/gpud is the package manager's: bytecode there is made (and removed) by the maintainer
+# scripts for each interpreter found at install time, never by gpud at run time.
 sys.dont_write_bytecode = True
 
 from gpud.cli import main  # noqa: E402

@@ -4,6 +4,15 @@
 set -e
 getent group gpud >/dev/null || groupadd --system gpud
 getent group gpud-admin >/dev/null || groupadd --system gpud-admin
+# Bytecode for each interpreter gpud can run on here, as dh_python3's py3compile makes it for Debian's
+# own Python packages: gpud writes none at run time, and with it gpud starts in half the time.
+# preremove removes it. A failure only costs start-up time.
+for python in python3 python3.13 python3.12 python3.11 python3.10; do
+    command -v "$python" >/dev/null 2>&1 || continue
+    abi=$("$python" -I -S -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null) || continue
+    [ -d "/usr/lib/gpud/$abi" ] || continue
+    "$python" -I -m compileall -q /usr/lib/gpud/common "/usr/lib/gpud/$abi" >/dev/null 2>&1 || true
+done
 # A first install, or one after a removal that left gpud's configuration (deb: "configure" with the
 # removed version; rpm: 1) where gpud was enabled until the removal (preremove's mark).
 if [ "$1" = "1" ] || { [ "$1" = "configure" ] && [ -z "$2" ]; } || [ -e /var/lib/gpud/enabled-at-removal ]; then

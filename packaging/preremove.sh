@@ -2,6 +2,12 @@
 # deb: "remove", or "upgrade" when another version replaces this one; rpm: 0 (erase) or 1 (another
 # version was just installed: its postinstall already ran). Only a removal stops and disables gpud.
 set -e
+# The bytecode postinstall made is no file of the package: it goes first, so that the package's
+# directories can go. A deb upgrade makes it again in its postinstall; on an rpm upgrade ("1") the
+# new version's postinstall has already made it for the new files.
+if [ "$1" != "1" ]; then
+    find /usr/lib/gpud -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
+fi
 if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
     # Installing gpud again (its configuration kept) enables it again: postinstall reads this mark.
     if systemctl is-enabled --quiet gpud.service 2>/dev/null; then

@@ -198,6 +198,10 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     box = container
     install = box.run("dpkg", "-i", "/root/gpud.deb")
     assert install.returncode == 0, install.stdout + install.stderr
+    # postinstall compiled the libraries for the distribution's python3 (3.11 on Debian 12, 3.13 on 13)
+    abi = box.run("python3", "-c", "import sys; print('%d%d' % sys.version_info[:2])", check=True).stdout.strip()
+    assert (box.root / f"usr/lib/gpud/common/gpud/__pycache__/cli.cpython-{abi}.pyc").is_file()
+    assert list((box.root / f"usr/lib/gpud/cp{abi}").glob("aiohttp/__pycache__/web.cpython-*.pyc"))
     (box.root / "etc/gpud/gpud.yaml").write_text("simulate: dgx-a100\nmps:\n  enabled: true\n  devices: [0]\n")
     box.run("systemctl", "restart", "gpud", check=True)
     box.wait_for(lambda: box.show("ActiveState") == "active" and "GPUs" in box.show("StatusText"), "READY")
