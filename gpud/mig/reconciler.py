@@ -310,7 +310,7 @@ class MigReconciler:
         is new and no layout was chosen through the API since."""
         if self.problem:
             self._started = True  # an operator's layout may be in the corrupt file: gpud applies none of its own
-            self.status.state, self.status.error = "failed", self.problem
+            self._settle("failed", self.problem)
             return
         try:
             if default_layout and self.desired_source != "api" and self.status.layout != default_layout:
@@ -323,7 +323,7 @@ class MigReconciler:
                 await self.reconcile("startup")
         except GpudError as exc:
             self._started = True
-            self.status.state, self.status.error = "failed", f"mig.default_layout '{default_layout}': {exc}"
+            self._settle("failed", f"mig.default_layout '{default_layout}': {exc}")
             log.error("mig_default_layout_failed", layout=default_layout, error=str(exc))
 
     async def reconcile(self, reason: str) -> None:
@@ -341,7 +341,7 @@ class MigReconciler:
         if inventory is None or synced:
             self._running = None
             if synced:
-                self.status.state = "success"
+                self._settle("success", self.status.error)
             return
         log.warning("mig_out_of_sync", layout=self.status.layout, reason=reason)
         self.status = ApplyStatus(layout=self.status.layout, state="applying", started_at=time.time(),
@@ -405,14 +405,18 @@ class MigReconciler:
                                                           [g.index for g in changing])):
             self.status.error = failure
         states = {p.state for p in self.status.gpus.values()}
-        self.status.state = ("failed" if "failed" in states else "reset-required" if "reset-required" in states
-                             else "success")
         errors = [f"GPU {p.index}: {p.error}" for p in self.status.gpus.values() if p.error]
-        self.status.error = "; ".join(errors) or self.status.error
-        self._notify("mig", {"layout": self.status.layout, "state": self.status.state, "error": self.status.error})
+        self._settle("failed" if "failed" in states else "reset-required" if "reset-required" in states
+                     else "success", "; ".join(errors) or self.status.error)
         log.info("mig_apply_finished", layout=self.status.layout, state=self.status.state,
                  mutations=sum(p.mutations for p in self.status.gpus.values()),
                  in_sync=all(in_sync(g, self.desired[g.uuid]) for g in final.gpus if g.uuid in self.desired))
+
+    def _settle(self, state: str, error: str | None) -> None:
+        """The layout's outcome, said on the watch stream: what follows MIG (NFD's labels, the device
+        plugin) learns of it from there, whether an apply or start-up convergence reached it."""
+        self.status.state, self.status.error = state, error
+        self._notify("mig", {"layout": self.status.layout, "state": state, "error": error})
 
     async def _apply_gpu(self, gpu: Gpu, desired: GpuDesired) -> bool:
         """Changes one GPU. True when its new MIG mode waits for a GPU reset: the rest of its change

@@ -22,7 +22,9 @@ from gpud.persist import write_text_atomic
 log = get_logger("nfd")
 
 QUIET_S = 0.15  # changes of one burst (a MIG apply, an XID on every MIG device) make one write
-CHECK_INTERVAL_S = 1.0  # changes that publish no event are seen within this
+# How often a file not written yet (NFD's directory missing, a failed write) is tried again. Changes
+# themselves arrive as events: every part whose state is labelled publishes on the bus.
+RETRY_INTERVAL_S = 1.0
 
 
 class NfdWriter:
@@ -34,7 +36,7 @@ class NfdWriter:
         self.path = path
         self.enabled = enabled
         # False for NFD's own features.d: where it is missing, NFD is not installed, and gpud waits
-        # for it (checked every CHECK_INTERVAL_S) instead of making it or calling that a fault.
+        # for it (checked every RETRY_INTERVAL_S) instead of making it or calling that a fault.
         self._create_directory = create_directory
         self._labels = labels  # None while there is no inventory: nothing is written then
         self._bus = bus
@@ -61,7 +63,8 @@ class NfdWriter:
             while True:
                 await self.write_if_changed()
                 try:
-                    first = await asyncio.wait_for(subscription.queue.get(), CHECK_INTERVAL_S)
+                    pending = self._document["waiting"] or self._document["error"]
+                    first = await asyncio.wait_for(subscription.queue.get(), RETRY_INTERVAL_S if pending else None)
                 except asyncio.TimeoutError:
                     continue
                 await asyncio.sleep(QUIET_S)
