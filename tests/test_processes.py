@@ -355,6 +355,10 @@ async def test_mig_devices_have_their_own_entries_and_series(short_tmp):
                     if line.startswith("gpud_process_gpu_memory_used_bytes{") and 'pid="4242"' in line)
         assert f'GPU_I_ID="{first["gi_id"]}"' in line and f'GPU_I_PROFILE="{first["profile"]}"' in line
         assert f'mig_uuid="{first["uuid"]}"' in line and line.endswith(f" {1042 * MIB}")
+        # the device's labels are those of its health series, so a dashboard joins the two
+        health = next(line for line in text.splitlines()
+                      if line.startswith("gpud_gpu_health{") and f'mig_uuid="{first["uuid"]}"' in line)
+        assert health[health.index("{"):health.index("}")] in line
         assert "gpud_process_sm_utilization_percent{" not in text
     finally:
         await stop_daemon(node)

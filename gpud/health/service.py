@@ -4,12 +4,12 @@ log and the watch stream at once."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
+from gpud.dcgm_labels import gpu_labels, instance_labels
 from gpud.events import EventBus
 from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
@@ -19,7 +19,7 @@ from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, FbMemory, NvmlEvent, Readings, read_mig_memory, read_readings
 from gpud.nvml.session import NvmlSession
 from gpud.persist import CorruptFile, read_json, write_json_atomic
-from gpud.samples import HOSTNAME, Family
+from gpud.samples import Family
 
 log = get_logger("health")
 HEALTH_VALUES = {"healthy": 0, "degraded": 1, "unhealthy": 2}
@@ -285,14 +285,14 @@ class HealthService:
         inventory = self.inventory.current
         if inventory is None:
             return
-        gpus = [(gpu, _gpu_labels(gpu, inventory.driver_version)) for gpu in inventory.gpus]
+        gpus = [(gpu, gpu_labels(gpu, inventory.driver_version)) for gpu in inventory.gpus]
         for name, help_text, kind, attribute in GPU_READINGS:
             family = Family(name, help_text, kind)
             for gpu, labels in gpus:
                 _add(family, labels, getattr(self.readings.get(gpu.uuid), attribute, None))
                 if attribute in MIG_READINGS:
                     for dev in _instance_devices(gpu):
-                        _add(family, _instance_labels(labels, gpu, dev),
+                        _add(family, instance_labels(labels, gpu, dev),
                              getattr(self.mig_memory.get(dev.uuid), attribute, None))
             yield family
         bandwidth = Family("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
@@ -343,7 +343,7 @@ class HealthService:
         for gpu, labels in gpus:
             health.add(labels, HEALTH_VALUES.get(states.get(gpu.uuid, "healthy"), 2))
             for dev in gpu.mig.devices:
-                mig_labels = {**_instance_labels(labels, gpu, dev), "mig_uuid": dev.uuid}
+                mig_labels = {**instance_labels(labels, gpu, dev), "mig_uuid": dev.uuid}
                 health.add(mig_labels, HEALTH_VALUES.get(states.get(dev.uuid, "healthy"), 2))
         yield health
         lost = Family("gpud_gpu_lost", "1 when NVML reports the GPU lost.", "gauge")
@@ -355,33 +355,6 @@ class HealthService:
 def _add(family: Family, labels: dict[str, str], value: float | None) -> None:
     if value is not None:
         family.add(labels, float(value))
-
-
-def _gpu_labels(gpu: Gpu, driver_version: str) -> dict[str, str]:
-    """dcgm-exporter's labels of a GPU, in its order (internal/pkg/rendermetrics/render_metrics.go;
-    `hostname` lower-case since NVIDIA/dcgm-exporter#655), and its default label counter, the driver."""
-    return {"gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "device": f"nvidia{gpu.index}",
-            "modelName": gpu.name, "hostname": HOSTNAME, "DCGM_FI_DRIVER_VERSION": driver_version}
-
-
-def _instance_labels(labels: dict[str, str], gpu: Gpu, dev: MigDevice) -> dict[str, str]:
-    """A GPU instance's labels: its GPU's, with GPU_I_PROFILE and GPU_I_ID after modelName."""
-    position = list(labels).index("modelName") + 1
-    items = list(labels.items())
-    return dict(items[:position] + [("GPU_I_PROFILE", _instance_profile(gpu, dev)), ("GPU_I_ID", str(dev.gi_id))]
-                + items[position:])
-
-
-def _instance_profile(gpu: Gpu, dev: MigDevice) -> str:
-    """The GPU instance's profile as DCGM names it, and so dcgm-exporter's GPU_I_PROFILE: "<slices>g.<memory
-    in GiB, rounded up>gb" (DcgmCacheManager.cpp names GPU-instance profiles so; the exporter reads the
-    name back as the instance's DCGM_FI_DEV_NAME, internal/pkg/deviceinfo/device_info.go). A "+me" profile
-    has no "+me" there. Without the GPU's profile table, NVML's name of the device."""
-    capabilities = gpu.mig.capabilities
-    profile = capabilities.gi_profile_by_id(dev.gi_profile_id) if capabilities else None
-    if profile is None:
-        return dev.profile
-    return f"{profile.slices}g.{math.ceil(profile.memory_mib / 1024)}gb"
 
 
 def _instance_devices(gpu: Gpu) -> list[MigDevice]:

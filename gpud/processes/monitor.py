@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from gpud.dcgm_labels import gpu_labels, instance_labels
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.processes import DeviceProcesses, read_processes
 from gpud.nvml.session import NvmlSession
 from gpud.processes.host import PROC, HostProcess, describe
-from gpud.samples import HOSTNAME, Family
+from gpud.samples import Family
 
 log = get_logger("processes")
 # SM samples are asked for over this window at least, so a refresh never misses the driver's last one.
@@ -129,9 +130,9 @@ class ProcessMonitor:
         sm = Family("gpud_process_sm_utilization_percent",
                     "SM utilisation of a compute process (whole GPUs; NVML has none on MIG devices).", "gauge")
         count = Family("gpud_device_compute_processes", "Compute processes running on a GPU or MIG device.", "gauge")
-        snapshot = self.current
-        for device in snapshot.devices if snapshot else ():
-            labels = _device_labels(device)
+        snapshot, inventory = self.current, self.inventory.current
+        for device in snapshot.devices if snapshot and inventory else ():
+            labels = _device_labels(device, inventory.driver_version)
             if device.read.unavailable is None:
                 count.add(labels, len(device.processes))
             for process in device.processes:
@@ -143,15 +144,12 @@ class ProcessMonitor:
         yield from (memory, sm, count)
 
 
-def _device_labels(device: DeviceView) -> dict[str, str]:
-    """dcgm-exporter's labels of the GPU, and of the MIG device for one."""
-    gpu = device.gpu
-    labels = {"gpu": str(gpu.index), "UUID": gpu.uuid, "device": f"nvidia{gpu.index}", "modelName": gpu.name,
-              "hostname": HOSTNAME}
-    if device.is_mig:
-        labels |= {"GPU_I_ID": str(device.read.gi_id), "GPU_I_PROFILE": device.profile or "",
-                   "mig_uuid": device.read.uuid}
-    return labels
+def _device_labels(device: DeviceView, driver_version: str) -> dict[str, str]:
+    """dcgm-exporter's labels of the GPU, and of its GPU instance for a MIG device (the same as the
+    health series', so a dashboard joins them), with the MIG device's UUID."""
+    labels = gpu_labels(device.gpu, driver_version)
+    mig = next((dev for dev in device.gpu.mig.devices if dev.uuid == device.read.uuid), None)
+    return {**instance_labels(labels, device.gpu, mig), "mig_uuid": mig.uuid} if mig else labels
 
 
 def _process_labels(process: ProcessView) -> dict[str, str]:
