@@ -2,15 +2,57 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from helpers import (ADMINS, IN_CI, MPS_CONTROL, READERS, SYSTEM_PATH, USERS, GpudProcess, accounts_lock,
                      kill_mps_under)
+
+
+# -- deadlines ------------------------------------------------------------------------------------
+# pytest-timeout fails a test that runs past its limit (pyproject's `timeout` for a unit test,
+# SLOW_TEST_TIMEOUT_S for one marked slow; its fixtures count) at the line it is stuck on, every
+# thread's stack in its report. Should that signal never get through (a thread stuck in C code with
+# the GIL, signals blocked), faulthandler writes every thread's traceback to the real stderr a little
+# later and ends the process: xdist then names the test its worker was running.
+SLOW_TEST_TIMEOUT_S = 900
+LAST_RESORT_AFTER_S = 30
+_real_stderr = pytest.StashKey()
+
+
+def pytest_configure(config):
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        config.stash[_real_stderr] = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    if settings.timeout > 0:
+        faulthandler.dump_traceback_later(settings.timeout + LAST_RESORT_AFTER_S, exit=True,
+                                          file=item.config.stash[_real_stderr])
+    # None: pytest-timeout sets its own timer as well
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    faulthandler.cancel_dump_traceback_later()
+
+
+# -- fixtures --------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -34,7 +76,7 @@ def run_gpud(short_tmp):
     for process in started:
         if process.proc.poll() is None:
             process.proc.kill()
-            process.proc.wait()
+            process.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +87,11 @@ def users():
         pytest.skip("needs root to create users and groups")
     with accounts_lock():
         for group in (READERS, ADMINS):
-            subprocess.run([shutil.which("groupadd", path=SYSTEM_PATH), "-f", group], check=True)
+            subprocess.run([shutil.which("groupadd", path=SYSTEM_PATH), "-f", group], check=True, timeout=60)
         for user, groups in USERS.items():
-            subprocess.run([shutil.which("useradd", path=SYSTEM_PATH), "-M", user], capture_output=True)
+            subprocess.run([shutil.which("useradd", path=SYSTEM_PATH), "-M", user], capture_output=True, timeout=60)
             subprocess.run([shutil.which("usermod", path=SYSTEM_PATH), "-G", ",".join(groups) or "", user],
-                           check=True)
+                           check=True, timeout=60)
     return USERS
 
 

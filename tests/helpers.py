@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import inspect
 import json
 import os
+import queue
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +41,102 @@ def accounts_lock():
     with ACCOUNTS_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+# -- deadlines: every wait of a test ends, and says what it waited for ---------------------------
+
+
+def until(predicate, timeout: float = 5.0, what: str = "condition", interval: float = 0.01):
+    """predicate()'s first truthy answer, asked every interval; fails the test after timeout seconds,
+    naming what it waited for and the last answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+async def until_async(check, timeout: float = 5.0, what: str = "condition", interval: float = 0.02):
+    """until() on the event loop: check() may answer directly or with an awaitable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = check()
+        if inspect.isawaitable(last):
+            last = await last
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(interval)
+
+
+def asleep_in(thread: threading.Thread, function: str) -> bool:
+    """Whether thread sleeps on a lock or a condition (its innermost Python frame is threading's wait)
+    inside a call of function: the state to wait for before a test wakes it, observed, not guessed."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return bool(names) and names[0] == "wait" and function in names
+
+
+class Lines:
+    """A child's output stream (text or bytes), read on a thread of its own so that every read has a
+    deadline: a line that never comes fails the test, saying what was awaited and what came before."""
+
+    def __init__(self, stream, name: str = "output"):
+        self.name = name
+        self.seen: list = []
+        self._empty = stream.read(0)  # "" or b"": what the stream's lines are made of
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), name=f"lines of {name}", daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        try:
+            for line in stream:
+                self._lines.put(line)
+        except ValueError:  # the stream was closed under the reader
+            pass
+        finally:
+            self._lines.put(None)  # the end of the stream
+
+    def _take(self, deadline: float, what: str):
+        try:
+            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"{self.name}: no {what} in time; the last lines: {self.seen[-5:]!r}") from None
+        if line is not None:
+            self.seen.append(line)
+        else:
+            self._lines.put(None)  # it stays ended for the next read
+        return line
+
+    def next(self, what: str = "line", timeout: float = 10.0):
+        """The next line, within timeout seconds."""
+        line = self._take(time.monotonic() + timeout, what)
+        if line is None:
+            raise AssertionError(f"{self.name} ended before its {what}; the last lines: {self.seen[-5:]!r}")
+        return line
+
+    def until(self, wanted, what: str, timeout: float = 10.0):
+        """The first line from here on for which wanted(line) holds, within timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._take(deadline, what)
+            if line is None:
+                raise AssertionError(f"{self.name} ended before {what}; the last lines: {self.seen[-5:]!r}")
+            if wanted(line):
+                return line
+
+    def rest(self, timeout: float = 10.0):
+        """Every line still to come, up to the end of the stream, within timeout seconds."""
+        deadline, lines = time.monotonic() + timeout, []
+        while (line := self._take(deadline, "end of the stream")) is not None:
+            lines.append(line)
+        return self._empty.join(lines)
 
 
 def real_nvml_library_present() -> bool:
@@ -261,7 +360,8 @@ def minimal_rootfs(root: Path, *programs: str) -> Path:
     for `podman run --rootfs`; each program is also at /bin/<name>."""
     for program in programs:
         binary = Path(shutil.which(program)).resolve()
-        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout  # "not a dynamic..." for static
+        # "not a dynamic executable" for a static one: no libraries
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=120).stdout
         libraries = [word for word in ldd.split() if word.startswith("/") and ".so" in word]
         for source in [binary, *map(Path, libraries)]:
             target = root / str(source).lstrip("/")

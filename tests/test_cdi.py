@@ -273,7 +273,8 @@ async def test_a_reader_never_sees_half_a_spec(short_tmp):
             node.daemon.cdi.refresh("test")
             await asyncio.sleep(0.005)
         stop.set()
-        reader.join()
+        reader.join(10)
+        assert not reader.is_alive(), "the reader thread did not end"
         assert bad == [] and len(seen) == 2, (seen, bad[:1])
         assert [p.name for p in path.parent.iterdir()] == ["gpud-gpu.json"]  # no temporary files left
     finally:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, GpudProcess
+from helpers import REPO, GpudProcess, Lines
 
 from gpud.cli import build_parser, main
 from gpud.client import SOCKET_ENV, find_socket
@@ -151,7 +151,7 @@ def test_reset_names_what_blocks_it_and_force_ends_the_processes(node, capsys):
         assert worker.poll() is None  # a simulated node ends its simulated processes, never host ones
     finally:
         worker.kill()
-        worker.wait()
+        worker.wait(10)
     node.wait_for(lambda: not node.client.get("/v1/gpus/2/processes")["devices"][0]["processes"],
                   what="the process gone")
     code, out, _ = run(capsys, *on(node, "gpus", "processes", "2"))
@@ -385,7 +385,7 @@ def test_watch_ends_quietly_when_its_reader_does(node, tmp_path):
         assert pipeline.wait(5) == 0
     finally:
         pipeline.kill()
-    assert pipeline.stdout.read().startswith("#")
+    assert pipeline.communicate(timeout=10)[0].startswith("#")
     assert rc_file.read_text().strip() == "0"
     errors = err_file.read_text()
     assert "Traceback" not in errors and "Exception ignored" not in errors and "gpud run " in errors
@@ -414,11 +414,12 @@ def test_watch_says_when_the_daemon_went_away(run_gpud, short_tmp):
     gpud.wait_healthy()
     watcher = subprocess.Popen([sys.executable, "-m", "gpud", "watch", "--since", "0", "--json", "--socket",
                                 str(gpud.socket)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert watcher.stderr.readline().startswith("gpud run ")  # the replay of this run has begun
+    out, err = Lines(watcher.stdout, "gpud watch"), Lines(watcher.stderr, "gpud watch's stderr")
+    assert err.next("run line").startswith("gpud run ")  # the replay of this run has begun
     gpud.proc.kill()  # no goodbye
     assert watcher.wait(10) == 3
-    events = [json.loads(line) for line in watcher.stdout.read().splitlines()]
-    error = json_error(watcher.stderr.read())
+    events = [json.loads(line) for line in out.rest().splitlines()]
+    error = json_error(err.rest())
     assert error["error"]["code"] == "daemon-gone" and "went away" in error["error"]["message"]
     last = events[-1]
     assert f"--since {last['seq']} --epoch {last['epoch']}" in error["error"]["message"]
@@ -467,7 +468,7 @@ t gpud sim xid 0 --gi 1 --c
 def test_zsh_completion_parses_and_completes(tmp_path):
     script = _generated("zsh", tmp_path)
     assert script.read_text().startswith("#compdef gpud\n")
-    assert subprocess.run(["zsh", "-n", str(script)], capture_output=True).returncode == 0
+    assert subprocess.run(["zsh", "-n", str(script)], capture_output=True, timeout=120).returncode == 0
     # The completion function run by zsh itself; compadd and _files, which only work inside the
     # completion system's widgets, print what they are given.
     probe = f"""compadd() {{ [[ $1 == -- ]] && shift; print -r -- "$*"; }}
@@ -514,10 +515,11 @@ print -r -- "$screen"
 
 def test_the_man_page_renders_without_warnings_and_lists_every_command(tmp_path):
     page = _generated("man", tmp_path)
-    checked = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z", str(page)], capture_output=True, text=True)
+    checked = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z", str(page)], capture_output=True, text=True,
+                             timeout=120)
     assert checked.returncode == 0 and checked.stderr == ""
     rendered = subprocess.run(["groff", "-man", "-Tascii", "-P", "-cbou", str(page)], capture_output=True,
-                              text=True, check=True).stdout
+                              text=True, check=True, timeout=120).stdout
     headings = {line.strip() for line in rendered.splitlines() if line.startswith("   gpud ")}
     expected = {f"gpud {name}" for name in _top_commands()}
     assert expected <= headings

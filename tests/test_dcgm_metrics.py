@@ -132,7 +132,7 @@ async def test_energy_counts_up_with_the_power_drawn_between_scrapes(h100_node):
     _, first = await scrape(h100_node)
     before = {uuid: readings.energy_mj for uuid, readings in health.readings.items()}
     started_at = next(iter(health.readings.values())).read_at
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # fixed time: the energy drawn over it is what is measured, against the clock
     _, second = await scrape(h100_node)
     elapsed = next(iter(health.readings.values())).read_at - started_at
     watts = catalog().models["H100-SXM5-80GB"].idle_power_mw / 1000

@@ -63,12 +63,12 @@ class Kubelet:
 
     def restart(self) -> None:
         """As a kubelet restart does: kubelet.sock goes away and a new one appears."""
-        self._server.stop(0).wait()
+        self._server.stop(0).wait(10)
         (self.directory / "kubelet.sock").unlink(missing_ok=True)
         self.start()
 
     def stop(self) -> None:
-        self._server.stop(0).wait()
+        self._server.stop(0).wait(10)
 
     def _registered(self, request: pb.RegisterRequest) -> None:
         with self._changed:
@@ -158,11 +158,11 @@ class Node:
     def close(self) -> None:
         if self.plugin.poll() is None:
             self.plugin.kill()
-            self.plugin.wait()
+            self.plugin.wait(10)
         self.kubelet.stop()
         if self.gpud.proc.poll() is None:
             self.gpud.proc.kill()
-            self.gpud.proc.wait()
+            self.gpud.proc.wait(10)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from dataclasses import replace
 import jsonschema
 import pynvml
 import pytest
-from helpers import IN_CI, REPO, real_nvml_library_present
+from helpers import IN_CI, REPO, Lines, real_nvml_library_present
 
 from gpud import doctor
 from gpud.nvml import smi
@@ -304,7 +304,7 @@ def test_holders_and_processes_are_reset_blockers_but_not_problems(tmp_path, sho
         f = open({str(held)!r}, "rb"); print("ready", flush=True); sys.stdin.read()""")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "ready"
+        assert Lines(holder.stdout, "the holder").next("ready").strip() == "ready"
         nvml = started("dgx-a100", tmp_path / "state.json")
         nvml.sim_set_processes(0, [holder.pid, 4242])  # a process holding the node and running on the GPU: once
         nvml.nvmlShutdown()

@@ -248,7 +248,7 @@ def _rpm_in(root: Path):
     rpm = shutil.which("rpm", path=SYSTEM_PATH)
     if rpm is None:
         pytest.fail("scripts/test-all installs rpm") if IN_CI else pytest.skip("rpm is not installed")
-    subprocess.run([rpm, "--root", str(root), "--initdb"], check=True)
+    subprocess.run([rpm, "--root", str(root), "--initdb"], check=True, timeout=600)
     return lambda *args: subprocess.run([rpm, "--root", str(root), *args], capture_output=True, text=True,
                                         timeout=300)
 
@@ -523,7 +523,7 @@ def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_
     for directory in (pipe, logs):
         (root / directory.lstrip("/")).mkdir(parents=True, exist_ok=True)
     enabled = lambda: subprocess.run(["chroot", str(root), "systemctl", "is-enabled", "gpud.service"],  # noqa: E731
-                                     capture_output=True, text=True).stdout.strip()
+                                     capture_output=True, text=True, timeout=600).stdout.strip()
     assert enabled() == "enabled"
     subprocess.run(["chroot", str(root), "env", f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_MPS_LOG_DIRECTORY={logs}",
                     "nvidia-cuda-mps-control", "-d"], check=True, timeout=30)

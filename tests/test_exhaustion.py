@@ -14,7 +14,7 @@ import subprocess
 import time
 import pytest
 from helpers import (ADMINS, READERS, mig_config, mig_settled, put_layout, running_daemons, sim_config,
-                     start_daemon, stop_daemon)
+                     start_daemon, stop_daemon, until_async)
 from openapi_check import assert_matches_openapi
 
 from gpud.api.connections import EXCESS_GRACE_S
@@ -76,7 +76,7 @@ class Hog:
 
     async def stop(self) -> None:
         self.proc.stdin.close()
-        await self.proc.wait()
+        await asyncio.wait_for(self.proc.wait(), 20)
 
 
 @pytest.fixture
@@ -135,12 +135,14 @@ async def test_a_reader_is_served_again_once_its_connections_close(capped):
     hog = await Hog.start(capped.daemon.config.socket_path, 60021, 3, "/v1/node")
     assert (await hog.report())["answers"][0]["status"] == 429
     await hog.stop()
-    await asyncio.sleep(0.2)  # gpud sees the connections close
-    again = await Hog.start(capped.daemon.config.socket_path, 60021, 0, "/v1/node")
-    try:
-        assert (await again.report())["answers"][0]["status"] == 200
-    finally:
-        await again.stop()
+
+    async def served() -> bool:  # once gpud has seen the hog's connections close
+        again = await Hog.start(capped.daemon.config.socket_path, 60021, 0, "/v1/node")
+        try:
+            return (await again.report())["answers"][0]["status"] == 200
+        finally:
+            await again.stop()
+    assert await until_async(served, timeout=10, what="uid 60021 served again")
 
 
 # Guards MPS supervision against a full descriptor table: before, process_alive opened
@@ -160,7 +162,10 @@ def test_a_full_descriptor_table_is_not_taken_for_a_dead_mps_daemon(run_gpud, mp
     in_use = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
     lowest_free = min(set(range(len(in_use) + 1)) - in_use)
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))  # not one descriptor more
-    time.sleep(1.5)  # 15 checks, a full probe (a control command, which needs descriptors) among them
+    gpud.wait_for(lambda: any(e.get("event") == "mps_check_inconclusive" for e in gpud.log_events()),
+                  what="a check that ran out of descriptors")
+    # fixed time: the shortage lasts over more checks than HEALTH_PROBE_EVERY, a full probe among them
+    time.sleep(1.5)  # fixed time: (see above)
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
     [after] = gpud.client.get("/v1/mps")["daemons"]
     assert (after["pid"], after["state"], after["restarts"]) == (daemon["pid"], "running", 0)
@@ -191,7 +196,7 @@ def test_process_alive_sees_running_exited_and_reaped_processes():
         assert not process_alive(child.pid)  # reaped
     finally:
         child.kill()
-        child.wait()
+        child.wait(10)
 
 
 # Guards the MIG apply history across restarts: it used to live in memory only (the last status),

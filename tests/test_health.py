@@ -9,7 +9,8 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, cli, mig_config, put_layout, sharing_config, start_daemon, stop_daemon
+from helpers import (REPO, Lines, cli, mig_config, put_layout, sharing_config, start_daemon, stop_daemon,
+                     until_async)
 from openapi_check import assert_matches_openapi
 
 SHARED_MIG = """version: v1
@@ -35,15 +36,6 @@ async def read_events(node, path: str, count: int, timeout: float = 5.0) -> list
     return events
 
 
-async def wait_until(check, timeout: float = 5.0):
-    for _ in range(int(timeout / 0.02)):
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
 def metric(text: str, name: str, **labels) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -60,8 +52,8 @@ async def node(short_tmp):
 
 async def test_xid_79_makes_the_gpu_unhealthy_everywhere(node):
     seq = node.daemon.bus.sequence
+    # The watcher resumes after the last event before the XID: whenever it subscribes, it gets the XID.
     watcher = asyncio.ensure_future(read_events(node, f"/v1/watch?since={seq}&types=health", 1))
-    await asyncio.sleep(0.1)
     assert (await node.post("/v1/sim/xid", {"gpu": 2, "xid": 79}))[0] == 200
     (event,) = await watcher
     assert event["type"] == "health" and event["data"]["gpu_index"] == 2 and event["data"]["state"] == "unhealthy"
@@ -98,7 +90,7 @@ async def test_application_xid_13_leaves_the_gpu_healthy(node):
     async def counted():
         async with node.http.get("http://localhost/metrics") as response:
             return metric(await response.text(), "gpud_xid_errors_total", gpu="1", xid="13")
-    assert await wait_until(counted) == 1  # seen and counted
+    assert await until_async(counted) == 1  # seen and counted
     _, health = await node.get("/v1/health")
     assert health["status"] == "healthy"
 
@@ -115,7 +107,7 @@ async def test_an_xid_with_instance_ids_marks_only_that_mig_device_and_its_repli
             _, health = await node.get("/v1/gpus/4/health")
             return health if health["mig_devices"] and any(d["state"] == "unhealthy"
                                                             for d in health["mig_devices"]) else None
-        health = await wait_until(marked)
+        health = await until_async(marked)
         status, by_mig_uuid = await node.get(f"/v1/gpus/{target['uuid']}/health")  # a MIG UUID names its GPU
         assert status == 200 and by_mig_uuid == health
         by_uuid = {d["uuid"]: d["state"] for d in health["mig_devices"]}
@@ -152,7 +144,7 @@ async def test_double_bit_ecc_event_and_the_pending_row_remap(node):
     async def reasons():
         _, health = await node.get("/v1/gpus/3/health")
         return health["reasons"] if health["state"] == "unhealthy" else None
-    kinds = {(r["kind"], r["code"]) for r in await wait_until(reasons)}
+    kinds = {(r["kind"], r["code"]) for r in await until_async(reasons)}
     assert ("ecc", "dbe-event") in kinds
 
 
@@ -175,13 +167,16 @@ def test_cli_health_and_watch(run_gpud, short_tmp):
     gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"))
     gpud.wait_healthy()
     assert cli("health", socket=gpud.socket).returncode == 0
-    watcher = subprocess.Popen([sys.executable, "-m", "gpud", "watch", "--types", "health", "--socket",
-                                str(gpud.socket)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     gpud.wait_for(lambda: len(gpud.client.get("/v1/health")["gpus"]) == 2, what="health")
-    time.sleep(0.5)  # the watcher is connected
+    # --since 0: the watcher replays this fresh gpud's stream from its start, so the XID reaches it
+    # however long it takes to start and subscribe (a fixed wait for that lost the race under load).
+    watcher = subprocess.Popen([sys.executable, "-m", "gpud", "watch", "--since", "0", "--types", "health",
+                                "--socket", str(gpud.socket)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    lines = Lines(watcher.stdout, "gpud watch")
     gpud.client.request("POST", "/v1/sim/xid", {"gpu": 1, "xid": 79})
-    line = watcher.stdout.readline()
-    assert line.startswith("#") and " health: " in line and '"state": "unhealthy"' in line
+    line = lines.until(lambda line: '"state": "unhealthy"' in line, "GPU 1 unhealthy", timeout=30)
+    assert line.startswith("#") and " health: " in line and '"gpu_index": 1' in line
+    assert all(" health: " in seen for seen in lines.seen)  # --types health: nothing else
     unhealthy = cli("health", socket=gpud.socket)
     assert unhealthy.returncode == 1 and "xid 79" in unhealthy.stdout and "action: reboot" in unhealthy.stdout
     started = time.monotonic()
@@ -199,7 +194,7 @@ async def test_a_gpu_reset_clears_the_xid_it_resolves(short_tmp):
         async def state():
             _, health = await node.get("/v1/gpus/0/health")
             return health["state"]
-        assert await wait_until(lambda: _is(state, "unhealthy"))
+        assert await until_async(lambda: _is(state, "unhealthy"))
         assert (await put_layout(node, "all-balanced"))[0] == 200  # enabling MIG on an A100 resets the GPU
         assert await state() == "healthy"
     finally:

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, Lines
 
 from gpud.host import Holder, device_holders, loaded_modules, reset_blockers
 
@@ -36,7 +36,7 @@ class HeldFile:
         self.path = path
         self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name, str(path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "ready"
+        assert Lines(self.proc.stdout, f"the holder of {path}").next("ready").strip() == "ready"
 
     @property
     def pid(self) -> int:
@@ -59,7 +59,7 @@ def hold(tmp_path):
     for h in held:
         if h.proc.poll() is None:
             h.proc.kill()
-            h.proc.wait()
+            h.proc.wait(10)
 
 
 def _proc_view(root: Path, pids: list[int], modules: str | None = None) -> Path:
@@ -116,7 +116,7 @@ def test_a_process_gone_before_its_turn_in_the_scan_is_skipped(hold, tmp_path):
     # leaves a listed pid whose fd directory no longer exists.
     held = hold("nvidia4")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
+    gone.wait(10)
     proc = _proc_view(tmp_path / "proc", [gone.pid, held.pid])
     assert not (proc / str(gone.pid) / "fd").exists()
     assert device_holders([str(held.path)], proc=proc) == [Holder(held.pid, "holder-test", str(held.path))]
@@ -130,7 +130,7 @@ def test_processes_starting_and_exiting_during_scans_never_break_them(hold, tmp_
             assert device_holders([str(held.path)]) == [Holder(held.pid, "holder-test", str(held.path))]
     finally:
         for child in churn:
-            child.wait()
+            child.wait(10)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")

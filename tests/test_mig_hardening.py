@@ -158,9 +158,9 @@ def full_state_dir(short_tmp):
         pytest.skip("needs root to mount a small tmpfs")
     state = short_tmp / "state"
     state.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(state)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(state)], check=True, timeout=120)
     yield state
-    subprocess.run(["umount", "-l", str(state)], check=False)
+    subprocess.run(["umount", "-l", str(state)], check=False, timeout=120)
 
 
 def fill(directory) -> None:

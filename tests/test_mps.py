@@ -115,7 +115,8 @@ def test_client_env_and_explicit_control(run_gpud, mps_tmp):
     stopped = gpud.client.request("POST", "/v1/mps/gpu0/stop", {})[1]
     assert stopped["state"] == "stopped" and not process_alive(daemon["pid"])
     assert gpud.client.get("/v1/gpus/0")["compute_mode"] == "default"
-    time.sleep(0.6)  # supervision leaves a daemon stopped on purpose alone
+    # fixed time: nothing must happen over three supervision intervals: a daemon stopped on purpose is left alone
+    time.sleep(0.6)  # fixed time: (see above)
     assert gpud.client.get("/v1/mps")["daemons"][0]["state"] == "stopped"
     started = gpud.client.request("POST", "/v1/mps/gpu0/start", {})[1]
     assert started["state"] == "running"

@@ -251,7 +251,8 @@ async def test_a_reader_never_sees_a_half_written_file(short_tmp):
             await writer.write_if_changed()
     finally:
         stop.set()
-        reader.join()
+        reader.join(10)
+        assert not reader.is_alive(), "the reader thread did not end"
     assert len(seen) > 40 and set(seen) <= texts  # every read is one whole version
     assert [p.name for p in path.parent.iterdir()] == ["gpud"]
 

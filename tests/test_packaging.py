@@ -68,12 +68,12 @@ def packages():
 @pytest.fixture(scope="module")
 def unpacked(packages, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("deb") / "root"
-    subprocess.run(["dpkg-deb", "-x", str(packages[0]), str(root)], check=True)
+    subprocess.run(["dpkg-deb", "-x", str(packages[0]), str(root)], check=True, timeout=120)
     return root
 
 
 def deb_members(deb: Path) -> list[tarfile.TarInfo]:
-    data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True).stdout
+    data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True, timeout=120).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         return archive.getmembers()
 
@@ -90,12 +90,13 @@ def launcher_for(root: Path, here: Path) -> Path:
 
 def test_deb_metadata_conffiles_and_scripts(packages):
     deb, _ = packages
-    info = subprocess.run(["dpkg-deb", "-I", str(deb)], capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(["dpkg-deb", "-I", str(deb)], capture_output=True, text=True, check=True, timeout=120).stdout
     assert "Package: gpud" in info and "Section: admin" in info and "Priority: optional" in info
     depends = re.search(r"^ Depends: (.+)$", info, re.M)[1].split(", ")
     assert "python3 (>= 3.10)" in depends and "python3 (<< 3.14)" in depends, depends
     assert any(d.startswith("libc6 (>= 2.") for d in depends), depends
-    control = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
+    control = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True,
+                             timeout=120).stdout
     assert b"conffiles" in control and b"postinst" in control and b"prerm" in control
     listing = {member.name for member in deb_members(deb)}
     for path in ("./usr/bin/gpud", "./usr/lib/systemd/system/gpud.service", "./usr/lib/systemd/system/gpud.socket",
@@ -142,17 +143,18 @@ def test_shared_objects_are_stripped(unpacked):
     assert len(objects) > 20
     for path in objects:
         sections = subprocess.run(["readelf", "-S", "-W", str(path)], capture_output=True, text=True,
-                                  check=True).stdout
+                                  check=True, timeout=120).stdout
         assert " .symtab " not in sections and " .debug_" not in sections and " .comment " not in sections, path
 
 
 def test_shared_objects_need_no_newer_glibc_than_the_package_declares_nor_than_rhel_9s(packages, unpacked):
     info = subprocess.run(["dpkg-deb", "-f", str(packages[0]), "Depends"], capture_output=True, text=True,
-                          check=True).stdout
+                          check=True, timeout=120).stdout
     declared = tuple(int(part) for part in re.search(r"libc6 \(>= ([\d.]+)\)", info)[1].split("."))
     needed = set()
     for path in (unpacked / LIB).rglob("*.so"):
-        symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True).stdout
+        symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True,
+                                 timeout=120).stdout
         needed.update(tuple(int(part) for part in version.split("."))
                       for version in re.findall(r"GLIBC_([\d.]+)", symbols))
     assert max(needed) <= declared <= (2, 34), (max(needed), declared)
@@ -231,7 +233,7 @@ def assert_serves_gpus(launcher: Path, env: dict[str, str], here: Path) -> None:
                 gpus = client.get("/v1/gpus")["gpus"]
             except (DaemonUnreachable, ApiFailure):  # not up yet, or still starting
                 time.sleep(0.1)
-        assert gpus and gpus[0]["name"] == "Tesla T4", proc.stderr.read().decode()[-2000:] if proc.poll() else ""
+        assert gpus and gpus[0]["name"] == "Tesla T4", proc.communicate(timeout=10)[1].decode()[-2000:] if proc.poll() else ""
     finally:
         proc.terminate()
         proc.wait(10)
@@ -308,7 +310,7 @@ def test_launch_py_says_when_the_package_has_no_tree_for_this_python(unpacked, s
     shutil.copy(unpacked / LIB / "launch.py", short_tmp / "launch.py")
     (short_tmp / "cp399").mkdir()
     os_python = subprocess.run([OS_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+                               capture_output=True, text=True, check=True, timeout=120).stdout.strip()
     result = subprocess.run([OS_PYTHON, "-I", str(short_tmp / "launch.py"), "--version"], capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 127, result.stderr
@@ -319,7 +321,7 @@ def test_rpm_metadata_config_files_scriptlets_and_rich_dependency(packages, tmp_
     _, rpm = packages
     needs("rpm")
     query = lambda *flags: subprocess.run(["rpm", "-qp", *flags, str(rpm)], capture_output=True, text=True,  # noqa: E731
-                                          check=True).stdout
+                                          check=True, timeout=120).stdout
     assert query("-c").split() == ["/etc/gpud/gpud.yaml", "/etc/gpud/mig-layouts.yaml"]
     scripts = query("--scripts")
     assert "postinstall scriptlet" in scripts and "groupadd --system gpud" in scripts
@@ -331,9 +333,9 @@ def test_rpm_metadata_config_files_scriptlets_and_rich_dependency(packages, tmp_
     rich = "(python(abi) = 3.10 or python(abi) = 3.11 or python(abi) = 3.12 or python(abi) = 3.13)"
     assert rich in query("--requires").splitlines()
     # rpm reads it back as one rich dependency: in an empty root, exactly that is missing
-    subprocess.run(["rpm", "--root", str(tmp_path), "--initdb"], check=True)
+    subprocess.run(["rpm", "--root", str(tmp_path), "--initdb"], check=True, timeout=120)
     test_install = subprocess.run(["rpm", "--root", str(tmp_path), "-i", "--test", str(rpm)], capture_output=True,
-                                  text=True)
+                                  text=True, timeout=120)
     assert test_install.returncode != 0 and f"{rich} is needed by gpud" in test_install.stderr, test_install.stderr
 
 
@@ -342,9 +344,10 @@ def test_gpud_version_overrides_the_version_without_touching_the_checkout(packag
     deb, rpm = build("0.0.9")
     try:
         assert (REPO / "gpud/__init__.py").read_bytes() == before
-        info = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True)
+        info = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True,
+                              timeout=120)
         assert info.stdout.strip() == "0.0.9"
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path)], check=True)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path)], check=True, timeout=120)
         assert '__version__ = "0.0.9"' in (tmp_path / LIB / "common/gpud/__init__.py").read_text()
         assert (tmp_path / LIB / "common/gpud-0.0.9.dist-info").is_dir()
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pynvml
 import pytest
 from helpers import (IN_CI, PODMAN_RUN, curl_as, gpud_for_users, mig_config, minimal_rootfs, need_podman_as_root,
-                     podman, put_layout, sim_config, start_daemon, stop_daemon)
+                     podman, put_layout, sim_config, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
 
 from gpud.nvml.processes import read_processes
@@ -122,7 +122,7 @@ def test_a_container_id_is_64_hex_digits_exactly():
 
 def test_a_process_that_exited_or_cannot_be_read_has_an_unknown_owner(tmp_path):
     child = subprocess.Popen(["true"])
-    child.wait()
+    child.wait(10)
     gone = describe(child.pid)
     assert gone.comm is None and gone.owner == UNKNOWN
     (tmp_path / "77").mkdir()
@@ -142,7 +142,7 @@ def sleeper():
     process = subprocess.Popen(["sleep", "60"])
     yield process
     process.kill()
-    process.wait()
+    process.wait(10)
 
 
 def test_each_process_has_its_own_memory_and_sm_use(tmp_path, sleeper):
@@ -168,10 +168,11 @@ def test_a_host_process_that_exits_is_no_longer_listed_and_its_memory_is_free(tm
     nvml = started("H100-SXM5-80GB:1", tmp_path / "sim.json")
     nvml.sim_set_processes(0, [{"pid": sleeper.pid, "used_memory_mib": 1024}, 4242])
     device = nvml.nvmlDeviceGetHandleByIndex(0)
-    sleeper.kill()
-    time.sleep(0.05)  # killed, not yet reaped: a zombie has exited too
+    sleeper.kill()  # killed, not yet reaped: a zombie has exited too
+    until(lambda: Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z"),
+          what="the killed sleeper a zombie")
     assert [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(device)] == [4242]
-    sleeper.wait()
+    sleeper.wait(10)
     assert [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(device)] == [4242]
     assert nvml.nvmlDeviceGetMemoryInfo(device, version=pynvml.nvmlMemory_v2).used == 256 * MIB
 
@@ -317,7 +318,7 @@ async def test_the_api_and_metrics_show_a_real_process_until_it_exits(short_tmp,
         assert_promtool_accepts(text)
 
         sleeper.kill()
-        sleeper.wait()
+        sleeper.wait(10)
         body = await processes_until(node, "1", lambda b: not listed(b))
         assert body["devices"][0]["processes"] == []
         text = await metrics(node)

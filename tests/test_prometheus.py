@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from helpers import IN_CI, Running, answer_until, sim_config, start_daemon, stop_daemon
+from helpers import IN_CI, Running, answer_until, sim_config, start_daemon, stop_daemon, until_async
 
 from gpud.api.metrics_listener import MAX_CONNECTIONS_PER_ADDRESS
 from gpud.config import ConfigError, listen_address, load_config, parse_config
@@ -148,9 +148,13 @@ async def test_one_address_cannot_hold_every_connection(node):
     assert await asyncio.wait_for(reader.read(), 5) == b""  # one more is closed unanswered
     writer.close()
     held.pop()[1].close()
-    await asyncio.sleep(0.1)
-    status, _, _ = await scrape(node.address)
-    assert status == 200  # a connection closed leaves room for another
+
+    async def scraped() -> bool:  # a connection closed leaves room for another, once gpud has seen it close
+        try:
+            return (await scrape(node.address))[0] == 200
+        except aiohttp.ClientError:  # still full: closed unanswered
+            return False
+    assert await until_async(scraped, timeout=10, what="a scrape answered after a connection closed")
     for _, writer in held:
         writer.close()
 
@@ -261,7 +265,7 @@ async def test_a_real_prometheus_scrapes_gpud(node, tmp_path):
             server.wait(10)
         except subprocess.TimeoutExpired:
             server.kill()
-            server.wait()
+            server.wait(10)
         log.close()
 
 

@@ -42,7 +42,7 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
     runuser = shutil.which("runuser", path=system_path)
     with accounts_lock():
         subprocess.run([shutil.which("useradd", path=system_path), "--create-home", USER],
-                       capture_output=True)  # may exist from an earlier run
+                       capture_output=True, timeout=300)  # may exist from an earlier run
     sudoers = Path(f"/etc/sudoers.d/{USER}")
     sudoers.write_text(f"{USER} ALL=(root) NOPASSWD: /usr/bin/apt-get\n")
     sudoers.chmod(0o440)
@@ -50,9 +50,9 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
     clone = home / "gpud"
     runtime = home / "run"
     shutil.rmtree(clone, ignore_errors=True)
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=300)
     runtime.mkdir(mode=0o700, exist_ok=True)
-    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(clone), str(runtime)], check=True)
+    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(clone), str(runtime)], check=True, timeout=300)
 
     log = tmp_path / "readme.log"
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime),
@@ -66,7 +66,7 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
         while time.monotonic() < deadline and proc.poll() is None:
             if socket_path.exists():
                 answer = subprocess.run(["curl", "-s", "--unix-socket", str(socket_path),
-                                         "http://localhost/v1/gpus"], capture_output=True, text=True)
+                                         "http://localhost/v1/gpus"], capture_output=True, text=True, timeout=300)
                 if answer.stdout.startswith('{"gpus"'):
                     gpus = json.loads(answer.stdout)["gpus"]
                     break
@@ -76,7 +76,7 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
         assert {g["name"] for g in gpus} == {"NVIDIA A100-SXM4-40GB"}
         assert {g["pci_device_id"] for g in gpus} == {"0x20B010DE"}
         assert all(40000 < g["memory_total_mib"] <= 40960 for g in gpus)
-        assert socket_path.stat().st_uid == int(subprocess.check_output(["id", "-u", USER]))
+        assert socket_path.stat().st_uid == int(subprocess.check_output(["id", "-u", USER], timeout=300))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

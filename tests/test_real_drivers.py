@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers import answer_until, mig_config, put_layout, start_daemon, stop_daemon
+from helpers import answer_until, mig_config, put_layout, start_daemon, stop_daemon, until, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.inventory import Gpu, MigInfo, _identities, _load_known
@@ -38,16 +38,6 @@ def started(preset: str, path: Path, **kwargs) -> SimulatedNvml:
     sim = SimulatedNvml(preset, path, **kwargs)
     sim.nvmlInit()
     return sim
-
-
-def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def set_mig(sim: SimulatedNvml, index: int, enabled: bool) -> None:
@@ -86,8 +76,8 @@ async def test_release_shuts_nvml_down_and_calls_wait_until_it_is_back(tmp_path)
     async with session.released("gpu reset"):
         assert sim._init_count == 0 and session.state is SessionState.RELEASED
         waiting = asyncio.ensure_future(session.call(lambda nvml: nvml.nvmlDeviceGetCount()))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()  # it waits: it does not fail
+        await asyncio.sleep(0.05)  # fixed time: a call made while NVML is released waits, and does not fail
+        assert not waiting.done()
     assert await asyncio.wait_for(waiting, 2) == 2
     assert session.state is SessionState.READY and sim._init_count == 1
     assert order == [("before", 1), ("after", 1)]  # before NVML went down, after it came back
@@ -130,13 +120,13 @@ async def test_release_stops_the_event_thread_and_registers_every_gpu_again(shor
     node = await start_daemon(mig_config(short_tmp, "dgx-a100"))
     try:
         listener = node.daemon.health._listener
-        wait_for(lambda: len(listener.registered) == 8, what="8 GPUs registered")
+        until(lambda: len(listener.registered) == 8, what="8 GPUs registered")
         sim = node.daemon.session.nvml
         sim.sim_set_gpu_lost(3)
         async with node.daemon.session.released("gpu reset"):
             assert not listener.running and sim._init_count == 0
             sim.sim_reset_gpu(3)  # a reset brings a lost GPU back (works with NVML shut down)
-        await asyncio.to_thread(wait_for, lambda: len(listener.registered) == 8, 5, "GPU 3 registered again")
+        await asyncio.to_thread(until, lambda: len(listener.registered) == 8, 5, "GPU 3 registered again")
         assert listener.running
     finally:
         await stop_daemon(node)
@@ -165,7 +155,7 @@ def listening(tmp_path):
     events = Collected()
     listener = EventListener(sim, events, retry_unregistered_s=0.1)
     listener.start()
-    wait_for(lambda: len(listener.registered) == 2, what="both GPUs registered")
+    until(lambda: len(listener.registered) == 2, what="both GPUs registered")
     yield sim, listener, events
     listener.stop()
     sim.nvmlShutdown()
@@ -178,14 +168,14 @@ def test_a_lost_gpu_is_reported_once_and_xids_of_other_gpus_still_arrive(listeni
     sim, listener, events = listening
     gpu0, gpu1 = (sim.nvmlDeviceGetUUID(sim.nvmlDeviceGetHandleByIndex(i)) for i in (0, 1))
     sim.sim_set_gpu_lost(0, how=how)
-    wait_for(lambda: events.of("lost"), what="the lost event")
+    until(lambda: events.of("lost"), what="the lost event")
     cpu_before = time.process_time()
-    time.sleep(0.5)
+    time.sleep(0.5)  # fixed time: the CPU this process uses over it is what is measured
     assert time.process_time() - cpu_before < 0.1  # no spinning on the answer that comes at once
     assert [e.gpu for e in events.of("lost")] == [gpu0]  # once, not once per wait
     assert set(listener.registered) == {gpu1}
     sim.sim_inject_xid(1, 79)
-    xid = wait_for(lambda: events.of("xid"), what="the XID of GPU 1")
+    xid = until(lambda: events.of("xid"), what="the XID of GPU 1")
     assert (xid[0].gpu, xid[0].xid) == (gpu1, 79)
     assert (xid[0].gi_id, xid[0].ci_id) == (None, None)  # NVML's 0xFFFFFFFF: attributed to no MIG instance
     assert listener.running
@@ -195,12 +185,12 @@ def test_a_gpu_that_comes_back_is_registered_again(listening):
     sim, listener, events = listening
     gpu0 = sim.nvmlDeviceGetUUID(sim.nvmlDeviceGetHandleByIndex(0))
     sim.sim_set_gpu_lost(0)
-    wait_for(lambda: events.of("lost"), what="the lost event")
+    until(lambda: events.of("lost"), what="the lost event")
     sim.sim_recover_gpu(0)
-    wait_for(lambda: events.of("back"), what="the GPU back")
+    until(lambda: events.of("back"), what="the GPU back")
     assert events.of("back")[0].gpu == gpu0 and gpu0 in listener.registered
     sim.sim_inject_xid(0, 48)
-    assert wait_for(lambda: events.of("xid"), what="an XID of GPU 0")[0].gpu == gpu0
+    assert until(lambda: events.of("xid"), what="an XID of GPU 0")[0].gpu == gpu0
 
 
 def test_a_gpu_lost_before_the_start_leaves_the_others_listened_to(tmp_path):
@@ -210,10 +200,10 @@ def test_a_gpu_lost_before_the_start_leaves_the_others_listened_to(tmp_path):
     listener = EventListener(sim, events)
     listener.start()
     try:
-        wait_for(lambda: len(listener.registered) == 2, what="GPUs 0 and 2 registered")
+        until(lambda: len(listener.registered) == 2, what="GPUs 0 and 2 registered")
         assert 1 in listener.unregistered and not events.of("lost")  # the inventory tells that one
         sim.sim_inject_xid(2, 79)
-        assert wait_for(lambda: events.of("xid"), what="the XID of GPU 2")[0].xid == 79
+        assert until(lambda: events.of("xid"), what="the XID of GPU 2")[0].xid == 79
     finally:
         listener.stop()
         sim.nvmlShutdown()
@@ -226,17 +216,17 @@ def test_errors_outside_the_wait_back_off_and_never_end_the_thread(tmp_path):
     events = Collected()
     listener = EventListener(sim, events)
     listener.start()
-    wait_for(lambda: listener.registered, what="GPU 0 registered")
+    until(lambda: listener.registered, what="GPU 0 registered")
     sim.nvmlShutdown()
-    time.sleep(1.0)
+    time.sleep(1.0)  # fixed time: how many rebuilds the backoff allows in a second is what is measured
     failures = listener.rebuilds
     assert listener.running and 2 <= failures <= 8  # 0.05 s doubling: a handful in a second, not thousands
     assert len(events.of("error")) == 1  # told once per outage
     assert listener.registered == {}  # no set: nothing is registered
     sim.nvmlInit()
-    wait_for(lambda: listener.registered, timeout=8, what="registered again")
+    until(lambda: listener.registered, timeout=8, what="registered again")
     sim.sim_inject_xid(0, 79)
-    assert wait_for(lambda: events.of("xid"), what="an XID after the outage")
+    assert until(lambda: events.of("xid"), what="an XID after the outage")
     listener.stop()
     sim.nvmlShutdown()
 
@@ -247,14 +237,14 @@ def test_gpud_with_a_lost_gpu_stays_under_5_percent_of_a_core(run_gpud):
     gpud.wait_healthy()
     gpud.client.request("POST", "/v1/sim/gpu-lost", {"gpu": 0})
     gpud.wait_for(lambda: gpud.client.get("/v1/gpus/0")["lost"], what="GPU 0 lost in the inventory")
-    time.sleep(1.0)
+    time.sleep(1.0)  # fixed time: the one-time work of the loss is over before the measured window
 
     def cpu_seconds() -> float:
         fields = Path(f"/proc/{gpud.proc.pid}/stat").read_text().rsplit(") ", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     before, started_at = cpu_seconds(), time.monotonic()
-    time.sleep(10)
+    time.sleep(10)  # fixed time: the window the CPU use is measured over
     percent = (cpu_seconds() - before) / (time.monotonic() - started_at) * 100
     assert percent < 5, f"gpud used {percent:.1f}% of a core with GPU 0 lost"
     gpud.client.request("POST", "/v1/sim/xid", {"gpu": 1, "xid": 79})
@@ -468,8 +458,8 @@ async def test_an_old_driver_leaves_nvml_unavailable_and_is_retried(tmp_path):
     sim = SimulatedNvml("A100-SXM4-40GB:1", tmp_path / "sim.json", driver="470.57.02")
     session = NvmlSession(sim, retry_initial_s=0.01, retry_max_s=0.02)
     task = asyncio.ensure_future(session.initialise())
-    await asyncio.sleep(0.2)
-    assert session.state is SessionState.UNAVAILABLE and session.init_attempts >= 3
+    await until_async(lambda: session.init_attempts >= 3, what="three attempts to initialise")
+    assert session.state is SessionState.UNAVAILABLE
     assert "470.57.02" in session.error and f"R{MINIMUM_BRANCH}" in session.error
     assert sim._init_count == 0  # NVML is not held for nothing
     with pytest.raises(NvmlUnavailable, match="470.57.02"):

@@ -21,7 +21,7 @@ import pynvml
 import pytest
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import curl_as, mig_config, put_layout, start_daemon, stop_daemon
+from helpers import Lines, curl_as, mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.daemon import Daemon
@@ -408,7 +408,7 @@ def test_host_tools_end_processes_terminates_then_kills():
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
                                  "time.sleep(60)"], stdout=subprocess.PIPE)
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    assert stubborn.stdout.readline().strip() == b"ready"
+    assert Lines(stubborn.stdout, "the stubborn child").next("ready").strip() == b"ready"
     HostTools().end_processes("GPU-0", [stubborn.pid, polite.pid], grace_s=0.5)
     assert polite.wait(5) == -signal.SIGTERM
     assert stubborn.wait(5) == -signal.SIGKILL

@@ -439,6 +439,7 @@ def test_concurrent_calls_are_serialized(nvml):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(10)
+        assert not thread.is_alive(), "the thread thread did not end"
     assert errors == []
     assert all(nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(d, 19) == 7 for d in devices)

@@ -12,6 +12,7 @@ import time
 
 import pynvml
 import pytest
+from helpers import asleep_in, until
 
 from gpud.nvml.sim import PRESETS, SimError, SimulatedNvml
 from gpud.nvml.sim.scenarios import enable_mig, reset_released, started
@@ -347,7 +348,7 @@ def test_a_blocked_wait_wakes_up_with_gpu_is_lost(state_path):
 
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
-    time.sleep(0.02)
+    until(lambda: asleep_in(waiter, "nvmlEventSetWait_v2"), what="the waiter asleep in nvmlEventSetWait_v2")
     nvml.sim_set_gpu_lost(3)
     waiter.join(2)
     assert [type(error) for error in errors] == [pynvml.NVMLError_GpuIsLost]

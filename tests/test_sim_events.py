@@ -6,6 +6,7 @@ import time
 
 import pynvml
 import pytest
+from helpers import asleep_in, until
 
 from gpud.nvml.sim import SimError
 from gpud.nvml.sim.scenarios import enable_mig, reset_released, started
@@ -44,10 +45,8 @@ class Waiter(threading.Thread):
         self.woke_at = time.perf_counter()
 
 
-def wait_until_blocked(nvml):
-    # The waiter holds no lock while blocked, so any call getting through means it is waiting.
-    time.sleep(0.01)
-    nvml.nvmlDeviceGetCount()
+def wait_until_blocked(waiter: Waiter) -> None:
+    until(lambda: asleep_in(waiter, "nvmlEventSetWait_v2"), what="the waiter asleep in nvmlEventSetWait_v2")
 
 
 def test_supported_event_types_follow_ecc(tmp_path):
@@ -74,7 +73,7 @@ def test_xid_reaches_a_waiting_thread_promptly(nvml):
     latencies = []
     for _ in range(5):
         waiter = Waiter(nvml, event_set)
-        wait_until_blocked(nvml)
+        wait_until_blocked(waiter)
         injected_at = time.perf_counter()
         nvml.sim_inject_xid(3, 79)
         waiter.join(2)
@@ -147,7 +146,7 @@ def test_lost_gpu_wakes_the_waiter_and_the_set_keeps_answering_gpu_is_lost(nvml)
     """The error persists while the lost GPU stays registered (Project-HAMi/HAMi#2321)."""
     event_set = subscribe(nvml, 5, XID)
     waiter = Waiter(nvml, event_set)
-    wait_until_blocked(nvml)
+    wait_until_blocked(waiter)
     nvml.sim_set_gpu_lost(5)
     waiter.join(2)
     assert isinstance(waiter.error, pynvml.NVMLError_GpuIsLost)
@@ -166,7 +165,7 @@ def test_registering_on_a_mig_device_is_not_supported(nvml):
 def test_freeing_a_set_wakes_its_waiter(nvml):
     event_set = subscribe(nvml, 0, XID)
     waiter = Waiter(nvml, event_set)
-    wait_until_blocked(nvml)
+    wait_until_blocked(waiter)
     nvml.nvmlEventSetFree(event_set)
     waiter.join(2)
     assert isinstance(waiter.error, pynvml.NVMLError_InvalidArgument)
@@ -177,7 +176,7 @@ def test_freeing_a_set_wakes_its_waiter(nvml):
 def test_shutdown_wakes_waiters(nvml):
     event_set = subscribe(nvml, 0, XID)
     waiter = Waiter(nvml, event_set)
-    wait_until_blocked(nvml)
+    wait_until_blocked(waiter)
     nvml.nvmlShutdown()
     waiter.join(2)
     assert isinstance(waiter.error, pynvml.NVMLError_Uninitialized)

@@ -7,10 +7,9 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import REPO, GpudProcess, mig_config, running_daemons, start_daemon, stop_daemon
+from helpers import REPO, GpudProcess, Lines, mig_config, running_daemons, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.health.service import SAVE_DELAY_S
@@ -53,7 +52,14 @@ def test_health_and_the_watch_stream_survive_a_crash(short_tmp):
         last = first_events(first, "since=0&types=health", 4)[-1]
         assert last["data"]["cause"] == "cleared by an administrator"
         epoch = last["epoch"]
-        time.sleep(SAVE_DELAY_S + 0.5)  # saved: the crash comes after
+
+        def saved() -> bool:  # the crash comes once the health file holds what gpud serves
+            try:
+                (reasons,) = json.loads((short_tmp / "state" / "health.json").read_text())["reasons"].values()
+            except (OSError, ValueError):  # not written yet, or more than GPU 1's reasons
+                return False
+            return {r["code"]: r["count"] for r in reasons} == {"79": 2, "48": 1}
+        first.wait_for(saved, timeout=SAVE_DELAY_S + 10, what="the health state saved")
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
     finally:
@@ -82,11 +88,12 @@ def test_health_and_the_watch_stream_survive_a_crash(short_tmp):
                                     epoch, "--json", "--socket", str(second.socket)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         try:
-            assert json.loads(watcher.stdout.readline())["data"]["reason"] == "reset"
-            assert watcher.stderr.readline().startswith(f"gpud run {gap['epoch']}: resume with --since")
+            assert json.loads(Lines(watcher.stdout, "gpud watch").next("gap"))["data"]["reason"] == "reset"
+            run = Lines(watcher.stderr, "gpud watch's stderr").next("run line")
+            assert run.startswith(f"gpud run {gap['epoch']}: resume with --since")
         finally:
             watcher.kill()
-            watcher.wait()
+            watcher.wait(10)
     finally:
         second.stop()
 

@@ -237,7 +237,7 @@ def another_users_process():
                                 stdin=null)
     yield proc
     proc.kill()
-    proc.wait()
+    proc.wait(10)
 
 
 def test_the_capabilities_gpud_keeps_let_it_see_and_signal_another_users_gpu_process(another_users_process):
