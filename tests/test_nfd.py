@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon
+from helpers import REPO, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.cli import build_parser
@@ -179,8 +179,10 @@ async def test_an_unwritable_directory_is_reported_and_healed(short_tmp):
         blocker.unlink()  # the operator fixes it: gpud writes within a second, no restart
         labels = await file_until(path, lambda labels: "nvidia.com/gpu.health" in labels, timeout=2.0)
         assert labels["nvidia.com/gpu.count"] == "1"
-        _, healthz = await node.get("/healthz")
-        assert healthz["status"] == "ok"
+
+        async def healthy() -> bool:  # the file is on disk a moment before the writer clears its error
+            return (await node.get("/healthz"))[1]["status"] == "ok"
+        await until_async(healthy, timeout=2.0, what="/healthz ok again")
     finally:
         await stop_daemon(node)
 
