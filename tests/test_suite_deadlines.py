@@ -16,6 +16,9 @@ The rules, read from every test module's syntax tree:
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,61 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     )
     assert problems_in(good) == []
 
+
+
+# -- the limits themselves: pytest run on tests that hang, with this suite's conftest ---------------
+
+HANGS_ON_A_CHILD = """
+import subprocess, sys
+
+def test_reads_a_child_that_never_writes():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+    finally:
+        child.kill()
+        child.wait(10)
+
+def test_after_it():
+    pass
+"""
+
+BLOCKS_THE_ALARM = """
+import signal, time
+
+def test_blocks_the_alarm():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+    time.sleep(120)
+
+def test_after_it():
+    pass
+"""
+
+
+def pytest_on(tmp_path: Path, source: str, limit_s: int) -> subprocess.CompletedProcess:
+    """pytest with two xdist workers on one test file, tests/conftest.py loaded as a plugin, and a
+    per-test limit of limit_s seconds."""
+    (tmp_path / "test_hangs.py").write_text(source)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2",
+                           "--rootdir", str(tmp_path), "-o", f"timeout={limit_s}", "test_hangs.py"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO / "tests"), "COLUMNS": "200"},
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_a_hang_fails_naming_the_test_and_the_line_it_was_stuck_on(tmp_path):
+    result = pytest_on(tmp_path, HANGS_ON_A_CHILD, 2)
+    assert "FAILED test_hangs.py::test_reads_a_child_that_never_writes - Failed: Timeout (>2.0s) from pytest-timeout" \
+        in result.stdout, result.stdout + result.stderr
+    assert ">           child.stdout.readline()" in result.stdout  # where it was stuck
+    assert "1 failed, 1 passed" in result.stdout and result.returncode == 1
+
+
+@pytest.mark.slow
+def test_a_hang_the_alarm_cannot_break_is_dumped_and_its_worker_ended(tmp_path):
+    from conftest import LAST_RESORT_AFTER_S
+    result = pytest_on(tmp_path, BLOCKS_THE_ALARM, 1)
+    output = result.stdout + result.stderr
+    assert "crashed while running 'test_hangs.py::test_blocks_the_alarm'" in output, output
+    assert f"Timeout (0:00:{1 + LAST_RESORT_AFTER_S:02d})!" in output  # faulthandler, on the real stderr
+    assert f'File "{tmp_path / "test_hangs.py"}", line 6 in test_blocks_the_alarm' in output
+    assert "1 failed, 1 passed" in result.stdout
