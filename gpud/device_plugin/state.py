@@ -11,9 +11,15 @@ class PluginDevice:
     """One device the kubelet schedules: a GPU or MIG UUID, or a replica ID `<uuid>::<n>`."""
 
     id: str
-    parent: str  # the GPU or MIG device the ID stands for
+    gpu: str  # UUID of the GPU it is on (a MIG device's parent GPU)
     gpu_index: int
     healthy: bool
+
+    @property
+    def device(self) -> str:
+        """The GPU or MIG UUID the ID stands for: a replica's `<uuid>` (k8s-device-plugin
+        internal/rm/devices.go AnnotatedID.GetID). A MIG device's is its own UUID, never its GPU's."""
+        return self.id.partition("::")[0]
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class MpsClient:
     state: str
     env: dict[str, str]
     mounts: tuple[tuple[str, str, bool], ...]  # (host path, container path, read only)
+    host_ipc: bool = False  # the daemon shares memory with its clients through the host's /dev/shm
 
 
 @dataclass(frozen=True)
@@ -67,4 +74,5 @@ def mps_client(client_env: dict[str, Any]) -> MpsClient:
     """A GET /v1/mps/{name}/client-env answer."""
     return MpsClient(daemon=client_env["daemon"], state=client_env["state"], env=dict(client_env["env"]),
                      mounts=tuple((m["source"], m["target"], bool(m.get("read_only", False)))
-                                  for m in client_env["mounts"]))
+                                  for m in client_env["mounts"]),
+                     host_ipc=bool(client_env.get("host_ipc", False)))
