@@ -56,6 +56,7 @@ class Kubelet:
         self.frames: dict[str, list[list[tuple[str, str]]]] = {}
         self.frame_times: dict[str, list[float]] = {}
         self.devices: dict[str, dict[str, str]] = {}  # resource -> ID -> health, as the device manager holds them
+        self.numa: dict[str, dict[str, list[int]]] = {}  # resource -> ID -> its NUMA nodes (Device.topology)
         self.streams_ended: dict[str, int] = {}
         self._channels: dict[str, grpc.Channel] = {}  # the connection of each resource's current plugin
         self._changed = threading.Condition()
@@ -142,6 +143,7 @@ class Kubelet:
                     self.frames.setdefault(resource, []).append([(d.ID, d.health) for d in frame.devices])
                     self.frame_times.setdefault(resource, []).append(time.monotonic())
                     self.devices[resource] = {d.ID: d.health for d in frame.devices}
+                    self.numa[resource] = {d.ID: [n.ID for n in d.topology.nodes] for d in frame.devices}
                     self._changed.notify_all()
         except (grpc.RpcError, ValueError):  # the plugin went away, or the kubelet closed the connection
             pass

@@ -20,6 +20,9 @@ from kubelet_stand_in import Kubelet
 from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate, preferred
 from gpud.device_plugin.api import pb, rpc
 from gpud.device_plugin.state import MpsClient, NodeState, PluginDevice, Resource
+from gpud.nvml.reader import NodeReader, pci_numa_node
+from gpud.nvml.sim import SimulatedNvml
+from gpud.nvml.sim.presets import DGX_A100_NUMA_NODES
 
 TIME_SLICED = """version: v1
 flags:
@@ -176,6 +179,13 @@ def test_a_mig_change_shows_the_new_devices_within_a_second_without_registering_
     assert len(before) == 8
     node.kubelet.frame_where("nvidia.com/gpu", lambda f: [i for i, _ in f] == before, what="the 8 GPUs")
 
+    # Each GPU with its NUMA node (a DGX A100's: 3 3 1 1 7 7 5 5), and two GPUs preferred on one node
+    assert [node.kubelet.numa["nvidia.com/gpu"][i] for i in before] == [[n] for n in DGX_A100_NUMA_NODES]
+    assert node.kubelet.preferred("nvidia.com/gpu", before, 2) == before[:2]
+    assert node.kubelet.preferred("nvidia.com/gpu", [before[i] for i in (0, 2, 5, 3)], 2) == before[2:4]
+    assert node.kubelet.preferred("nvidia.com/gpu", before, 4, must_include=[before[6]]) == [
+        before[6], before[0], before[1], before[7]]  # NUMA nodes 5 and 3
+
     status, _ = node.gpud.client.request("PUT", "/v1/mig?wait=true", {"layout": "all-1g.5gb"})
     assert status == 200
     applied = time.monotonic()
@@ -200,6 +210,8 @@ def test_a_mig_change_shows_the_new_devices_within_a_second_without_registering_
         assert time.monotonic() - applied < 1.0, (sorted(spec_mig_devices())[:3], nfd_labels())
         time.sleep(0.02)
     assert nfd_labels()["nvidia.com/mig.config"] == "all-1g.5gb"
+    gpu_of = {m["uuid"]: g["index"] for g in node.gpud.client.get("/v1/gpus")["gpus"] for m in g["mig"]["devices"]}
+    assert all(node.kubelet.numa["nvidia.com/gpu"][i] == [DGX_A100_NUMA_NODES[gpu_of[i]]] for i in after)
     assert time.monotonic() - applied < 1.0
     assert node.kubelet.registered("nvidia.com/gpu") == 1
 
@@ -325,7 +337,8 @@ def test_a_slow_kubelet_registers_and_a_hanging_registration_holds_up_no_health(
     assert node.kubelet.registered("nvidia.com/gpu.shared") == 0
 
     xid = time.monotonic()
-    assert cli("sim", "xid", "0", "79", socket=node.gpud.socket).returncode == 0
+    status, _ = node.gpud.client.request("POST", "/v1/sim/xid", {"gpu": 0, "xid": 79})
+    assert status == 200
     node.kubelet.frame_where("nvidia.com/gpu", lambda f: not all_healthy(f), what="the XID's frame")
     arrived = node.kubelet.frame_times["nvidia.com/gpu"][-1]
     assert arrived - xid < 1.0, f"the XID took {arrived - xid:.2f} s to reach ListAndWatch"
@@ -350,7 +363,8 @@ def test_the_stand_in_refuses_a_registration_whose_caller_gives_up_first(short_t
             with pytest.raises(grpc.RpcError) as refused:
                 rpc.RegistrationStub(channel).Register(pb.RegisterRequest(
                     version="v1beta1", endpoint="nothing.sock", resource_name="example.com/dev"), timeout=1.0)
-            assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # the caller's timer or the kubelet's cancelled dial, whichever fires first
+            assert refused.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
             with pytest.raises(grpc.RpcError) as version:
                 rpc.RegistrationStub(channel).Register(pb.RegisterRequest(
                     version="v1alpha", endpoint="nothing.sock", resource_name="example.com/dev"), timeout=5.0)
@@ -402,6 +416,49 @@ def test_preferred_allocation_spreads_replicas_and_keeps_what_must_be_included()
     assert preferred(resource, ["GPU-0::0"], [], 4) == ["GPU-0::0"]  # never more than is available
     many = _resource(replicas=12, gpus=1)
     assert preferred(many, [d.id for d in many.devices], [], 11)[-2:] == ["GPU-0::9", "GPU-0::10"]
+
+
+def _whole_gpus(numa_nodes, peers: dict[int, set[int]]) -> tuple[Resource, dict[int, frozenset[int]]]:
+    devices = tuple(PluginDevice(f"GPU-{i}", f"GPU-{i}", i, True, node) for i, node in enumerate(numa_nodes))
+    return Resource("nvidia.com/gpu", "none", False, devices), {i: frozenset(p) for i, p in peers.items()}
+
+
+def test_preferred_whole_gpus_are_nvlink_peers_on_one_numa_node():
+    everyone = {i: set(range(8)) - {i} for i in range(8)}  # an NVSwitch system
+    dgx, peers = _whole_gpus(DGX_A100_NUMA_NODES, everyone)
+    ids = [d.id for d in dgx.devices]
+    assert preferred(dgx, ids, [], 2, peers) == ["GPU-0", "GPU-1"]
+    assert preferred(dgx, ["GPU-0", "GPU-2", "GPU-5", "GPU-3"], [], 2, peers) == ["GPU-2", "GPU-3"]
+    assert preferred(dgx, ids, ["GPU-4"], 2, peers) == ["GPU-4", "GPU-5"]
+    assert preferred(dgx, ids, ["GPU-4"], 4, peers) == ["GPU-4", "GPU-0", "GPU-1", "GPU-5"]  # two nodes: 7 and 3
+    assert preferred(dgx, ids, [], 8, peers) == ids
+    # NVLink first: a linked pair across NUMA nodes beats an unlinked pair on one
+    pcie, peers = _whole_gpus((0, 1, 0, 0), {0: {1}, 1: {0}})
+    assert preferred(pcie, ["GPU-0", "GPU-1", "GPU-2", "GPU-3"], [], 2, peers) == ["GPU-0", "GPU-1"]
+    # no NVLink at all: one NUMA node
+    assert preferred(pcie, ["GPU-0", "GPU-1", "GPU-3"], [], 2, {}) == ["GPU-0", "GPU-3"]
+    # unknown NUMA nodes, no topology: index order; never more than is available; unknown IDs ignored
+    plain, _ = _whole_gpus((None,) * 3, {})
+    assert preferred(plain, ["GPU-2", "GPU-0", "GPU-1"], ["nonsense"], 2) == ["GPU-0", "GPU-1"]
+    assert preferred(plain, ["GPU-2"], [], 3) == ["GPU-2"]
+
+
+def test_the_numa_node_is_read_from_sysfs(short_tmp):
+    simulated = SimulatedNvml("dgx-a100", short_tmp / "sim.json")
+    simulated.nvmlInit()
+    try:
+        gpus = NodeReader().read(simulated, {}).gpus
+    finally:
+        simulated.nvmlShutdown()
+    assert [g.numa_node for g in gpus] == list(DGX_A100_NUMA_NODES)
+    assert all(g.nvlink_peers == tuple(i for i in range(8) if i != g.index) for g in gpus)  # NVSwitches
+    numa = simulated.sysfs_root / "bus/pci/devices/0000:07:00.0/numa_node"
+    assert numa.read_text() == "3\n"  # the kernel's file, for GPU 0 at bus 07
+    for content, wanted in (("-1\n", None), ("0\n", 0), ("garbage", None)):
+        numa.write_text(content)
+        assert pci_numa_node(simulated.sysfs_root, "00000000:07:00.0") == wanted
+    assert pci_numa_node(simulated.sysfs_root, "00000000:99:00.0") is None  # no such device
+    assert pci_numa_node(simulated.sysfs_root, "not a bus id") is None
 
 
 ALL_STRATEGIES = tuple(DeviceListStrategy)

@@ -4,8 +4,10 @@ state gpud last reported, so they are quick and hold while gpud restarts)."""
 from __future__ import annotations
 
 import enum
+import itertools
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpud.device_plugin.state import MpsClient, NodeState, PluginDevice, Resource
@@ -120,17 +122,52 @@ def _mps_client(state: NodeState, resource: Resource, targets: list[str]) -> Mps
     return client
 
 
-def preferred(resource: Resource, available: list[str], must_include: list[str], size: int) -> list[str]:
+def preferred(resource: Resource, available: list[str], must_include: list[str], size: int,
+              nvlink_peers: Mapping[int, frozenset[int]] | None = None) -> list[str]:
     """A preferred allocation of `size` IDs from `available`, with every one of `must_include`.
 
-    Spread across GPUs as the NVIDIA plugin's `distributed` policy does for replicas and MIG devices
-    (k8s-device-plugin internal/rm/allocate.go): each pick goes to the GPU with the fewest of this
-    resource's devices in use (already allocated, or picked in this answer), ties to the GPU picked
-    least in this answer, then the lowest GPU index and ID. Whole GPUs thus come in index order; no
-    NVLink topology is weighed (gpud's sharing document does not carry it)."""
+    Whole GPUs: the set joined by the most NVLink pairs, then on the fewest NUMA nodes (as NVIDIA's
+    plugin prefers linked GPUs through go-gpuallocator's best-effort policy; the NUMA node lets the
+    kubelet's TopologyManager give the pod CPUs beside its GPUs). Replicas and MIG devices spread across
+    GPUs as the NVIDIA plugin's `distributed` policy does (k8s-device-plugin internal/rm/allocate.go)."""
     by_id = {d.id: d for d in resource.devices}
     picked = [i for i in dict.fromkeys(must_include) if i in by_id]
     free = [by_id[i] for i in dict.fromkeys(available) if i in by_id and i not in picked]
+    if size > 1 and all(d.id == d.gpu for d in resource.devices):  # several whole GPUs (not replicas or MIG)
+        return _linked(by_id, picked, free, size, nvlink_peers or {})
+    return _distributed(resource, by_id, picked, free, size)
+
+
+def _linked(by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice], size: int,
+            peers: Mapping[int, frozenset[int]]) -> list[str]:
+    """Grows a set from each free GPU in turn (after must_include), each step adding the GPU with the
+    most NVLink peers in the set, then one on a NUMA node the set has, then the lowest index; keeps the
+    best set: most NVLink pairs, fewest NUMA nodes, lowest indices. Greedy: n^2 steps, for any n."""
+    def score(chosen: list[PluginDevice]) -> tuple:
+        pairs = sum(b.gpu_index in peers.get(a.gpu_index, ()) for a, b in itertools.combinations(chosen, 2))
+        return (-pairs, len({d.numa_node for d in chosen}), sorted(d.gpu_index for d in chosen))
+
+    fixed = [by_id[i] for i in picked]
+    best: list[PluginDevice] | None = None
+    for seed in free or [None]:
+        chosen = fixed + ([seed] if seed is not None else [])
+        rest = [d for d in free if d is not seed]
+        while len(chosen) < size and rest:
+            nodes = {d.numa_node for d in chosen}
+            step = min(rest, key=lambda d: (-sum(c.gpu_index in peers.get(d.gpu_index, ()) for c in chosen),
+                                            d.numa_node not in nodes, d.gpu_index))
+            rest.remove(step)
+            chosen.append(step)
+        if best is None or score(chosen) < score(best):
+            best = chosen
+    return picked + [d.id for d in sorted(best[len(fixed):], key=lambda d: d.gpu_index)]
+
+
+def _distributed(resource: Resource, by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice],
+                 size: int) -> list[str]:
+    """Each pick goes to the GPU with the fewest of this resource's devices in use (already allocated,
+    or picked in this answer), ties to the GPU picked least in this answer, then the lowest GPU index
+    and ID."""
     not_in_use = Counter(d.gpu_index for d in free) + Counter(by_id[i].gpu_index for i in picked)
     in_use = Counter({gpu: count - not_in_use[gpu]
                       for gpu, count in Counter(d.gpu_index for d in resource.devices).items()})

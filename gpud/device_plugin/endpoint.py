@@ -62,8 +62,10 @@ class Endpoint(rpc.DevicePluginServicer):
 
     @staticmethod
     def _frame_of(resource: Resource) -> pb.ListAndWatchResponse:
-        return pb.ListAndWatchResponse(devices=[pb.Device(ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY)
-                                                for d in resource.devices])
+        return pb.ListAndWatchResponse(devices=[pb.Device(
+            ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY,
+            topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=d.numa_node)]) if d.numa_node is not None else None)
+            for d in resource.devices])
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -174,7 +176,8 @@ class Endpoint(rpc.DevicePluginServicer):
     async def GetPreferredAllocation(self, request, context):
         return pb.PreferredAllocationResponse(container_responses=[
             pb.ContainerPreferredAllocationResponse(deviceIDs=preferred(
-                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size,
+                self._state().nvlink_peers))
             for r in request.container_requests])
 
     async def Allocate(self, request, context):

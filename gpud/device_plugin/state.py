@@ -14,6 +14,7 @@ class PluginDevice:
     gpu: str  # UUID of the GPU it is on (a MIG device's parent GPU)
     gpu_index: int
     healthy: bool
+    numa_node: int | None = None  # its GPU's (GET /v1/gpus): the kubelet's TopologyManager aligns CPUs with it
 
     @property
     def device(self) -> str:
@@ -52,6 +53,7 @@ class NodeState:
     mps_clients: dict[str, MpsClient] = field(default_factory=dict)  # by device UUID
     # why gpud computed no resources (e.g. migStrategy single halfway through a MIG change)
     sharing_error: str | None = None
+    nvlink_peers: dict[int, frozenset[int]] = field(default_factory=dict)  # GPU index -> its NVLink peers
 
     def all_unhealthy(self) -> NodeState:
         """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
@@ -60,14 +62,21 @@ class NodeState:
             for name, r in self.resources.items()})
 
 
-def resources_from_sharing(document: dict[str, Any]) -> dict[str, Resource]:
-    """The resources of a GET /v1/sharing answer."""
+def resources_from_sharing(document: dict[str, Any], gpus: dict[str, Any]) -> dict[str, Resource]:
+    """The resources of a GET /v1/sharing answer, each device with its GPU's NUMA node from a
+    GET /v1/gpus answer."""
+    numa = {gpu["uuid"]: gpu.get("numa_node") for gpu in gpus["gpus"]}
     return {entry["name"]: Resource(
         name=entry["name"], strategy=entry["strategy"],
         fail_requests_greater_than_one=bool(entry["fail_requests_greater_than_one"]),
-        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]))
+        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]), numa.get(d["parent"]))
                       for d in entry["devices"]))
         for entry in document["resources"]}
+
+
+def nvlink_peers(gpus: dict[str, Any]) -> dict[int, frozenset[int]]:
+    """GPU index -> the GPUs it reaches over NVLink, from a GET /v1/gpus answer."""
+    return {int(gpu["index"]): frozenset(int(i) for i in gpu.get("nvlink_peers", ())) for gpu in gpus["gpus"]}
 
 
 def mps_client(client_env: dict[str, Any]) -> MpsClient:
