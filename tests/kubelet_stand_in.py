@@ -80,8 +80,16 @@ class Kubelet:
         self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
         self._server.start()
 
+    def release(self, resource: str) -> None:
+        """Lets the resource's hanging Register go on."""
+        with self._changed:
+            self.hang.discard(resource)
+            self._changed.notify_all()
+
     def stop(self) -> None:
         self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
         with self._changed:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:  # server.go Stop: disconnectClient for every plugin
@@ -108,8 +116,10 @@ class Kubelet:
                                                    f"supported by kubelet. Supported versions are {SUPPORTED_VERSIONS}")
         if not extended_resource_name(request.resource_name):
             context.abort(grpc.StatusCode.UNKNOWN, f"the ResourceName {request.resource_name!r} is invalid")
-        if request.resource_name in self.hang:
-            self._stopping.wait(_remaining(context, 3600.0))
+        with self._changed:  # until the caller gives up, unless the test lets this resource through
+            released = self._changed.wait_for(
+                lambda: request.resource_name not in self.hang or self._stopping.is_set(), _remaining(context, 3600.0))
+        if not released or self._stopping.is_set():
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "context deadline exceeded")
         dial_budget = min(DIAL_TIMEOUT_S, _remaining(context, DIAL_TIMEOUT_S))
         if self.dial_delay_s >= dial_budget:
