@@ -205,6 +205,10 @@ class Kubelet:
         return sorted(i for i, health in self.devices.get(resource, {}).items() if health == HEALTHY)
 
 
+NO_DEADLINE_S = 1e9  # grpc's server reports "no deadline" as a remaining time of centuries, not None
+
+
 def _remaining(context, default: float | None) -> float | None:
+    """The caller's time left; `default` when it set no deadline (NVIDIA's plugin registers without one)."""
     remaining = context.time_remaining()
-    return default if remaining is None else max(0.0, remaining)
+    return default if remaining is None or remaining > NO_DEADLINE_S else max(0.0, remaining)
