@@ -35,6 +35,15 @@ sharing:
 """
 MIG_SINGLE = "version: v1\nflags:\n  migStrategy: single\n"
 MIG_MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
+RENAMED = """version: v1
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/gpu
+      rename: nvidia.com/gpu.shared
+      devices: [1]
+      replicas: 2
+"""  # two resources: GPU 0 as nvidia.com/gpu, GPU 1's replicas as nvidia.com/gpu.shared
 
 
 class Node:
@@ -170,6 +179,9 @@ def test_registers_lists_allocates_and_follows_health(node_factory):
     node.plugin.send_signal(signal.SIGTERM)
     assert node.plugin.wait(10) == 0
     assert not (node.kubelet_dir / registration.endpoint).exists()  # it removes its own socket
+    # its stream ended: the kubelet holds every device of the resource Unhealthy
+    node.kubelet.wait(lambda: node.kubelet.streams_ended.get("nvidia.com/gpu") == 1, what="the stream's end")
+    assert node.kubelet.healthy("nvidia.com/gpu") == [] and len(node.kubelet.devices["nvidia.com/gpu"]) == 4
 
 
 @pytest.mark.slow
@@ -234,16 +246,19 @@ def test_a_resource_that_appears_registers_and_one_that_goes_ends_empty(node_fac
 
 @pytest.mark.slow
 def test_kubelet_and_gpud_restarts(node_factory):
-    node = node_factory("A100-SXM4-40GB:1", TIME_SLICED.format(strategy="none"), unhealthy_after=1.0)
+    node = node_factory("A100-SXM4-40GB:2", RENAMED, unhealthy_after=1.0)
     ids = node.sharing_ids("nvidia.com/gpu")
     node.kubelet.frame_where("nvidia.com/gpu", lambda f: [i for i, _ in f] == ids, what="the devices")
+    node.kubelet.frame_where("nvidia.com/gpu.shared", lambda f: len(f) == 2, what="the other resource")
 
-    endpoint = node.kubelet.registrations[-1].endpoint
+    endpoints = {r.resource_name: r.endpoint for r in node.kubelet.registrations}
     node.kubelet.restart()  # its plugin sockets removed, kubelet.sock a new one
     restarted = time.monotonic()
-    node.kubelet.wait(lambda: node.kubelet.registered("nvidia.com/gpu") >= 2, timeout=5, what="registered again")
-    assert node.kubelet.registered_at[-1] - restarted < 5.0
-    assert (node.kubelet_dir / endpoint).is_socket()
+    assert not any((node.kubelet_dir / endpoint).exists() for endpoint in endpoints.values())
+    node.kubelet.wait(lambda: all(node.kubelet.registered(name) >= 2 for name in endpoints), timeout=5,
+                      what="every resource registered again within 5 s")
+    assert max(node.kubelet.registered_at) - restarted < 5.0
+    assert all((node.kubelet_dir / endpoint).is_socket() for endpoint in endpoints.values())
     node.kubelet.frame_where("nvidia.com/gpu", lambda f: [i for i, _ in f] == ids and all_healthy(f),
                              what="the devices on the new stream")
 
@@ -263,8 +278,9 @@ def test_kubelet_and_gpud_restarts(node_factory):
 @pytest.mark.slow
 def test_mps_replicas_get_their_daemons_environment(node_factory, mps_tmp):
     sharing = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
-    node = node_factory("t4", sharing, strategy="envvar", config=f"mps:\n  enabled: true\n  pipe_root: {mps_tmp / 'mps'}\n"
-                                               f"  log_root: {mps_tmp / 'mpslog'}\n")
+    node = node_factory("t4", sharing, strategy="envvar",
+                        config=f"mps:\n  enabled: true\n  pipe_root: {mps_tmp / 'mps'}\n"
+                               f"  log_root: {mps_tmp / 'mpslog'}\n")
     (daemon,) = running_daemons(node.gpud, 1)
     client_env = node.gpud.client.get(f"/v1/mps/{daemon['name']}/client-env")
     ids = node.sharing_ids("nvidia.com/gpu")
@@ -324,9 +340,7 @@ def test_replicas_of_mig_devices_name_the_mig_devices_everywhere(node_factory):
 def test_a_slow_kubelet_registers_and_a_hanging_registration_holds_up_no_health(node_factory):
     """Issue 19 point 4: the kubelet may take its whole 10 s dial before Register answers; a Register it
     never answers delays neither the other resources nor an XID's frame; gpud gone fences on time."""
-    sharing = ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
-               "      rename: nvidia.com/gpu.shared\n      devices: [1]\n      replicas: 2\n")
-    node = node_factory("A100-SXM4-40GB:2", sharing, unhealthy_after=2.0, kubelet={"dial_delay_s": 9.0})
+    node = node_factory("A100-SXM4-40GB:2", RENAMED, unhealthy_after=2.0, kubelet={"dial_delay_s": 9.0})
     node.kubelet.hang.add("nvidia.com/gpu.shared")
     gpu0 = node.sharing_ids("nvidia.com/gpu")
     assert len(gpu0) == 1 and len(node.sharing_ids("nvidia.com/gpu.shared")) == 2

@@ -71,7 +71,8 @@ def test_the_kubelet_gets_what_nvidias_plugin_gives(mock_nvml, short_tmp):
         with (short_tmp / "nvidia.log").open("w") as log:
             processes.append(subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "sh", str(short_tmp / "namespace.sh"),
-                 str(short_tmp / "nvidia"), str(NVIDIA_PLUGIN), "--kubelet-socket", str(short_tmp / "nvidia/kubelet.sock"),
+                 str(short_tmp / "nvidia"), str(NVIDIA_PLUGIN),
+                 "--kubelet-socket", str(short_tmp / "nvidia/kubelet.sock"),
                  "--config-file", str(short_tmp / "sharing.yaml"), "--device-list-strategy", "envvar",
                  "--fail-on-init-error=true"], env={**os.environ, **_env(mock_nvml)}, stdout=log,
                 stderr=subprocess.STDOUT))
