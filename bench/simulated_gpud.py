@@ -15,13 +15,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def simulated_gpud(preset: str = "dgx-a100") -> Iterator[tuple[subprocess.Popen, Path]]:
+def simulated_gpud(preset: str = "dgx-a100", config: Path | None = None) -> Iterator[tuple[subprocess.Popen, Path]]:
     """The gpud process and its socket, once the socket exists; stopped and cleaned up afterwards."""
     workdir = Path(tempfile.mkdtemp(prefix="gb", dir="/tmp"))  # short: socket paths hold 108 bytes
     sock = workdir / "g.sock"
+    config_args = ["--config", str(config)] if config else []
     gpud = subprocess.Popen([sys.executable, "-m", "gpud", "serve", "--simulate", preset, "--sim-state",
                              str(workdir / "sim.json"), "--state-dir", str(workdir / "state"), "--socket", str(sock),
-                             "--log-level", "error"], cwd=REPO, stdout=subprocess.DEVNULL)
+                             "--log-level", "error", *config_args], cwd=REPO, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while not sock.exists():

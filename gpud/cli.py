@@ -195,6 +195,10 @@ def _add_device_plugin(commands: Any) -> None:
                         help=f"where kubelet.sock is and the plugin's sockets go (default {DEFAULT_KUBELET_DIR})")
     plugin.add_argument("--unhealthy-after", type=float, default=30.0, metavar="SECONDS",
                         help="report every device Unhealthy once gpud has been unreachable this long (default 30)")
+    plugin.add_argument("--device-list-strategy", default="cdi-annotations", metavar="STRATEGY[,STRATEGY]",
+                        help="how Allocate names devices to the container runtime, as NVIDIA's plugin: envvar "
+                             "(NVIDIA_VISIBLE_DEVICES, for NVIDIA's container runtime), cdi-annotations (any "
+                             "kubelet; a CDI-enabled runtime), cdi-cri (kubelet 1.29+); default cdi-annotations")
     plugin.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     plugin.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     _local_command(plugin, _device_plugin)  # --json: its usage errors as JSON, as every command's
@@ -322,8 +326,21 @@ def _device_plugin(args: argparse.Namespace) -> int:
     if args.unhealthy_after < 0:
         raise CliError(EXIT_USAGE, "usage",
                        f"device-plugin: --unhealthy-after must be 0 or more, got {args.unhealthy_after:g}")
+    strategies = _device_list_strategies(args.device_list_strategy)
     configure_logging(args.log_level, args.log_format)
-    return run(args.socket, args.kubelet_dir, args.unhealthy_after)
+    return run(args.socket, args.kubelet_dir, args.unhealthy_after, strategies)
+
+
+def _device_list_strategies(text: str) -> tuple:
+    from gpud.device_plugin.allocation import DeviceListStrategy
+
+    names = [name.strip() for name in text.split(",")]
+    valid = [s.value for s in DeviceListStrategy]
+    unknown = [name for name in names if name not in valid]
+    if unknown or len(set(names)) != len(names):
+        raise CliError(EXIT_USAGE, "usage", f"device-plugin: --device-list-strategy {text!r}: each of "
+                                            f"{', '.join(valid)} at most once, comma-separated")
+    return tuple(DeviceListStrategy(name) for name in names)
 
 
 def _config_validate(args: argparse.Namespace) -> int:

@@ -64,6 +64,9 @@ class Gpu:
     serial: str | None
     mig: MigInfo
     minor_number: int | None = None  # /dev/nvidia<minor>; None where NVML does not tell
+    numa_node: int | None = None  # its PCI device's NUMA node (sysfs numa_node); None where unknown (-1)
+    # The GPUs it reaches over active NVLink, directly or through NVSwitches, by index.
+    nvlink_peers: tuple[int, ...] = ()
     lost: bool = False
     error: str | None = None  # what went wrong reading this GPU, if anything
     # Fields NVML refused to this user (NO_PERMISSION), each "field: why"; the rest is read.

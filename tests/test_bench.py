@@ -42,3 +42,14 @@ def test_load_benchmark_runs_and_loses_nothing():
     assert "dropped per stream: max 0, total 0; streams cut off: 0" in watch, result.stdout
     assert int(watch.split(" streams, ")[1].split(" events")[0]) > 0  # the storm reached the bus
     assert "first errors" not in result.stdout
+
+
+def test_device_plugin_benchmark_runs():
+    # Issue 19 point 4: an XID reaches the kubelet's ListAndWatch stream while another resource's Register
+    # hangs (the figures are read by people; the benchmark itself fails if a frame never comes).
+    result = subprocess.run([sys.executable, "bench/device_plugin.py", "--events", "3"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("idle: n=3 ") and lines[2].startswith("with nvidia.com/gpu.shared's Register hanging: n=3 ")
+    assert lines[3].startswith("ratio hanging/idle (p50): ")

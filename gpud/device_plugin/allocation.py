@@ -3,7 +3,11 @@ state gpud last reported, so they are quick and hold while gpud restarts)."""
 
 from __future__ import annotations
 
+import enum
+import itertools
+import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpud.device_plugin.state import MpsClient, NodeState, PluginDevice, Resource
@@ -17,27 +21,62 @@ class AllocationRefused(Exception):
         self.unknown = unknown
 
 
+class DeviceListStrategy(str, enum.Enum):
+    """How Allocate names the devices to the container runtime: NVIDIA's plugin's --device-list-strategy
+    values (k8s-device-plugin api/config/v1/flags.go, internal/plugin/server.go getAllocateResponse)."""
+
+    ENVVAR = "envvar"  # NVIDIA_VISIBLE_DEVICES, read by NVIDIA's container runtime (hook)
+    CDI_ANNOTATIONS = "cdi-annotations"  # cdi.k8s.io/ annotations: any kubelet, a CDI-enabled runtime
+    CDI_CRI = "cdi-cri"  # the CDIDevices field: kubelet 1.29+ (DevicePluginCDIDevices), a CDI-enabled runtime
+
+
+# Works with every kubelet: device plugin annotations reach the runtime since Kubernetes 1.10
+# (kubernetes/kubernetes#58172), where CDIDevices needs 1.29; containerd 1.7+ and CRI-O read them.
+DEFAULT_STRATEGIES = (DeviceListStrategy.CDI_ANNOTATIONS,)
+# CDI's annotation key is cdi.k8s.io/<plugin>_<id> (container-device-interface pkg/cdi/annotations.go
+# AnnotationKey); a fresh id per response, as NVIDIA's plugin does, so two resources never collide.
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+CDI_ANNOTATION_PLUGIN = "gpud-device-plugin"
+# gpud's MPS daemons run in the host's IPC namespace (client-env's host_ipc): their clients share memory
+# with them through /dev/shm. Allocate cannot set hostIPC, so it mounts the host's /dev/shm as NVIDIA's
+# plugin mounts its MPS daemons' shm directory (k8s-device-plugin internal/plugin/mps.go updateReponse).
+HOST_SHM = "/dev/shm"
+
+
 @dataclass
 class ContainerAllocation:
     envs: dict[str, str] = field(default_factory=dict)
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (host path, container path, read only)
     cdi_devices: list[str] = field(default_factory=list)  # fully qualified: <vendor>/<class>=<name>
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
-def allocate(state: NodeState, resource: Resource, ids: list[str]) -> ContainerAllocation:
+def allocate(state: NodeState, resource: Resource, ids: list[str],
+             strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES) -> ContainerAllocation:
+    """What the container gets for `ids`: each named by the GPU or MIG device it stands for (a MIG
+    device's own UUID, never its GPU's), two replicas of one device giving that device once, as NVIDIA's
+    plugin does (internal/plugin/server.go deviceIDsFromAnnotatedDeviceIDs)."""
     devices = _known_healthy(resource, ids)
     if resource.fail_requests_greater_than_one and len(ids) > 1:
         # the NVIDIA plugin's words for the same refusal (k8s-device-plugin internal/rm/rm.go ValidateRequest)
         raise AllocationRefused(f"{resource.name}: maximum request size for shared resources is 1, got {len(ids)}")
-    parents = list(dict.fromkeys(d.parent for d in devices))  # two replicas of one GPU give the container one GPU
-    allocation = ContainerAllocation(cdi_devices=_cdi_names(state, devices))
-    # For runtimes without CDI: the NVIDIA container toolkit reads this, as the NVIDIA plugin's envvar
-    # strategy sets it (k8s-device-plugin internal/plugin/server.go).
-    allocation.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(parents)
+    targets = list(dict.fromkeys(d.device for d in devices))
+    allocation = ContainerAllocation()
+    if DeviceListStrategy.ENVVAR in strategies:
+        allocation.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(targets)
+    if DeviceListStrategy.CDI_ANNOTATIONS in strategies or DeviceListStrategy.CDI_CRI in strategies:
+        names = _cdi_names(state, resource, devices)
+        if DeviceListStrategy.CDI_CRI in strategies:
+            allocation.cdi_devices = names
+        if DeviceListStrategy.CDI_ANNOTATIONS in strategies:
+            key = f"{CDI_ANNOTATION_PREFIX}{CDI_ANNOTATION_PLUGIN}_{uuid.uuid4()}"
+            allocation.annotations[key] = ",".join(names)
     if resource.strategy == "mps":
-        client = _mps_client(state, resource, parents)
+        client = _mps_client(state, resource, targets)
         allocation.envs.update(client.env)
         allocation.mounts.extend(client.mounts)
+        if client.host_ipc:
+            allocation.mounts.append((HOST_SHM, HOST_SHM, False))
     return allocation
 
 
@@ -55,18 +94,22 @@ def _known_healthy(resource: Resource, ids: list[str]) -> list[PluginDevice]:
     return devices
 
 
-def _cdi_names(state: NodeState, devices: list[PluginDevice]) -> list[str]:
-    """The CDI device of each ID: the replica's own when gpud's spec has it, else its GPU's or MIG
-    device's; none without a spec (the container then relies on NVIDIA_VISIBLE_DEVICES)."""
+def _cdi_names(state: NodeState, resource: Resource, devices: list[PluginDevice]) -> list[str]:
+    """The CDI device of each ID: the replica's own where gpud's spec has it, else its GPU's or MIG
+    device's. Refused where the spec lacks one: the container would start without that device."""
     if state.cdi_kind is None:
-        return []
-    names = [d.id if d.id in state.cdi_names else d.parent for d in devices]
-    return [f"{state.cdi_kind}={name}" for name in dict.fromkeys(names) if name in state.cdi_names]
+        raise AllocationRefused(f"{resource.name}: gpud has written no CDI spec (gpud cdi says why), and the "
+                                "device list strategy names devices by CDI")
+    names = list(dict.fromkeys(d.id if d.id in state.cdi_names else d.device for d in devices))
+    missing = [name for name in names if name not in state.cdi_names]
+    if missing:
+        raise AllocationRefused(f"{resource.name}: gpud's CDI spec has no devices {missing} yet (gpud cdi)")
+    return [f"{state.cdi_kind}={name}" for name in names]
 
 
-def _mps_client(state: NodeState, resource: Resource, parents: list[str]) -> MpsClient:
-    clients = {parent: state.mps_clients.get(parent) for parent in parents}
-    missing = [parent for parent, client in clients.items() if client is None]
+def _mps_client(state: NodeState, resource: Resource, targets: list[str]) -> MpsClient:
+    clients = {target: state.mps_clients.get(target) for target in targets}
+    missing = [target for target, client in clients.items() if client is None]
     if missing:
         raise AllocationRefused(f"{resource.name}: no MPS daemon of gpud serves {missing} (gpud mps status)")
     daemons = {client.daemon for client in clients.values()}
@@ -79,17 +122,52 @@ def _mps_client(state: NodeState, resource: Resource, parents: list[str]) -> Mps
     return client
 
 
-def preferred(resource: Resource, available: list[str], must_include: list[str], size: int) -> list[str]:
+def preferred(resource: Resource, available: list[str], must_include: list[str], size: int,
+              nvlink_peers: Mapping[int, frozenset[int]] | None = None) -> list[str]:
     """A preferred allocation of `size` IDs from `available`, with every one of `must_include`.
 
-    Spread across GPUs as the NVIDIA plugin's `distributed` policy does for replicas and MIG devices
-    (k8s-device-plugin internal/rm/allocate.go): each pick goes to the GPU with the fewest of this
-    resource's devices in use (already allocated, or picked in this answer), ties to the GPU picked
-    least in this answer, then the lowest GPU index and ID. Whole GPUs thus come in index order; no
-    NVLink topology is weighed (gpud's sharing document does not carry it)."""
+    Whole GPUs: the set joined by the most NVLink pairs, then on the fewest NUMA nodes (as NVIDIA's
+    plugin prefers linked GPUs through go-gpuallocator's best-effort policy; the NUMA node lets the
+    kubelet's TopologyManager give the pod CPUs beside its GPUs). Replicas and MIG devices spread across
+    GPUs as the NVIDIA plugin's `distributed` policy does (k8s-device-plugin internal/rm/allocate.go)."""
     by_id = {d.id: d for d in resource.devices}
     picked = [i for i in dict.fromkeys(must_include) if i in by_id]
     free = [by_id[i] for i in dict.fromkeys(available) if i in by_id and i not in picked]
+    if size > 1 and all(d.id == d.gpu for d in resource.devices):  # several whole GPUs (not replicas or MIG)
+        return _linked(by_id, picked, free, size, nvlink_peers or {})
+    return _distributed(resource, by_id, picked, free, size)
+
+
+def _linked(by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice], size: int,
+            peers: Mapping[int, frozenset[int]]) -> list[str]:
+    """Grows a set from each free GPU in turn (after must_include), each step adding the GPU with the
+    most NVLink peers in the set, then one on a NUMA node the set has, then the lowest index; keeps the
+    best set: most NVLink pairs, fewest NUMA nodes, lowest indices. Greedy: n^2 steps, for any n."""
+    def score(chosen: list[PluginDevice]) -> tuple:
+        pairs = sum(b.gpu_index in peers.get(a.gpu_index, ()) for a, b in itertools.combinations(chosen, 2))
+        return (-pairs, len({d.numa_node for d in chosen}), sorted(d.gpu_index for d in chosen))
+
+    fixed = [by_id[i] for i in picked]
+    best: list[PluginDevice] | None = None
+    for seed in free or [None]:
+        chosen = fixed + ([seed] if seed is not None else [])
+        rest = [d for d in free if d is not seed]
+        while len(chosen) < size and rest:
+            nodes = {d.numa_node for d in chosen}
+            step = min(rest, key=lambda d: (-sum(c.gpu_index in peers.get(d.gpu_index, ()) for c in chosen),
+                                            d.numa_node not in nodes, d.gpu_index))
+            rest.remove(step)
+            chosen.append(step)
+        if best is None or score(chosen) < score(best):
+            best = chosen
+    return picked + [d.id for d in sorted(best[len(fixed):], key=lambda d: d.gpu_index)]
+
+
+def _distributed(resource: Resource, by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice],
+                 size: int) -> list[str]:
+    """Each pick goes to the GPU with the fewest of this resource's devices in use (already allocated,
+    or picked in this answer), ties to the GPU picked least in this answer, then the lowest GPU index
+    and ID."""
     not_in_use = Counter(d.gpu_index for d in free) + Counter(by_id[i].gpu_index for i in picked)
     in_use = Counter({gpu: count - not_in_use[gpu]
                       for gpu, count in Counter(d.gpu_index for d in resource.devices).items()})

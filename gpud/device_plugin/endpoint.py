@@ -1,4 +1,6 @@
-"""One resource's DevicePlugin gRPC server on its own socket in the kubelet's directory."""
+"""One resource's DevicePlugin gRPC server on its own socket in the kubelet's directory, and its own
+registration with the kubelet: a registration that hangs holds up neither the other resources'
+registrations nor any ListAndWatch frame."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from gpud.device_plugin.allocation import AllocationRefused, allocate, preferred
+from gpud.device_plugin.allocation import DEFAULT_STRATEGIES, AllocationRefused, DeviceListStrategy, allocate, \
+    preferred
 from gpud.device_plugin.api import API_VERSION, HEALTHY, UNHEALTHY, pb, rpc
 from gpud.device_plugin.state import NodeState, Resource
 from gpud.logs import get_logger
@@ -19,7 +22,12 @@ log = get_logger("device_plugin")
 
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-REGISTER_TIMEOUT_S = 5.0
+# Before Register answers, the kubelet dials the plugin's socket for up to 10 s and then asks
+# GetDevicePluginOptions, both under the Register call's context (kubernetes pkg/kubelet/cm/devicemanager/
+# plugin/v1beta1/server.go Register -> handler.go connectClient -> client.go Connect: dial's
+# context.WithTimeout(ctx, 10*time.Second), then manager.go PluginConnected). A shorter deadline here
+# cancels a registration a slow kubelet would have completed.
+REGISTER_TIMEOUT_S = 30.0
 STOP_GRACE_S = 1.0
 
 
@@ -33,8 +41,10 @@ def socket_name(kubelet_dir: Path, resource_name: str) -> str:
 
 
 class Endpoint(rpc.DevicePluginServicer):
-    def __init__(self, resource: Resource, kubelet_dir: Path, state: Callable[[], NodeState]):
+    def __init__(self, resource: Resource, kubelet_dir: Path, state: Callable[[], NodeState],
+                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES):
         self.resource = resource
+        self.strategies = strategies
         self.kubelet_dir = kubelet_dir
         self.socket = kubelet_dir / socket_name(kubelet_dir, resource.name)
         self._state = state
@@ -46,11 +56,16 @@ class Endpoint(rpc.DevicePluginServicer):
         self.socket_inode: int | None = None
         self.registered = False
         self._failed_registrations = 0
+        self._registration_wanted = asyncio.Event()
+        self._registrar: asyncio.Task | None = None
+        self.registering = False
 
     @staticmethod
     def _frame_of(resource: Resource) -> pb.ListAndWatchResponse:
-        return pb.ListAndWatchResponse(devices=[pb.Device(ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY)
-                                                for d in resource.devices])
+        return pb.ListAndWatchResponse(devices=[pb.Device(
+            ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY,
+            topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=d.numa_node)]) if d.numa_node is not None else None)
+            for d in resource.devices])
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -69,6 +84,11 @@ class Endpoint(rpc.DevicePluginServicer):
 
     async def stop(self, why: str) -> None:
         """Ends the ListAndWatch streams (after the last frame), stops serving, removes its own socket."""
+        if self._registrar is not None:
+            self._registrar.cancel()
+            self._registrar = None
+        self._registration_wanted.clear()
+        self.registering = False
         async with self._changed:
             self._closing = True
             self._changed.notify_all()
@@ -86,23 +106,42 @@ class Endpoint(rpc.DevicePluginServicer):
         except OSError:
             return False
 
-    async def register(self, kubelet_socket: Path) -> bool:
+    def register_soon(self, kubelet_socket: Path) -> None:
+        """Asks for a registration with the kubelet, made by this endpoint's own task: the caller does not
+        wait for it. One asked for while another is in flight follows it (the kubelet may have restarted)."""
+        self._registration_wanted.set()
+        if self._registrar is None or self._registrar.done():
+            self._registrar = asyncio.create_task(self._register_when_wanted(kubelet_socket),
+                                                  name=f"register {self.resource.name}")
+
+    async def _register_when_wanted(self, kubelet_socket: Path) -> None:
+        while self._registration_wanted.is_set():
+            self._registration_wanted.clear()
+            self.registering = True
+            try:
+                await self._register(kubelet_socket)
+            finally:
+                self.registering = False
+
+    async def _register(self, kubelet_socket: Path) -> None:
         request = pb.RegisterRequest(version=API_VERSION, endpoint=self.socket.name,
                                      resource_name=self.resource.name, options=OPTIONS)
+        started = asyncio.get_running_loop().time()
         try:
             async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
                 await rpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
+            self.registered = False
             self._failed_registrations += 1
             report = log.warning if self._failed_registrations == 1 else log.debug  # once, not every second
             report("registration_failed", resource=self.resource.name, kubelet=str(kubelet_socket),
                    code=exc.code().name, reason=exc.details(), attempts=self._failed_registrations,
                    retry="every second")
-            return False
+            return
         self.registered = True
         self._failed_registrations = 0
-        log.info("registered", resource=self.resource.name, endpoint=self.socket.name, kubelet=str(kubelet_socket))
-        return True
+        log.info("registered", resource=self.resource.name, endpoint=self.socket.name, kubelet=str(kubelet_socket),
+                 took_s=round(asyncio.get_running_loop().time() - started, 3))
 
     async def update(self, resource: Resource) -> None:
         """Takes the resource's current devices; a changed list or health goes out as a new frame."""
@@ -137,23 +176,27 @@ class Endpoint(rpc.DevicePluginServicer):
     async def GetPreferredAllocation(self, request, context):
         return pb.PreferredAllocationResponse(container_responses=[
             pb.ContainerPreferredAllocationResponse(deviceIDs=preferred(
-                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size,
+                self._state().nvlink_peers))
             for r in request.container_requests])
 
     async def Allocate(self, request, context):
         responses = []
         for container in request.container_requests:
             try:
-                allocation = allocate(self._state(), self.resource, list(container.devices_ids))
+                allocation = allocate(self._state(), self.resource, list(container.devices_ids),
+                                      self.strategies)
             except AllocationRefused as exc:
                 log.warning("allocate_refused", resource=self.resource.name, ids=list(container.devices_ids),
                             reason=str(exc))
                 code = grpc.StatusCode.INVALID_ARGUMENT if exc.unknown else grpc.StatusCode.FAILED_PRECONDITION
                 await context.abort(code, str(exc))
             log.info("allocated", resource=self.resource.name, ids=list(container.devices_ids),
-                     cdi_devices=allocation.cdi_devices)
+                     envs=sorted(allocation.envs), cdi_devices=allocation.cdi_devices,
+                     annotations=allocation.annotations)
             responses.append(pb.ContainerAllocateResponse(
-                envs=allocation.envs, cdi_devices=[pb.CDIDevice(name=n) for n in allocation.cdi_devices],
+                envs=allocation.envs, annotations=allocation.annotations,
+                cdi_devices=[pb.CDIDevice(name=n) for n in allocation.cdi_devices],
                 mounts=[pb.Mount(host_path=host, container_path=inside, read_only=read_only)
                         for host, inside, read_only in allocation.mounts]))
         return pb.AllocateResponse(container_responses=responses)

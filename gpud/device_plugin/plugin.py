@@ -7,7 +7,9 @@ sharing document has an error (migStrategy single halfway through a MIG change h
 at all): the endpoint then stays, empty, until gpud says which resources there are. Once a second
 the kubelet's directory is looked at: a re-created kubelet.sock (the kubelet restarted) has every
 endpoint register again; an endpoint whose socket is gone (the kubelet removes plugin sockets when
-it starts) is restarted and registers again; a failed registration is retried.
+it starts) is restarted and registers again; a failed registration is retried. Each endpoint registers
+in its own task, outside the lock: a kubelet slow to answer one Register delays neither the others nor
+a device list (health) going out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
+from gpud.device_plugin.allocation import DEFAULT_STRATEGIES, DeviceListStrategy
 from gpud.device_plugin.endpoint import Endpoint
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
 from gpud.device_plugin.state import NodeState
@@ -33,8 +36,10 @@ KUBELET_CHECK_S = 1.0
 
 class DevicePlugin:
     def __init__(self, gpud_socket: Path | None, kubelet_dir: Path = DEFAULT_KUBELET_DIR,
-                 unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S):
+                 unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
+                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES):
         self.kubelet_dir = kubelet_dir
+        self.strategies = strategies
         self.kubelet_socket = kubelet_dir / KUBELET_SOCKET
         self.follower = GpudFollower(gpud_socket, self.apply, unreachable_grace_s)
         self.state = NodeState()
@@ -48,7 +53,8 @@ class DevicePlugin:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("device_plugin_starting", kubelet_dir=str(self.kubelet_dir),
-                 gpud_socket=str(self.follower.client.socket_path))
+                 gpud_socket=str(self.follower.client.socket_path),
+                 device_list_strategy=[s.value for s in self.strategies])
         self._kubelet_identity = self._kubelet_identity_now()  # endpoints register with this kubelet
         tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self._watch_kubelet())]
         stopping = asyncio.create_task(stop.wait())
@@ -81,11 +87,11 @@ class DevicePlugin:
                 if name in self.endpoints:
                     await self.endpoints[name].update(resource)
                     continue
-                endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state)
+                endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state, self.strategies)
                 await endpoint.start()
                 self.endpoints[name] = endpoint
                 if self._kubelet_identity is not None:
-                    await endpoint.register(self.kubelet_socket)
+                    endpoint.register_soon(self.kubelet_socket)
 
     async def _watch_kubelet(self) -> None:
         while True:
@@ -113,12 +119,13 @@ class DevicePlugin:
                             action="restarting the endpoint")
                 await endpoint.stop("its socket was removed")
                 await endpoint.start()
-            if identity is not None and (restarted or not endpoint.registered):
-                await endpoint.register(self.kubelet_socket)
+            if identity is not None and (restarted or not (endpoint.registered or endpoint.registering)):
+                endpoint.register_soon(self.kubelet_socket)
 
 
-def run(gpud_socket: Path | None, kubelet_dir: Path, unreachable_grace_s: float) -> int:
+def run(gpud_socket: Path | None, kubelet_dir: Path, unreachable_grace_s: float,
+        strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES) -> int:
     if not kubelet_dir.is_dir():
         log.error("kubelet_dir_missing", kubelet_dir=str(kubelet_dir))
         return 2
-    return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s).serve())
+    return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s, strategies).serve())

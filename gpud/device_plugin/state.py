@@ -11,9 +11,16 @@ class PluginDevice:
     """One device the kubelet schedules: a GPU or MIG UUID, or a replica ID `<uuid>::<n>`."""
 
     id: str
-    parent: str  # the GPU or MIG device the ID stands for
+    gpu: str  # UUID of the GPU it is on (a MIG device's parent GPU)
     gpu_index: int
     healthy: bool
+    numa_node: int | None = None  # its GPU's (GET /v1/gpus): the kubelet's TopologyManager aligns CPUs with it
+
+    @property
+    def device(self) -> str:
+        """The GPU or MIG UUID the ID stands for: a replica's `<uuid>` (k8s-device-plugin
+        internal/rm/devices.go AnnotatedID.GetID). A MIG device's is its own UUID, never its GPU's."""
+        return self.id.partition("::")[0]
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class MpsClient:
     state: str
     env: dict[str, str]
     mounts: tuple[tuple[str, str, bool], ...]  # (host path, container path, read only)
+    host_ipc: bool = False  # the daemon shares memory with its clients through the host's /dev/shm
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class NodeState:
     mps_clients: dict[str, MpsClient] = field(default_factory=dict)  # by device UUID
     # why gpud computed no resources (e.g. migStrategy single halfway through a MIG change)
     sharing_error: str | None = None
+    nvlink_peers: dict[int, frozenset[int]] = field(default_factory=dict)  # GPU index -> its NVLink peers
 
     def all_unhealthy(self) -> NodeState:
         """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
@@ -53,18 +62,26 @@ class NodeState:
             for name, r in self.resources.items()})
 
 
-def resources_from_sharing(document: dict[str, Any]) -> dict[str, Resource]:
-    """The resources of a GET /v1/sharing answer."""
+def resources_from_sharing(document: dict[str, Any], gpus: dict[str, Any]) -> dict[str, Resource]:
+    """The resources of a GET /v1/sharing answer, each device with its GPU's NUMA node from a
+    GET /v1/gpus answer."""
+    numa = {gpu["uuid"]: gpu.get("numa_node") for gpu in gpus["gpus"]}
     return {entry["name"]: Resource(
         name=entry["name"], strategy=entry["strategy"],
         fail_requests_greater_than_one=bool(entry["fail_requests_greater_than_one"]),
-        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]))
+        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]), numa.get(d["parent"]))
                       for d in entry["devices"]))
         for entry in document["resources"]}
+
+
+def nvlink_peers(gpus: dict[str, Any]) -> dict[int, frozenset[int]]:
+    """GPU index -> the GPUs it reaches over NVLink, from a GET /v1/gpus answer."""
+    return {int(gpu["index"]): frozenset(int(i) for i in gpu.get("nvlink_peers", ())) for gpu in gpus["gpus"]}
 
 
 def mps_client(client_env: dict[str, Any]) -> MpsClient:
     """A GET /v1/mps/{name}/client-env answer."""
     return MpsClient(daemon=client_env["daemon"], state=client_env["state"], env=dict(client_env["env"]),
                      mounts=tuple((m["source"], m["target"], bool(m.get("read_only", False)))
-                                  for m in client_env["mounts"]))
+                                  for m in client_env["mounts"]),
+                     host_ipc=bool(client_env.get("host_ipc", False)))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, unknown_gpu
+from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, normal_bus_id, unknown_gpu
 from gpud.logs import get_logger
 from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
 from gpud.mig.model import MigCapabilities
@@ -35,6 +35,7 @@ _COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "excl
 # to XID 79 gives in nvidia-smi's "Unable to determine the device handle ... Unknown Error").
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
 NEEDS_ROOT = "needs root (NVML NO_PERMISSION)"
+SYSFS = Path("/sys")
 log = get_logger("inventory")
 
 
@@ -86,6 +87,11 @@ class NodeReader:
 
     def __init__(self, profiles_path: Path | None = None) -> None:
         self._tables: dict[str, _Table] = {}  # by GPU UUID
+        # Where each GPU sits, by GPU UUID: its active NVLinks and its NUMA node are the board's, read
+        # once (about 300 NVML calls on a DGX A100) rather than on every refresh; a link that fails
+        # later is a health matter.
+        self._nvlinks: dict[str, list[tuple[int, str]]] = {}
+        self._numa_nodes: dict[str, int | None] = {}
         self._read_tables = ReadTables(profiles_path)
 
     def read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
@@ -100,6 +106,7 @@ class NodeReader:
     def _read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
         driver = text(nvml.nvmlSystemGetDriverVersion())
         gpus = tuple(self._read_gpu(nvml, index, known, driver) for index in range(nvml.nvmlDeviceGetCount()))
+        gpus = self._with_nvlink_peers(nvml, gpus)
         return Inventory(
             driver_version=driver,
             cuda_version=_cuda_version(nvml.nvmlSystemGetCudaDriverVersion_v2()),
@@ -118,6 +125,8 @@ class NodeReader:
             lost = is_lost_error(nvml, exc)
             if lost:
                 self._tables.pop(last.uuid, None)  # whatever brings it back (a reset) may change it
+                self._nvlinks.pop(last.uuid, None)
+                self._numa_nodes.pop(last.uuid, None)
             if isinstance(exc, nvml.NVMLError_NoPermission):
                 return replace(last, lost=False, error=f"this user may not open the GPU: {nvml_error_text(exc)}",
                                unreadable=(f"gpu: {NEEDS_ROOT}",))
@@ -143,9 +152,37 @@ class NodeReader:
             cuda_compute_capability=f"{major}.{minor}",
             serial=optional("serial", lambda: text(nvml.nvmlDeviceGetSerial(handle))),
             minor_number=optional("minor_number", lambda: nvml.nvmlDeviceGetMinorNumber(handle)),
+            numa_node=self._numa_node(nvml, uuid, text(pci.busId)),
             mig=self._read_mig(nvml, handle, _Identity(index, uuid, pci_device_id, memory_mib, driver), optional),
             unreadable=tuple(unreadable),
         )
+
+    def _numa_node(self, nvml: Any, uuid: str, bus_id: str) -> int | None:
+        if uuid not in self._numa_nodes:
+            self._numa_nodes[uuid] = pci_numa_node(getattr(nvml, "sysfs_root", None) or SYSFS, bus_id)
+        return self._numa_nodes[uuid]
+
+    def _with_nvlink_peers(self, nvml: Any, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
+        """Each GPU with the GPUs it reaches over active NVLink: a GPU-to-GPU link's far end, and every
+        other GPU with links to the NVSwitches when it has some (an NVSwitch system joins them all)."""
+        index_of = {normal_bus_id(gpu.pci_bus_id): gpu.index for gpu in gpus}
+        direct: dict[int, set[int]] = {gpu.index: set() for gpu in gpus}
+        switched: set[int] = set()
+        for gpu in gpus:
+            if gpu.lost or gpu.error:
+                continue
+            if gpu.uuid not in self._nvlinks:
+                try:
+                    self._nvlinks[gpu.uuid] = active_nvlinks(nvml, nvml.nvmlDeviceGetHandleByIndex(gpu.index))
+                except nvml.NVMLError:
+                    continue
+            for remote_type, remote_bus_id in self._nvlinks[gpu.uuid]:
+                if remote_type == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
+                    switched.add(gpu.index)
+                elif (other := index_of.get(normal_bus_id(remote_bus_id))) is not None and other != gpu.index:
+                    direct[gpu.index].add(other)
+        return tuple(replace(gpu, nvlink_peers=tuple(sorted(
+            direct[gpu.index] | ((switched - {gpu.index}) if gpu.index in switched else set())))) for gpu in gpus)
 
     # -- MIG ---------------------------------------------------------------------------------
 
@@ -279,6 +316,42 @@ def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabil
                 placement=gi.placement, memory_total_mib=attrs.memorySizeMB, sm_count=attrs.multiprocessorCount,
                 pids=found["pids"]))
     return tuple(sorted(devices, key=lambda d: d.index))
+
+
+def pci_numa_node(sysfs: Path, bus_id: str) -> int | None:
+    """The NUMA node the kernel says a PCI device is attached to (Documentation/ABI/testing/sysfs-bus-pci,
+    numa_node: "or -1 if the node is unknown", from ACPI _PXM); None when unknown or unreadable. sysfs
+    names the device with a 4-digit domain, NVML with 8 ("00000000:07:00.0")."""
+    normal = normal_bus_id(bus_id)
+    if normal is None:
+        return None
+    domain, rest = normal.split(":", 1)
+    try:
+        node = int((sysfs / "bus" / "pci" / "devices" / f"{int(domain, 16):04x}:{rest}" / "numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def active_nvlinks(nvml: Any, handle: Any) -> list[tuple[int, str]]:
+    """(remote device type, remote bus id) of each active link of the GPU."""
+    if handle is None:
+        return []
+    found = []
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                continue  # present but inactive (a PCIe board without its bridge): connects nothing
+            remote_type = nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+            # pynvml's name for the C call nvmlDeviceGetNvLinkRemotePciInfo_v2 (pynvml.py, 13.615).
+            found.append((remote_type, text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)))
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
+            # NOT_SUPPORTED: no NVLink (a VM without it answers so on every link, as our H100 capture
+            # shows); INVALID_ARGUMENT: past the GPU's last link (link 18 on an H100, same capture).
+            break
+        except nvml.NVMLError:
+            continue  # a link that cannot be read connects nothing gpud can name
+    return found
 
 
 def _cuda_version(value: int) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpud.inventory import normal_bus_id
-from gpud.nvml.reader import text
+from gpud.nvml.reader import active_nvlinks
 
 
 
@@ -65,7 +65,7 @@ def read_topology(nvml: Any, gpus: Mapping[int, tuple[str, str]]) -> NvlinkTopol
     for index, (_bus_id, architecture) in gpus.items():
         handle = _handle(nvml, index)
         generations[index] = _generation(nvml, handle, architecture)
-        for remote_type, remote_bus_id in _active_links(nvml, handle):
+        for remote_type, remote_bus_id in active_nvlinks(nvml, handle):
             if remote_type == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
                 switched.add(index)
             other = index_of.get(normal_bus_id(remote_bus_id)) if remote_type == nvml.NVML_NVLINK_DEVICE_TYPE_GPU \
@@ -97,27 +97,6 @@ def _generation(nvml: Any, handle: Any, architecture: str) -> int:
     except nvml.NVMLError:
         pass
     return getattr(nvml, f"NVML_DEVICE_ARCH_{architecture.upper()}", 0)
-
-
-def _active_links(nvml: Any, handle: Any) -> list[tuple[int, str]]:
-    """(remote device type, remote bus id) of each active link of the GPU."""
-    if handle is None:
-        return []
-    found = []
-    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-        try:
-            if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
-                continue  # present but inactive (a PCIe board without its bridge): connects nothing
-            remote_type = nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
-            # pynvml's name for the C call nvmlDeviceGetNvLinkRemotePciInfo_v2 (pynvml.py, 13.615).
-            found.append((remote_type, text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)))
-        except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument):
-            # NOT_SUPPORTED: no NVLink (a VM without it answers so on every link, as our H100 capture
-            # shows); INVALID_ARGUMENT: past the GPU's last link (link 18 on an H100, same capture).
-            break
-        except nvml.NVMLError:
-            continue  # a link that cannot be read connects nothing gpud can name
-    return found
 
 
 def compute_pids(nvml: Any, index: int) -> tuple[int, ...] | None:

@@ -29,7 +29,7 @@ from .drivers import parse_driver
 from .errors import SimError
 from .events import Event, EventSet
 from .handles import SERIAL_MASK, HandleRef, Kind, decode, make_handle
-from .presets import PresetError, canonical_preset, parse_preset
+from .presets import PresetError, canonical_preset, parse_preset, preset_numa_nodes
 from .state import (
     ComputeInstance,
     Gpu,
@@ -42,6 +42,7 @@ from .state import (
     restore_gpus,
     restore_node,
 )
+from .sysfs import write_numa_nodes
 
 Method = TypeVar("Method", bound=Callable)
 # Crash tests set this to N: the process is killed right after the N-th change to the simulated GPUs.
@@ -99,6 +100,8 @@ class SimCore:
         self._models = parse_preset(preset)
         self._driver = parse_driver(driver)
         self._state_path = Path(state_path)
+        # Where the simulated node's sysfs is (the real one is /sys): gpud's reader looks here.
+        self.sysfs_root = self._state_path.with_name(self._state_path.name + ".sysfs")
         # One lock for everything; event waits release it through the condition.
         self._lock = threading.RLock()
         self._event_signal = threading.Condition(self._lock)
@@ -139,6 +142,10 @@ class SimCore:
 
     def _load(self) -> None:
         """The machine state from the state file, which is created on first use."""
+        self._load_state()
+        write_numa_nodes(self.sysfs_root, [gpu.bus for gpu in self._gpus], preset_numa_nodes(self._preset))
+
+    def _load_state(self) -> None:
         document = read_state_file(self._state_path)
         if document is None:
             self._gpus, self._node = new_gpus(self._preset, self._models), Node()

@@ -19,10 +19,20 @@ class Preset(NamedTuple):
     spec: str
     description: str
     fabric: Fabric | None = None  # how NVLink connects the GPUs; None: as each model's default
+    # The NUMA node of each GPU's PCI device, in index order, as the board's firmware reports it
+    # (sysfs numa_node); None where no capture of the board says: -1, as a kernel without the
+    # firmware's proximity information reports.
+    numa_nodes: tuple[int, ...] | None = None
+
+
+# A DGX A100 (two AMD EPYC 7742 in NPS4: 8 NUMA nodes) puts its GPU pairs on nodes 3, 1, 7 and 5:
+# `nvidia-smi topo -m` of a DGX A100 40GB, NUMA Affinity column (NVIDIA/nccl issue #1505,
+# https://github.com/NVIDIA/nccl/issues/1505): GPU0-1 3, GPU2-3 1, GPU4-5 7, GPU6-7 5.
+DGX_A100_NUMA_NODES = (3, 3, 1, 1, 7, 7, 5, 5)
 
 
 PRESETS: dict[str, Preset] = {
-    "dgx-a100": Preset("A100-SXM4-40GB:8", "NVIDIA DGX A100: 8x A100-SXM4-40GB"),
+    "dgx-a100": Preset("A100-SXM4-40GB:8", "NVIDIA DGX A100: 8x A100-SXM4-40GB", numa_nodes=DGX_A100_NUMA_NODES),
     "hgx-a100-4gpu": Preset(
         "A100-SXM4-40GB:4", "HGX A100 4-GPU: 4x A100-SXM4-40GB, NVLink GPU to GPU, no NVSwitch", Fabric.DIRECT
     ),
@@ -47,6 +57,12 @@ def preset_fabric(spec: str) -> Fabric | None:
     """The NVLink fabric a named preset sets; custom specs use each model's own."""
     name = _preset_name(spec)
     return PRESETS[name].fabric if name else None
+
+
+def preset_numa_nodes(spec: str) -> tuple[int, ...] | None:
+    """The NUMA node of each GPU of a named preset; None where no source says (custom specs too)."""
+    name = _preset_name(spec)
+    return PRESETS[name].numa_nodes if name else None
 
 
 def canonical_preset(spec: str) -> str:

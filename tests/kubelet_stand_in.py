@@ -1,0 +1,214 @@
+"""The kubelet's side of the device plugin API v1beta1, as the kubelet's device manager does it.
+
+No kubelet runs here, so this stands in for kubernetes/kubernetes pkg/kubelet/cm/devicemanager; each
+behaviour names the source it copies, and none is kinder than the kubelet:
+- Register (plugin/v1beta1/server.go Register): the version must be one of SupportedVersions and the
+  resource an extended resource name; then, before answering, it connects to the plugin's socket
+  (handler.go connectClient -> client.go Connect -> dial: blocking, context.WithTimeout(ctx, 10 s) on
+  the Register call's context) and asks GetDevicePluginOptions with that same context (manager.go
+  PluginConnected). A caller whose deadline passes first gets no registration.
+- ListAndWatch (client.go Run, with context.TODO(): no deadline): each answer replaces the resource's
+  devices (manager.go genericDeviceUpdateCallback). When the stream ends, every device of the resource
+  is Unhealthy (manager.go PluginDisconnected -> markResourceUnhealthy); the kubelet never re-dials.
+- A restart stops every plugin connection (server.go Stop -> disconnectClient) and, when it starts
+  again, removes every socket in its directory but its checkpoint (manager.go CleanupPluginDirectory).
+- Allocate and GetPreferredAllocation carry one container request (endpoint.go allocate,
+  getPreferredAllocation); Allocate fails on an answer without a container response (manager.go
+  allocateContainerResources: "no containers return in allocation response").
+"""
+
+from __future__ import annotations
+
+import stat
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, rpc
+
+SUPPORTED_VERSIONS = ("v1beta1",)  # k8s.io/kubelet pkg/apis/deviceplugin/v1beta1/constants.go
+DIAL_TIMEOUT_S = 10.0  # client.go dial
+CHECKPOINT = "kubelet_internal_checkpoint"  # devicemanager's checkpoint file, kept by CleanupPluginDirectory
+
+
+def extended_resource_name(name: str) -> bool:
+    """v1helper.IsExtendedResourceName: a domain-prefixed name outside kubernetes.io, not `requests.`."""
+    domain, slash, rest = name.partition("/")
+    return bool(slash and domain and rest) and "kubernetes.io" not in domain and not name.startswith("requests.")
+
+
+class Kubelet:
+    """The device manager on <directory>/kubelet.sock. dial_delay_s: how long connecting back to a
+    plugin takes (a busy kubelet: the dial may take its whole 10 s); hang: resources whose Register
+    the kubelet does not answer before the caller gives up."""
+
+    def __init__(self, directory: Path, dial_delay_s: float = 0.0):
+        self.directory = directory
+        self.dial_delay_s = dial_delay_s
+        self.hang: set[str] = set()
+        self.attempts: list[pb.RegisterRequest] = []
+        self.registrations: list[pb.RegisterRequest] = []
+        self.registered_at: list[float] = []
+        self.options: dict[str, pb.DevicePluginOptions] = {}
+        self.frames: dict[str, list[list[tuple[str, str]]]] = {}
+        self.frame_times: dict[str, list[float]] = {}
+        self.devices: dict[str, dict[str, str]] = {}  # resource -> ID -> health, as the device manager holds them
+        self.numa: dict[str, dict[str, list[int]]] = {}  # resource -> ID -> its NUMA nodes (Device.topology)
+        self.streams_ended: dict[str, int] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # the connection of each resource's current plugin
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._server = None
+        self.start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._cleanup_plugin_directory()
+        self._stopping.clear()
+        kubelet = self
+
+        class Registration(rpc.RegistrationServicer):
+            def Register(self, request, context):
+                return kubelet._register(request, context)
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        rpc.add_RegistrationServicer_to_server(Registration(), self._server)
+        self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
+        self._server.start()
+
+    def release(self, resource: str) -> None:
+        """Lets the resource's hanging Register go on."""
+        with self._changed:
+            self.hang.discard(resource)
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+        with self._changed:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:  # server.go Stop: disconnectClient for every plugin
+            channel.close()
+        self._server.stop(0).wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def _cleanup_plugin_directory(self) -> None:
+        for path in self.directory.iterdir():
+            if path.name != CHECKPOINT and stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink(missing_ok=True)
+
+    # -- Registration ----------------------------------------------------------------------------
+
+    def _register(self, request: pb.RegisterRequest, context) -> pb.Empty:
+        with self._changed:
+            self.attempts.append(request)
+            self._changed.notify_all()
+        if request.version not in SUPPORTED_VERSIONS:
+            context.abort(grpc.StatusCode.UNKNOWN, f"requested device plugin API version {request.version} is not "
+                                                   f"supported by kubelet. Supported versions are {SUPPORTED_VERSIONS}")
+        if not extended_resource_name(request.resource_name):
+            context.abort(grpc.StatusCode.UNKNOWN, f"the ResourceName {request.resource_name!r} is invalid")
+        with self._changed:  # until the caller gives up, unless the test lets this resource through
+            released = self._changed.wait_for(
+                lambda: request.resource_name not in self.hang or self._stopping.is_set(), _remaining(context, 3600.0))
+        if not released or self._stopping.is_set():
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "context deadline exceeded")
+        dial_budget = min(DIAL_TIMEOUT_S, _remaining(context, DIAL_TIMEOUT_S))
+        if self.dial_delay_s >= dial_budget:
+            self._stopping.wait(dial_budget)
+            context.abort(grpc.StatusCode.UNKNOWN, "failed to dial device plugin: context deadline exceeded")
+        self._stopping.wait(self.dial_delay_s)
+        channel = grpc.insecure_channel(f"unix://{self.directory / request.endpoint}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=max(0.0, dial_budget - self.dial_delay_s))
+            options = rpc.DevicePluginStub(channel).GetDevicePluginOptions(
+                pb.Empty(), timeout=_remaining(context, None))
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            channel.close()
+            context.abort(grpc.StatusCode.UNKNOWN, f"failed to connect to the plugin: {exc!r}")
+        with self._changed:
+            old = self._channels.get(request.resource_name)
+            self._channels[request.resource_name] = channel
+            self.options[request.resource_name] = options
+            self.registrations.append(request)
+            self.registered_at.append(time.monotonic())
+            self._changed.notify_all()
+        if old is not None:
+            old.close()
+        threading.Thread(target=self._follow, args=(request.resource_name, channel), daemon=True).start()
+        return pb.Empty()
+
+    def _follow(self, resource: str, channel: grpc.Channel) -> None:
+        try:
+            for frame in rpc.DevicePluginStub(channel).ListAndWatch(pb.Empty()):
+                with self._changed:
+                    self.frames.setdefault(resource, []).append([(d.ID, d.health) for d in frame.devices])
+                    self.frame_times.setdefault(resource, []).append(time.monotonic())
+                    self.devices[resource] = {d.ID: d.health for d in frame.devices}
+                    self.numa[resource] = {d.ID: [n.ID for n in d.topology.nodes] for d in frame.devices}
+                    self._changed.notify_all()
+        except (grpc.RpcError, ValueError):  # the plugin went away, or the kubelet closed the connection
+            pass
+        with self._changed:
+            self.streams_ended[resource] = self.streams_ended.get(resource, 0) + 1
+            if self._channels.get(resource) is channel or self._stopping.is_set():
+                self.devices[resource] = dict.fromkeys(self.devices.get(resource, {}), UNHEALTHY)
+            self._changed.notify_all()
+
+    # -- what tests ask --------------------------------------------------------------------------
+
+    def allocate(self, resource: str, ids: list[str], timeout: float = 5.0) -> pb.ContainerAllocateResponse:
+        answer = self._stub(resource).Allocate(pb.AllocateRequest(container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=timeout)
+        if not answer.container_responses:
+            raise AssertionError(f"no containers return in allocation response {answer}")
+        return answer.container_responses[0]
+
+    def preferred(self, resource: str, available: list[str], size: int, must_include: list[str] = (),
+                  timeout: float = 5.0) -> list[str]:
+        answer = self._stub(resource).GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size,
+                                                   must_include_deviceIDs=list(must_include))]), timeout=timeout)
+        return list(answer.container_responses[0].deviceIDs)
+
+    def _stub(self, resource: str) -> rpc.DevicePluginStub:
+        with self._changed:
+            return rpc.DevicePluginStub(self._channels[resource])
+
+    def wait(self, predicate, timeout: float = 10.0, what: str = "condition"):
+        with self._changed:
+            if not self._changed.wait_for(predicate, timeout):
+                raise AssertionError(f"kubelet stand-in: timed out waiting for {what}; registrations "
+                                     f"{[r.resource_name for r in self.registrations]}, last frames "
+                                     f"{ {k: v[-1][:3] for k, v in self.frames.items()} }")
+            return predicate()
+
+    def last_frame(self, resource: str) -> list[tuple[str, str]] | None:
+        frames = self.frames.get(resource)
+        return frames[-1] if frames else None
+
+    def frame_where(self, resource: str, wanted, timeout: float = 10.0, what: str = "a frame"):
+        return self.wait(lambda: (f := self.last_frame(resource)) is not None and wanted(f) and f, timeout, what)
+
+    def registered(self, resource: str) -> int:
+        return sum(r.resource_name == resource for r in self.registrations)
+
+    def healthy(self, resource: str) -> list[str]:
+        return sorted(i for i, health in self.devices.get(resource, {}).items() if health == HEALTHY)
+
+
+NO_DEADLINE_S = 1e9  # grpc's server reports "no deadline" as a remaining time of centuries, not None
+
+
+def _remaining(context, default: float | None) -> float | None:
+    """The caller's time left; `default` when it set no deadline (NVIDIA's plugin registers without one)."""
+    remaining = context.time_remaining()
+    return default if remaining is None or remaining > NO_DEADLINE_S else max(0.0, remaining)
