@@ -311,7 +311,8 @@ def test_mixed_layout_labels():
     assert labels_of(labels, "nvidia.com/mig-1g.5gb") == {
         "nvidia.com/mig-1g.5gb.count": "14", "nvidia.com/mig-1g.5gb.memory": "4864",
         "nvidia.com/mig-1g.5gb.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED",
-        "nvidia.com/mig-1g.5gb.replicas": "3", "nvidia.com/mig-1g.5gb.sharing-strategy": "time-slicing"}
+        "nvidia.com/mig-1g.5gb.replicas": "3", "nvidia.com/mig-1g.5gb.sharing-strategy": "time-slicing",
+        "nvidia.com/mig-1g.5gb.multiprocessors": "14"}
     assert labels["nvidia.com/mig-1g.5gb.me.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb.me"
     assert labels["nvidia.com/mig-1g.5gb.me.sharing-strategy"] == "none"
     assert (labels["nvidia.com/mig-3g.20gb.count"], labels["nvidia.com/mig-3g.20gb.replicas"]) == ("3", "2")

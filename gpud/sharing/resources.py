@@ -270,6 +270,11 @@ def _resource_labels(assignments: _Assignments, gpus: tuple[Gpu, ...], strategy:
     gpu_pairs = assignments.get(GPU_RESOURCE, [])
     if gpu_pairs and gpu_pairs[0][0].mig:  # migStrategy single: the MIG devices are the GPUs
         labels = _labels_for(GPU_RESOURCE, len(gpu_pairs), gpu_pairs[0][0], gpu_pairs, strategy)
+    elif all(_mig_enabled(gpu) for gpu in gpus):
+        # GFD labels MIG-enabled GPUs without sharing, replicas 0 (mig-strategy.go newGPULabelers,
+        # NewGPUResourceLabelerWithoutSharing; resource.go getReplicas)
+        labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), [], strategy) | {
+            f"{GPU_RESOURCE}.replicas": "0"}
     else:  # GFD counts every physical GPU, and describes GPU 0
         labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), gpu_pairs, strategy)
     for name, pairs in assignments.items():
@@ -290,7 +295,19 @@ def _labels_for(name: str, count: int, described: _Device, pairs: list[tuple[_De
               f"{name}.sharing-strategy": strategy if replicas > 1 else "none"}
     if described.memory_mib:  # GFD leaves the label out when the memory is unknown
         labels[f"{name}.memory"] = str(described.memory_mib)
+    if described.mig:
+        labels |= _mig_attribute_labels(name, described.mig)
     return labels
+
+
+def _mig_attribute_labels(name: str, mig: MigDevice) -> dict[str, str]:
+    """GFD's labels of a MIG device's attributes (k8s-device-plugin internal/resource/nvml-mig-device.go
+    GetAttributes, from nvmlDeviceGetAttributes), beside its memory."""
+    engines = mig.engines
+    return {f"{name}.{suffix}": str(value) for suffix, value in (
+        ("multiprocessors", mig.sm_count), ("slices.gi", mig.gi_slices), ("slices.ci", mig.ci_slices),
+        ("engines.copy", engines.copy), ("engines.decoder", engines.decoder), ("engines.encoder", engines.encoder),
+        ("engines.jpeg", engines.jpeg), ("engines.ofa", engines.ofa))}
 
 
 def _invalid_single_labels(gpus: tuple[Gpu, ...]) -> dict[str, str]:
