@@ -241,7 +241,7 @@ def test_rtx_2080_ti_with_six_replicas():
         "nvidia.com/gpu.count": "1", "nvidia.com/gpu.memory": "11264",
         "nvidia.com/gpu.product": "NVIDIA-GeForce-RTX-2080-Ti-SHARED", "nvidia.com/gpu.replicas": "6",
         "nvidia.com/gpu.sharing-strategy": "time-slicing", "nvidia.com/mig.capable": "false",
-        "nvidia.com/mig.strategy": "none", "nvidia.com/mps.capable": "false"}
+        "nvidia.com/mps.capable": "false"}  # no mig.strategy under none, as GFD
     assert list(document["labels"]) == sorted(document["labels"])
 
 

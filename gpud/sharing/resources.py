@@ -259,9 +259,11 @@ def _device_entries(device: _Device, replicas: int, unhealthy: frozenset[str]) -
 
 
 def _node_labels(config: SharingConfig, gpus: tuple[Gpu, ...]) -> dict[str, str]:
-    return {"nvidia.com/mig.capable": _flag(any(gpu.mig.capable for gpu in gpus)),
-            "nvidia.com/mig.strategy": config.mig_strategy,
-            "nvidia.com/mps.capable": _flag(config.strategy == "mps")}
+    labels = {"nvidia.com/mig.capable": _flag(any(gpu.mig.capable for gpu in gpus)),
+              "nvidia.com/mps.capable": _flag(config.strategy == "mps")}
+    if config.mig_strategy != "none":  # GFD labels the strategy only with its MIG labeler (mig-strategy.go)
+        labels["nvidia.com/mig.strategy"] = config.mig_strategy
+    return labels
 
 
 def _resource_labels(assignments: _Assignments, gpus: tuple[Gpu, ...], strategy: str) -> dict[str, str]:
