@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
+from helpers import REPO, GpudProcess, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.cli import build_parser
@@ -22,7 +23,8 @@ from gpud.config import SYSTEM_RUNTIME_DIR, ConfigError, MigHooksConfig, parse_c
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
 from gpud.events import EventBus
 from gpud.inventory import Inventory
-from gpud.nfd.labels import GPU_HEALTH, HEADER, MIG_CONFIG_STATE, NFD_MAX_FILE_BYTES, feature_file, node_labels
+from gpud.nfd.labels import (GPU_HEALTH, HEADER, MIG_CONFIG_STATE, NFD_MAX_FILE_BYTES, feature_file, machine_type,
+                             node_labels)
 from gpud.nfd.writer import NfdWriter
 
 MIXED = """version: v1
@@ -432,3 +434,115 @@ def test_a_gpu_counts_as_healthy_only_with_all_its_mig_devices():
     labels = node_labels(NO_GPUS, "unknown", {"labels": {"nvidia.com/gpu.count": "4"}},
                          {"layout": None, "state": "success"}, health)
     assert labels == {"nvidia.com/gpu.count": "4", "nvidia.com/gpu.health": "unhealthy", "nvidia.com/gpu.healthy": "2"}
+
+
+# -- expiry: a gpud that stops keeping the file current stops labelling the node ----------------------
+
+
+def expiry_of(text: str) -> datetime:
+    (line,) = [line for line in text.splitlines() if line.startswith("# +expiry-time=")]
+    return datetime.fromisoformat(line.split("=", 1)[1].replace("Z", "+00:00"))
+
+
+async def test_every_label_expires_one_period_after_the_write(short_tmp):
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.health": "healthy"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    await writer.write_if_changed()
+    text, view = path.read_text(), writer.view()
+    # one directive, before every label: it governs the lines after it (local.go parseFeatureFile)
+    lines = text.splitlines()
+    directive = next(n for n, line in enumerate(lines) if line.startswith("# +expiry-time="))
+    assert all(line.startswith("#") for line in lines[:directive])
+    expires = expiry_of(text)
+    assert view["expires_at"] == expires.timestamp() and 599 <= expires.timestamp() - view["written_at"] <= 600
+    # NFD's rule: a line counts while its expiry is not Before(now)
+    assert parse_feature_text(text, now=expires) == labels
+    assert parse_feature_text(text, now=expires + timedelta(seconds=1)) == {}
+    assert nfd_labels(path) == labels  # today
+
+
+async def test_the_file_is_rewritten_before_it_expires(short_tmp):
+    """With nothing changing, the writer rewrites the file at half the period: the labels never lapse."""
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.count": "8"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=4)
+    task = asyncio.create_task(writer.run())
+    try:
+        first = await until_async(lambda: path.exists() and path.read_text(), what="the first write")
+        first_expiry = expiry_of(first)
+        second = await until_async(lambda: expiry_of(path.read_text()) > first_expiry and path.read_text(),
+                                   timeout=5.0, what="a rewrite with a later expiry")
+        assert datetime.now(timezone.utc) < first_expiry, "the labels lapsed before the rewrite"
+        assert parse_feature_text(second) == labels
+        assert [p.name for p in path.parent.iterdir()] == ["gpud"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_changed_label_is_written_at_once_with_a_fresh_expiry(short_tmp):
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.health": "healthy"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    await writer.write_if_changed()
+    inode = path.stat().st_ino
+    await writer.write_if_changed()  # nothing changed, the refresh not due: no write
+    assert path.stat().st_ino == inode
+    labels = {"nvidia.com/gpu.health": "unhealthy"}
+    await writer.write_if_changed()
+    assert path.stat().st_ino != inode and nfd_labels(path) == labels
+    assert writer.view()["labels"] == labels
+
+
+@pytest.mark.slow
+def test_a_killed_gpud_leaves_labels_that_expire(short_tmp):
+    """gpud killed outright (no chance to clean up): its file stays, and NFD drops every label of it
+    once nfd.expiry_s has passed since its last write."""
+    path = short_tmp / "nfd" / "gpud"
+    (short_tmp / "gpud.yaml").write_text(f"nfd:\n  features_file: {path}\n  expiry_s: 10\n")
+    gpud = GpudProcess(short_tmp, "--simulate", "t4", "--config", str(short_tmp / "gpud.yaml"))
+    try:
+        gpud.wait_for(lambda: path.exists() and "nvidia.com/gpu.health" in nfd_labels(path), what="the NFD file")
+        killed_at = datetime.now(timezone.utc)
+    finally:
+        gpud.stop(signal.SIGKILL)
+    text = path.read_text()
+    assert parse_feature_text(text)["nvidia.com/gpu.count"] == "1"  # still published right after
+    assert expiry_of(text) <= killed_at + timedelta(seconds=10)
+    assert parse_feature_text(text, now=killed_at + timedelta(seconds=11)) == {}  # and gone 10 s on
+
+
+def test_the_expiry_setting():
+    assert parse_config("").nfd.expiry_s == 600 and parse_config("").nfd.sysfs == "/sys"
+    assert parse_config("nfd:\n  expiry_s: 30\n  sysfs: /host/sys\n").nfd.expiry_s == 30
+
+
+@pytest.mark.parametrize("text, key", [
+    ("nfd:\n  expiry_s: 5\n", "nfd.expiry_s"),  # shorter than 10 s: a rewrite every few seconds for nothing
+    ("nfd:\n  expiry_s: 100000\n", "nfd.expiry_s"),
+    ("nfd:\n  expiry_s: soon\n", "nfd.expiry_s"),
+    ("nfd:\n  sysfs: 3\n", "nfd.sysfs"),
+])
+def test_a_bad_expiry_or_sysfs_is_refused(text, key):
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text)
+    assert raised.value.key == key
+
+
+# -- gpu.machine ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("product_name, label", [
+    (b"DGXA100 920-23687-2530-000 (rev. 1)\n", "DGXA100-920-23687-2530-000-rev.-1"),
+    (b"  PowerEdge   XE9680\n", "PowerEdge-XE9680"),
+    (b"To Be Filled By O.E.M.\n", "To-Be-Filled-By-O.E.M."),
+    (b"Caf\xc3\xa9 \xff box\n", "Caf-box"),  # not ASCII: GFD's sanitise keeps only [A-Za-z0-9-_. ]
+    (b"\n", ""),
+])
+def test_the_machine_is_the_dmi_product_name_as_gfd_sanitises_it(short_tmp, product_name, label):
+    assert machine_type(dmi_sysfs(short_tmp / "sys", product_name)) == label
+
+
+def test_without_dmi_the_machine_is_unknown(short_tmp):
+    assert machine_type(short_tmp / "no-sys") == "unknown"  # as GFD's machine-type.go says

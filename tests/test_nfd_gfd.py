@@ -1,0 +1,291 @@
+"""gpud's NFD labels measured against the real things: NVIDIA's GPU feature discovery (GFD) on NVIDIA's
+mock NVML for names and values, and Kubernetes' own label rules for every label of every simulated
+preset and every mock node.
+
+GFD (../shared/nvidia-device-plugin/bin/gpu-feature-discovery) and gpud's real NVML backend both run on
+the mock (../shared/nvidia-mock-nvml), so they read the same node; every label gpud writes under one of
+GFD's names must carry GFD's value, and every GFD label gpud leaves out is one GFD_LABELS_NOT_WRITTEN
+names with its reason (docs/kubernetes.md lists the same)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import (IN_CI, REPO, GpudProcess, mig_settled, put_layout, sharing_config, stand_in_nodes, start_daemon,
+                     stop_daemon, until_async)
+from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
+
+from gpud.nvml.sim.presets import PRESETS
+
+SHARED = REPO.parent / "shared"
+GFD = SHARED / "nvidia-device-plugin" / "bin" / "gpu-feature-discovery"
+MOCK_SOURCE = SHARED / "nvidia-mock-nvml"
+MOCK_CONFIGS = MOCK_SOURCE / "src" / "pkg" / "gpu" / "mocknvml" / "configs"
+# Built once per machine (the build script does nothing when it is there), under a lock: tests run in
+# parallel processes.
+MOCK_BUILD = Path("/tmp/gpud-tests-mock-nvml")
+GPUD_OWN_LABELS = {"nvidia.com/mig.config", "nvidia.com/mig.config.state", "nvidia.com/gpu.health",
+                   "nvidia.com/gpu.healthy"}
+
+# GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
+GFD_LABELS_NOT_WRITTEN = {
+    "nvidia.com/gpu.mode": "the PCI class of the GPUs (graphics or compute) from sysfs: gpud does not read it",
+    "nvidia.com/vgpu.present": "vGPU host support (NVML's vGPU calls): gpud manages bare-metal GPUs only",
+    "nvidia.com/gpu.clique": "the NVLink fabric clique (nvmlDeviceGetGpuFabricInfo): gpud does not read fabric info",
+    "nvidia.com/gfd.timestamp": "GFD's own liveness mark; gpud's labels expire instead (# +expiry-time)",
+}
+
+
+# -- Kubernetes' rules for a label, as nfd-master applies them ----------------------------------------
+# kubernetes-sigs/node-feature-discovery pkg/apis/nfd/nodefeaturerule/validate/validate.go Label():
+# k8svalidation.IsQualifiedName(key), a non-empty namespace outside kubernetes.io, and
+# IsValidLabelValue(value); k8s.io/apimachinery pkg/util/validation/validation.go gives the formats.
+
+QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")  # qualifiedNameFmt
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")  # labelValueFmt
+
+
+def kubernetes_refuses(key: str, value: str) -> str | None:
+    parts = key.split("/")
+    if len(parts) != 2:
+        return "no namespace (NFD's validate.Label: unprefixed keys are not allowed)" if len(parts) == 1 \
+            else "more than one '/'"
+    namespace, name = parts
+    if not namespace or len(namespace) > 253 or not DNS1123_SUBDOMAIN.fullmatch(namespace):
+        return f"namespace {namespace!r} is not a DNS-1123 subdomain of at most 253 characters"
+    if namespace == "kubernetes.io" or namespace.endswith(".kubernetes.io"):
+        return "a kubernetes.io namespace"
+    if not name or len(name) > 63 or not QUALIFIED_NAME.fullmatch(name):
+        return f"name {name!r} is not a qualified name of at most 63 characters"
+    if len(value) > 63 or not LABEL_VALUE.fullmatch(value):
+        return f"value {value!r} is not a label value of at most 63 characters"
+    return None
+
+
+def invalid_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {f"{key}={value}": problem for key, value in labels.items() if (problem := kubernetes_refuses(key, value))}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gpu.count", "8"), ("nvidia.com/a/b", "1"), ("NVIDIA.com/gpu.count", "8"), ("kubernetes.io/arch", "x"),
+    ("nvidia.com/" + "n" * 64, "1"), ("nvidia.com/-gpu", "1"), ("nvidia.com/gpu.count", "v" * 64),
+    ("nvidia.com/gpu.product", "NVIDIA A100"), ("nvidia.com/gpu.product", "x-"), ("nvidia.com/x", "a+b"),
+])
+def test_the_rules_here_refuse_what_kubernetes_refuses(key, value):
+    assert kubernetes_refuses(key, value)
+
+
+def test_the_rules_here_accept_what_kubernetes_accepts():
+    for key, value in {"nvidia.com/gpu.count": "8", "nvidia.com/cuda.driver.rev": "",
+                       "nvidia.com/mig-1g.5gb.me.engines.ofa": "1", "nvidia.com/" + "n" * 63: "v" * 63,
+                       "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000-rev.-1"}.items():
+        assert kubernetes_refuses(key, value) is None, key
+
+
+# -- every simulated preset ---------------------------------------------------------------------------
+
+MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
+SINGLE = "version: v1\nflags:\n  migStrategy: single\n"
+
+
+async def file_labels(node, layout: str | None = None, timeout: float = 5.0) -> dict[str, str]:
+    """The labels of gpud's NFD file once it holds the MIG layout applied (if any) and no write is
+    pending (the writer's view matches the file)."""
+    path = node.daemon.nfd.path
+
+    async def current():
+        if not path.exists():
+            return None
+        _, view = await node.get("/v1/nfd")
+        labels = nfd_labels(path)
+        applied = layout is None or (labels.get("nvidia.com/mig.config"), labels.get("nvidia.com/mig.config.state")) \
+            == (layout, "success")
+        return labels if applied and view["labels"] == labels and view["error"] is None else None
+    return await until_async(current, timeout=timeout, what=f"the NFD file with layout {layout}")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+async def test_every_label_of_every_preset_is_valid_for_kubernetes(short_tmp, preset):
+    """MIG off, then (on MIG-capable GPUs) a layout of several profiles under the mixed strategy: every
+    label, the per-profile ones included, passes Kubernetes' rules, and none is left out as invalid."""
+    sysfs = dmi_sysfs(short_tmp / "sys", b"ProLiant DL380a Gen11 (P57871-B21)\n")
+    node = await start_daemon(sharing_config(short_tmp, preset, MIXED).with_overrides(**{"nfd.sysfs": str(sysfs)}))
+    try:
+        await mig_settled(node)
+        seen = [await file_labels(node)]
+        if seen[0]["nvidia.com/mig.capable"] == "true":
+            status, result = await put_layout(node, "all-balanced")
+            assert status == 200 and result["state"] == "success", result
+            seen.append(await file_labels(node, "all-balanced"))
+            assert any(name.endswith(".engines.copy") and name.startswith("nvidia.com/mig-") for name in seen[1])
+        for labels in seen:
+            assert labels["nvidia.com/gpu.machine"] == "ProLiant-DL380a-Gen11-P57871-B21"
+            assert invalid_labels(labels) == {}
+        _, view = await node.get("/v1/nfd")
+        assert view["dropped"] == []
+    finally:
+        await stop_daemon(node)
+
+
+# NVIDIA's MIG user guide, "Supported MIG Profiles", A100-SXM4-40GB: SMs, copy engines, NVDECs, NVJPG, OFA
+# per GPU instance (https://docs.nvidia.com/datacenter/tesla/mig-user-guide/).
+A100_40GB_PROFILES = {"1g.5gb": (14, 1, 0, 0, 0), "2g.10gb": (28, 2, 1, 0, 0), "3g.20gb": (42, 3, 2, 0, 0),
+                      "7g.40gb": (98, 7, 5, 1, 1)}
+
+
+def attribute_labels(resource: str, profile: str) -> dict[str, str]:
+    sms, copy, decoders, jpeg, ofa = A100_40GB_PROFILES[profile]
+    slices = profile.split("g.")[0]
+    return {f"{resource}.multiprocessors": str(sms), f"{resource}.slices.gi": slices,
+            f"{resource}.slices.ci": slices, f"{resource}.engines.copy": str(copy),
+            f"{resource}.engines.decoder": str(decoders), f"{resource}.engines.encoder": "0",
+            f"{resource}.engines.jpeg": str(jpeg), f"{resource}.engines.ofa": str(ofa)}
+
+
+async def test_mixed_strategy_labels_each_mig_profile_as_gfd_does(short_tmp):
+    """mig-strategy.go newMigStrategyMixedLabeler: one resource per profile, each with its count, product,
+    memory and the MIG device's attributes; the GPUs, all MIG-enabled, keep their own labels with
+    replicas 0 (labelled without sharing)."""
+    node = await start_daemon(sharing_config(short_tmp, "dgx-a100", MIXED))
+    try:
+        await mig_settled(node)
+        status, _ = await put_layout(node, "all-balanced")
+        assert status == 200
+        labels = await file_labels(node, "all-balanced")
+        for profile, count, memory in (("1g.5gb", 16, 4864), ("2g.10gb", 8, 9856), ("3g.20gb", 8, 19968)):
+            resource = f"nvidia.com/mig-{profile}"
+            assert {key: value for key, value in labels.items() if key.startswith(resource + ".")} == {
+                f"{resource}.count": str(count), f"{resource}.memory": str(memory),
+                f"{resource}.product": f"NVIDIA-A100-SXM4-40GB-MIG-{profile}", f"{resource}.replicas": "1",
+                f"{resource}.sharing-strategy": "none", **attribute_labels(resource, profile)}
+        assert (labels["nvidia.com/gpu.count"], labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.family"]) \
+            == ("8", "0", "ampere")
+        assert "nvidia.com/gpu.multiprocessors" not in labels  # GFD gives whole GPUs no attributes
+    finally:
+        await stop_daemon(node)
+
+
+async def test_single_strategy_labels_the_mig_devices_as_the_gpus(short_tmp):
+    """mig-strategy.go newMigStrategySingleLabeler: one profile on every GPU is nvidia.com/gpu, with the
+    MIG device's product, memory and attributes; the architecture labels stay the GPUs'."""
+    node = await start_daemon(sharing_config(short_tmp, "dgx-a100", SINGLE))
+    try:
+        await mig_settled(node)
+        status, _ = await put_layout(node, "all-1g.5gb")
+        assert status == 200
+        labels = await file_labels(node, "all-1g.5gb")
+        assert {key: value for key, value in labels.items() if key.startswith("nvidia.com/gpu.")
+                and key not in GPUD_OWN_LABELS} == {
+            "nvidia.com/gpu.count": "56", "nvidia.com/gpu.memory": "4864", "nvidia.com/gpu.replicas": "1",
+            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/gpu.sharing-strategy": "none",
+            "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.compute.major": "8",
+            "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.machine": labels["nvidia.com/gpu.machine"],
+            **attribute_labels("nvidia.com/gpu", "1g.5gb")}
+        assert not any(key.startswith("nvidia.com/mig-") for key in labels)
+
+        status, _ = await put_layout(node, "all-balanced")  # several profiles: GFD's MIG-INVALID labels
+        assert status == 200
+        labels = await file_labels(node, "all-balanced")
+        assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-INVALID"
+        assert "nvidia.com/gpu.multiprocessors" not in labels and invalid_labels(labels) == {}
+    finally:
+        await stop_daemon(node)
+
+
+# -- against GFD on NVIDIA's mock NVML -----------------------------------------------------------------
+
+
+def need_the_reference() -> None:
+    """GFD, the mock's source, root (device nodes, a mount namespace) and unshare; CI has them all."""
+    missing = [str(path) for path in (GFD, MOCK_SOURCE / "build") if not path.exists()]
+    if os.geteuid() != 0:
+        missing.append("root (mknod, mount namespaces)")
+    if shutil.which("unshare") is None:
+        missing.append("unshare (util-linux)")
+    if missing:
+        if IN_CI:
+            pytest.fail(f"CI has ../shared and runs as root, but here is no {', '.join(missing)}")
+        pytest.skip(f"needs {', '.join(missing)}")
+
+
+@pytest.fixture(scope="module")
+def mock_nvml() -> Path:
+    need_the_reference()
+    with open("/tmp/gpud-tests-mock-nvml.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = subprocess.run([str(MOCK_SOURCE / "build"), str(MOCK_BUILD)], capture_output=True, text=True,
+                               timeout=900)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return MOCK_BUILD
+
+
+def mock_env(mock: Path, config: str) -> dict[str, str]:
+    return {"LD_LIBRARY_PATH": str(mock), "MOCK_NVML_CONFIG": str(MOCK_CONFIGS / f"mock-nvml-config-{config}.yaml")}
+
+
+def run_gfd(tmp: Path, mock: Path, config: str, gpus: int, strategy: str, machine_file: Path) -> dict[str, str]:
+    """GFD once, on the mock, with stand-in device nodes over /dev in a private mount namespace."""
+    dev = stand_in_nodes(tmp / "gfd-root", gpus) / "dev"
+    os.mknod(dev / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    output = tmp / "gfd-labels"
+    command = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /dev && exec "$@"', str(dev), str(GFD),
+               "--oneshot", "--use-node-feature-api=false", "--no-timestamp", f"--mig-strategy={strategy}",
+               f"--machine-type-file={machine_file}", f"--output-file={output}"]
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **mock_env(mock, config)})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return parse_feature_text(output.read_text())
+
+
+def run_gpud(tmp: Path, mock: Path, config: str, strategy: str, sysfs: Path) -> tuple[dict[str, str], int]:
+    """gpud's real NVML backend on the mock: the labels of its NFD file, and how many GPUs it has."""
+    path = tmp / "features.d" / "gpud"
+    (tmp / "sharing.yaml").write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
+    (tmp / "gpud.yaml").write_text(f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
+                                   f"nfd:\n  features_file: {path}\n  sysfs: {sysfs}\n")
+    gpud = GpudProcess(tmp, "--config", str(tmp / "gpud.yaml"), env=mock_env(mock, config))
+    try:
+        labels = gpud.wait_for(lambda: path.exists() and "nvidia.com/gpu.health" in (found := nfd_labels(path))
+                               and found, what="gpud's NFD file")
+        gpus = len(gpud.client.get("/v1/gpus")["gpus"])
+    finally:
+        assert gpud.stop() == 0, gpud.log_text()[-3000:]
+    return labels, gpus
+
+
+MOCK_NODES = sorted(path.name.removeprefix("mock-nvml-config-").removesuffix(".yaml")
+                    for path in MOCK_CONFIGS.glob("mock-nvml-config-*.yaml")) or ["a100"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", MOCK_NODES)
+@pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
+def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, config, strategy):
+    sysfs = dmi_sysfs(short_tmp / "sys", b"NVIDIA DGX H100 (rev. 2)\n")
+    ours, gpus = run_gpud(short_tmp, mock_nvml, config, strategy, sysfs)
+    gfd = run_gfd(short_tmp, mock_nvml, config, gpus, strategy, sysfs / "class" / "dmi" / "id" / "product_name")
+
+    assert gfd["nvidia.com/gpu.count"] == str(gpus)  # GFD read the same node
+    shared = set(ours) & set(gfd)
+    assert {name: ours[name] for name in shared} == {name: gfd[name] for name in shared}
+    assert set(ours) - set(gfd) <= GPUD_OWN_LABELS, "labels gpud writes under names GFD does not use"
+    assert set(gfd) - set(ours) <= set(GFD_LABELS_NOT_WRITTEN), "GFD labels gpud leaves out without a reason"
+    assert invalid_labels(ours) == {}
+    # what gpud must write wherever GFD does, on every node
+    assert {"nvidia.com/gpu.machine", "nvidia.com/gpu.family", "nvidia.com/gpu.compute.major",
+            "nvidia.com/cuda.driver-version.full", "nvidia.com/cuda.runtime-version.full",
+            "nvidia.com/gpu.product", "nvidia.com/mig.capable"} <= shared
+
+
+def test_the_docs_list_the_gfd_labels_gpud_does_not_write():
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    for name in GFD_LABELS_NOT_WRITTEN:
+        assert f"`{name}`" in docs, name
