@@ -15,14 +15,18 @@ import re
 import shutil
 import stat
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from helpers import (IN_CI, REPO, GpudProcess, mig_settled, put_layout, sharing_config, stand_in_nodes, start_daemon,
                      stop_daemon, until_async)
 from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
+from test_sharing import gpu, node
 
+from gpud.nfd.labels import gfd_node_labels
 from gpud.nvml.sim.presets import PRESETS
+from gpud.sharing.resources import compute_sharing
 
 SHARED = REPO.parent / "shared"
 GFD = SHARED / "nvidia-device-plugin" / "bin" / "gpu-feature-discovery"
@@ -88,6 +92,62 @@ def test_the_rules_here_accept_what_kubernetes_accepts():
                        "nvidia.com/mig-1g.5gb.me.engines.ofa": "1", "nvidia.com/" + "n" * 63: "v" * 63,
                        "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000-rev.-1"}.items():
         assert kubernetes_refuses(key, value) is None, key
+
+
+# -- GFD's node labels from an inventory, bad input included -------------------------------------------
+
+
+def test_the_driver_and_cuda_versions_are_split_as_gfd_splits_them():
+    labels = gfd_node_labels(node(gpu(0)), "m")
+    assert {key: value for key, value in labels.items() if key.startswith("nvidia.com/cuda.")} == {
+        "nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver.minor": "54", "nvidia.com/cuda.driver.rev": "15",
+        "nvidia.com/cuda.driver-version.major": "550", "nvidia.com/cuda.driver-version.minor": "54",
+        "nvidia.com/cuda.driver-version.revision": "15", "nvidia.com/cuda.driver-version.full": "550.54.15",
+        "nvidia.com/cuda.runtime.major": "12", "nvidia.com/cuda.runtime.minor": "4",
+        "nvidia.com/cuda.runtime-version.major": "12", "nvidia.com/cuda.runtime-version.minor": "4",
+        "nvidia.com/cuda.runtime-version.full": "12.4"}
+    two_part = gfd_node_labels(replace(node(gpu(0)), driver_version="550.120"), "m")
+    assert (two_part["nvidia.com/cuda.driver.rev"], two_part["nvidia.com/cuda.driver-version.revision"]) == ("", "")
+
+
+@pytest.mark.parametrize("driver, cuda", [("550", "12.4"), ("1.2.3.4", "12.4"), ("", "12.4"),
+                                          ("550.54.15", "unknown"), ("550.54.15", "12"), ("550.54.15", "12.x")])
+def test_versions_gfd_could_not_read_give_no_labels(driver, cuda):
+    """GFD refuses a driver version that is not X.Y[.Z] (nvml.go newVersionLabeler): no driver labels
+    then, nor CUDA labels for a CUDA version that is not major.minor; the rest stays."""
+    labels = gfd_node_labels(replace(node(gpu(0)), driver_version=driver, cuda_version=cuda), "m")
+    assert labels["nvidia.com/gpu.family"] == "ampere" and invalid_labels(labels) == {}
+    assert ("nvidia.com/cuda.driver.major" in labels) == (driver == "550.54.15")
+    assert ("nvidia.com/cuda.runtime.major" in labels) == (cuda == "12.4")
+
+
+@pytest.mark.parametrize("capability, family", [
+    ("3.7", "kepler"), ("6.0", "pascal"), ("7.0", "volta"), ("7.5", "turing"), ("8.0", "ampere"), ("8.6", "ampere"),
+    ("8.9", "ada-lovelace"), ("9.0", "hopper"), ("10.0", "blackwell"), ("12.0", "blackwell"), ("11.0", "undefined"),
+])
+def test_the_family_is_gfds_name_for_the_compute_capability(capability, family):
+    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m")
+    major, minor = capability.split(".")
+    assert (labels["nvidia.com/gpu.family"], labels["nvidia.com/gpu.compute.major"],
+            labels["nvidia.com/gpu.compute.minor"]) == (family, major, minor)
+
+
+@pytest.mark.parametrize("capability", ["0.0", "unknown", "", "8", "a.b"])
+def test_an_unknown_compute_capability_gives_no_architecture_labels(capability):
+    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m")
+    assert not {"nvidia.com/gpu.family", "nvidia.com/gpu.compute.major", "nvidia.com/gpu.compute.minor"} & set(labels)
+    assert labels["nvidia.com/gpu.machine"] == "m"
+
+
+def test_a_lost_gpu_is_not_the_one_described_and_no_gpus_give_no_labels():
+    assert gfd_node_labels(node(gpu(0, cc="7.0", lost=True), gpu(1, cc="9.0")), "m")["nvidia.com/gpu.family"] == "hopper"
+    assert gfd_node_labels(node(), "m") == {}  # GFD labels nothing on a node without GPUs
+    assert gfd_node_labels(node(gpu(0, lost=True)), "m") == {}
+
+
+def test_the_product_is_sanitised_as_gfd_sanitises_it():
+    labels = compute_sharing(None, node(gpu(0, name="NVIDIA  RTX (beta) 6000+")))["labels"]
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-RTX-beta-6000" and invalid_labels(labels) == {}
 
 
 # -- every simulated preset ---------------------------------------------------------------------------

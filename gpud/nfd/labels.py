@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gpud.inventory import Gpu, Inventory
+from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.
 NFD_MAX_FILE_BYTES = 65536
@@ -78,12 +79,6 @@ def machine_type(sysfs: Path) -> str:
     except OSError:  # no DMI (some VMs, ARM boards): GFD labels it unknown too
         return MACHINE_UNKNOWN
     return gfd_sanitised(name)
-
-
-def gfd_sanitised(text: str) -> str:
-    """resource.go sanitise: characters other than letters, digits, '-', '_', '.' and space removed,
-    then the words joined by '-'."""
-    return "-".join(re.sub(r"[^A-Za-z0-9\-_. ]", "", text).split())
 
 
 def gfd_node_labels(inventory: Inventory, machine: str) -> dict[str, str]:

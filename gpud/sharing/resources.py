@@ -9,6 +9,7 @@ feature discovery (GFD) writes for the same node.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gpud.inventory import Gpu, Inventory, MigDevice
@@ -47,8 +48,8 @@ class _Device:
 
     @property
     def product(self) -> str:
-        """GFD's product label: the model name with spaces as dashes; MIG devices add -MIG-<profile>."""
-        model = self.gpu.name.replace(" ", "-")
+        """GFD's product label: the model name sanitised; MIG devices add -MIG-<profile>."""
+        model = gfd_sanitised(self.gpu.name)
         return f"{model}-MIG-{_profile_for_names(self.mig.profile)}" if self.mig else model
 
     def matches(self, selector: str) -> bool:
@@ -310,6 +311,13 @@ def _mig_attribute_labels(name: str, mig: MigDevice) -> dict[str, str]:
         ("multiprocessors", mig.sm_count), ("slices.gi", mig.gi_slices), ("slices.ci", mig.ci_slices),
         ("engines.copy", engines.copy), ("engines.decoder", engines.decoder), ("engines.encoder", engines.encoder),
         ("engines.jpeg", engines.jpeg), ("engines.ofa", engines.ofa))}
+
+
+def gfd_sanitised(text: str) -> str:
+    """GFD's names in label values (k8s-device-plugin internal/lm/resource.go sanitise, used for the
+    product and the machine): characters other than letters, digits, '-', '_', '.' and space removed,
+    then the words joined by '-'."""
+    return "-".join(re.sub(r"[^A-Za-z0-9\-_. ]", "", text).split())
 
 
 def _invalid_single_labels(gpus: tuple[Gpu, ...]) -> dict[str, str]:
