@@ -478,7 +478,7 @@ async def test_the_file_is_rewritten_before_it_expires(short_tmp):
         assert [p.name for p in path.parent.iterdir()] == ["gpud"]
     finally:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
 
 
 async def test_a_changed_label_is_written_at_once_with_a_fresh_expiry(short_tmp):

@@ -254,7 +254,10 @@ async def test_single_strategy_labels_the_mig_devices_as_the_gpus(short_tmp):
         status, _ = await put_layout(node, "all-balanced")  # several profiles: GFD's MIG-INVALID labels
         assert status == 200
         labels = await file_labels(node, "all-balanced")
-        assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-INVALID"
+        assert {key: labels[key] for key in ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/gpu.replicas",
+                                             "nvidia.com/gpu.memory", "nvidia.com/gpu.sharing-strategy")} == {
+            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-INVALID", "nvidia.com/gpu.count": "0",
+            "nvidia.com/gpu.replicas": "0", "nvidia.com/gpu.memory": "0", "nvidia.com/gpu.sharing-strategy": "none"}
         assert "nvidia.com/gpu.multiprocessors" not in labels and invalid_labels(labels) == {}
     finally:
         await stop_daemon(node)

@@ -393,7 +393,7 @@ def test_single_strategy_refusals(gpus, error):
     assert (document["resources"], document["error"]) == ([], error)
     assert labels_of(document["labels"], "nvidia.com/gpu") == {
         "nvidia.com/gpu.count": "0", "nvidia.com/gpu.memory": "0", "nvidia.com/gpu.replicas": "0",
-        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-INVALID"}
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-INVALID", "nvidia.com/gpu.sharing-strategy": "none"}
 
 
 def test_a_lost_gpu_and_unhealthy_devices_mark_all_their_replicas():

@@ -59,7 +59,7 @@ class Dropped(NamedTuple):
 
 
 def node_labels(inventory: Inventory, machine: str, sharing: dict | None, mig: dict, health: dict) -> dict[str, str]:
-    """The node's labels: GPU feature discovery's (those of the driver, the host and GPU 0's
+    """The node's labels: GPU feature discovery's (those of the driver, the machine and the GPUs'
     architecture, and the sharing document's per resource), the MIG layout and its state (as
     mig-manager labels them), the node's health and its count of healthy GPUs."""
     labels = gfd_node_labels(inventory, machine) | (dict(sharing["labels"]) if sharing else {})

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gpud.config import NfdConfig
 from gpud.events import CLOSED, OVERFLOW, EventBus
 from gpud.logs import get_logger
 from gpud.nfd.labels import HEADER, feature_file
@@ -28,7 +29,6 @@ RETRY_INTERVAL_S = 1.0
 # The wall clock can jump (NTP, a suspended VM): the refresh is due by it, so it is re-read at least
 # this often instead of trusting one long sleep.
 CLOCK_CHECK_S = 60.0
-DEFAULT_EXPIRY_S = 600.0
 
 
 class NfdWriter:
@@ -36,7 +36,7 @@ class NfdWriter:
     NFD stops publishing labels nothing keeps current."""
 
     def __init__(self, path: Path, labels: Callable[[], dict[str, str] | None], bus: EventBus, *,
-                 enabled: bool = True, create_directory: bool = True, expiry_s: float = DEFAULT_EXPIRY_S):
+                 enabled: bool = True, create_directory: bool = True, expiry_s: float = NfdConfig.expiry_s):
         self.path = path
         self.enabled = enabled
         self.expiry_s = expiry_s

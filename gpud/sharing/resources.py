@@ -321,9 +321,13 @@ def gfd_sanitised(text: str) -> str:
 
 
 def _invalid_single_labels(gpus: tuple[Gpu, ...]) -> dict[str, str]:
+    """mig-strategy.go newInvalidMigStrategyLabeler over GFD's GPU labels, whose sharing strategy is
+    none: MIG-enabled GPUs are labelled unshared. (Shared MIG-disabled GPUs beside them, where GFD
+    would name the strategy, are not modelled.)"""
     model = _Device(next(gpu for gpu in gpus if _mig_enabled(gpu))).product
     return {f"{GPU_RESOURCE}.product": f"{model}-MIG-INVALID", f"{GPU_RESOURCE}.count": "0",
-            f"{GPU_RESOURCE}.replicas": "0", f"{GPU_RESOURCE}.memory": "0"}
+            f"{GPU_RESOURCE}.replicas": "0", f"{GPU_RESOURCE}.memory": "0",
+            f"{GPU_RESOURCE}.sharing-strategy": "none"}
 
 
 def _flag(value: bool) -> str:
