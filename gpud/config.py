@@ -223,7 +223,8 @@ class NfdConfig:
     # the file every half of it, so only a gpud that stopped lets its labels expire.
     expiry_s: float = field(default=600.0, metadata=_bounded(10, 86400))
     # Where sysfs is mounted (node_exporter's --path.sysfs): nvidia.com/gpu.machine is the DMI product
-    # name, <sysfs>/class/dmi/id/product_name, as GPU feature discovery reads it.
+    # name, <sysfs>/class/dmi/id/product_name, and nvidia.com/gpu.mode the GPUs' PCI class, as GPU
+    # feature discovery reads them.
     sysfs: str = "/sys"
 
 

@@ -114,7 +114,8 @@ class Daemon:
         self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
                              create_directory=bool(config.nfd.features_file or config.simulate),
                              expiry_s=config.nfd.expiry_s)
-        self._machine = machine_type(Path(config.nfd.sysfs))  # the DMI product name: fixed while the host runs
+        self._sysfs = Path(config.nfd.sysfs)
+        self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
                                      "latency": self.latency, "processes": self.processes})
@@ -209,7 +210,7 @@ class Daemon:
         inventory = self.inventory.current
         if inventory is None:
             return None
-        return node_labels(inventory, self._machine, self.sharing.document, self.mig.view(inventory),
+        return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),
                            self.health.view())
 
     def _unhealthy_devices(self) -> set[str]:

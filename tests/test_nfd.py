@@ -130,6 +130,7 @@ async def test_the_file_holds_gfds_labels_and_gpuds_own(dgx):
     # the DMI name sanitised as GFD does: characters outside [A-Za-z0-9-_. ] go, words are joined by '-'
     assert labels == {**sharing["labels"], **DGX_A100_DRIVER_LABELS,
                       "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000-rev.-1",
+                      "nvidia.com/gpu.mode": "unknown",  # the fixture's sysfs has no PCI devices
                       "nvidia.com/gpu.health": "healthy", "nvidia.com/gpu.healthy": "8"}
     assert "nvidia.com/mig.config" not in labels  # no layout chosen yet: nothing to report
     assert path.read_text().startswith(HEADER) and oct(path.stat().st_mode & 0o777) == "0o644"
@@ -415,15 +416,17 @@ def test_the_device_plugin_daemonset_mounts_what_its_command_uses():
 
 
 NO_GPUS = Inventory(driver_version="550.90.07", cuda_version="12.4", nvml_version="12.550.90.07", gpus=())
+NO_SYSFS = Path("/nonexistent/sys")
 
 
 @pytest.mark.parametrize("state, label", [("success", "success"), ("pending", "pending"), ("applying", "pending"),
                                           ("failed", "failed"), ("reset-required", "failed")])
 def test_the_mig_state_is_labelled_as_mig_manager_labels_it(state, label):
     health = {"status": "healthy", "gpus": []}
-    labels = node_labels(NO_GPUS, "unknown", None, {"layout": "all-1g.5gb", "state": state}, health)
+    labels = node_labels(NO_GPUS, NO_SYSFS, "unknown", None, {"layout": "all-1g.5gb", "state": state}, health)
     assert labels[MIG_CONFIG_STATE] == label and labels["nvidia.com/mig.config"] == "all-1g.5gb"
-    assert MIG_CONFIG_STATE not in node_labels(NO_GPUS, "unknown", None, {"layout": None, "state": "success"}, health)
+    assert MIG_CONFIG_STATE not in node_labels(NO_GPUS, NO_SYSFS, "unknown", None, {"layout": None, "state": "success"},
+                                               health)
 
 
 def test_a_gpu_counts_as_healthy_only_with_all_its_mig_devices():
@@ -431,7 +434,7 @@ def test_a_gpu_counts_as_healthy_only_with_all_its_mig_devices():
         return {"state": state, "mig_devices": [{"state": s} for s in mig_states]}
     health = {"status": "unhealthy", "gpus": [gpu("healthy"), gpu("healthy", "healthy", "unhealthy"),
                                               gpu("degraded"), gpu("healthy", "healthy")]}
-    labels = node_labels(NO_GPUS, "unknown", {"labels": {"nvidia.com/gpu.count": "4"}},
+    labels = node_labels(NO_GPUS, NO_SYSFS, "unknown", {"labels": {"nvidia.com/gpu.count": "4"}},
                          {"layout": None, "state": "success"}, health)
     assert labels == {"nvidia.com/gpu.count": "4", "nvidia.com/gpu.health": "unhealthy", "nvidia.com/gpu.healthy": "2"}
 

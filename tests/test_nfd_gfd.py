@@ -24,7 +24,8 @@ from helpers import (IN_CI, REPO, GpudProcess, mig_settled, put_layout, sharing_
 from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
 from test_sharing import gpu, node
 
-from gpud.nfd.labels import gfd_node_labels
+from gpud.inventory import normal_bus_id
+from gpud.nfd.labels import gfd_node_labels, gpu_mode
 from gpud.nvml.sim.presets import PRESETS
 from gpud.sharing.resources import compute_sharing
 
@@ -40,7 +41,6 @@ GPUD_OWN_LABELS = {"nvidia.com/mig.config", "nvidia.com/mig.config.state", "nvid
 
 # GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
 GFD_LABELS_NOT_WRITTEN = {
-    "nvidia.com/gpu.mode": "the PCI class of the GPUs (graphics or compute) from sysfs: gpud does not read it",
     "nvidia.com/vgpu.present": "vGPU host support (NVML's vGPU calls): gpud manages bare-metal GPUs only",
     "nvidia.com/gpu.clique": "the NVLink fabric clique (nvmlDeviceGetGpuFabricInfo): gpud does not read fabric info",
     "nvidia.com/gfd.timestamp": "GFD's own liveness mark; gpud's labels expire instead (# +expiry-time)",
@@ -98,7 +98,7 @@ def test_the_rules_here_accept_what_kubernetes_accepts():
 
 
 def test_the_driver_and_cuda_versions_are_split_as_gfd_splits_them():
-    labels = gfd_node_labels(node(gpu(0)), "m")
+    labels = gfd_node_labels(node(gpu(0)), "m", "compute")
     assert {key: value for key, value in labels.items() if key.startswith("nvidia.com/cuda.")} == {
         "nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver.minor": "54", "nvidia.com/cuda.driver.rev": "15",
         "nvidia.com/cuda.driver-version.major": "550", "nvidia.com/cuda.driver-version.minor": "54",
@@ -106,7 +106,7 @@ def test_the_driver_and_cuda_versions_are_split_as_gfd_splits_them():
         "nvidia.com/cuda.runtime.major": "12", "nvidia.com/cuda.runtime.minor": "4",
         "nvidia.com/cuda.runtime-version.major": "12", "nvidia.com/cuda.runtime-version.minor": "4",
         "nvidia.com/cuda.runtime-version.full": "12.4"}
-    two_part = gfd_node_labels(replace(node(gpu(0)), driver_version="550.120"), "m")
+    two_part = gfd_node_labels(replace(node(gpu(0)), driver_version="550.120"), "m", "compute")
     assert (two_part["nvidia.com/cuda.driver.rev"], two_part["nvidia.com/cuda.driver-version.revision"]) == ("", "")
 
 
@@ -115,7 +115,7 @@ def test_the_driver_and_cuda_versions_are_split_as_gfd_splits_them():
 def test_versions_gfd_could_not_read_give_no_labels(driver, cuda):
     """GFD refuses a driver version that is not X.Y[.Z] (nvml.go newVersionLabeler): no driver labels
     then, nor CUDA labels for a CUDA version that is not major.minor; the rest stays."""
-    labels = gfd_node_labels(replace(node(gpu(0)), driver_version=driver, cuda_version=cuda), "m")
+    labels = gfd_node_labels(replace(node(gpu(0)), driver_version=driver, cuda_version=cuda), "m", "compute")
     assert labels["nvidia.com/gpu.family"] == "ampere" and invalid_labels(labels) == {}
     assert ("nvidia.com/cuda.driver.major" in labels) == (driver == "550.54.15")
     assert ("nvidia.com/cuda.runtime.major" in labels) == (cuda == "12.4")
@@ -126,7 +126,7 @@ def test_versions_gfd_could_not_read_give_no_labels(driver, cuda):
     ("8.9", "ada-lovelace"), ("9.0", "hopper"), ("10.0", "blackwell"), ("12.0", "blackwell"), ("11.0", "undefined"),
 ])
 def test_the_family_is_gfds_name_for_the_compute_capability(capability, family):
-    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m")
+    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m", "compute")
     major, minor = capability.split(".")
     assert (labels["nvidia.com/gpu.family"], labels["nvidia.com/gpu.compute.major"],
             labels["nvidia.com/gpu.compute.minor"]) == (family, major, minor)
@@ -134,15 +134,43 @@ def test_the_family_is_gfds_name_for_the_compute_capability(capability, family):
 
 @pytest.mark.parametrize("capability", ["0.0", "unknown", "", "8", "a.b"])
 def test_an_unknown_compute_capability_gives_no_architecture_labels(capability):
-    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m")
+    labels = gfd_node_labels(node(gpu(0, cc=capability)), "m", "compute")
     assert not {"nvidia.com/gpu.family", "nvidia.com/gpu.compute.major", "nvidia.com/gpu.compute.minor"} & set(labels)
     assert labels["nvidia.com/gpu.machine"] == "m"
 
 
 def test_a_lost_gpu_is_not_the_one_described_and_no_gpus_give_no_labels():
-    assert gfd_node_labels(node(gpu(0, cc="7.0", lost=True), gpu(1, cc="9.0")), "m")["nvidia.com/gpu.family"] == "hopper"
-    assert gfd_node_labels(node(), "m") == {}  # GFD labels nothing on a node without GPUs
-    assert gfd_node_labels(node(gpu(0, lost=True)), "m") == {}
+    assert gfd_node_labels(node(gpu(0, cc="7.0", lost=True), gpu(1, cc="9.0")), "m", "compute")["nvidia.com/gpu.family"] == "hopper"
+    assert gfd_node_labels(node(), "m", "compute") == {}  # GFD labels nothing on a node without GPUs
+    assert gfd_node_labels(node(gpu(0, lost=True)), "m", "compute") == {}
+
+
+def pci_sysfs(root: Path, classes: dict[str, str]) -> Path:
+    """A sysfs tree with a PCI device per bus id (sysfs's 4-digit domain), holding what go-nvlib's nvpci
+    reads of it (vendor, class, device, numa_node, resource): enough for GFD and for gpud."""
+    for address, pci_class in classes.items():
+        device = root / "bus" / "pci" / "devices" / address
+        device.mkdir(parents=True)
+        for name, value in (("vendor", "0x10de"), ("class", pci_class), ("device", "0x20b0"), ("numa_node", "0"),
+                            ("resource", "0x0000000000000000 0x0000000000000000 0x0000000000000000")):
+            (device / name).write_text(value + "\n")
+    return root
+
+
+@pytest.mark.parametrize("classes, mode", [
+    (["0x030200", "0x030200"], "compute"),  # 3D controller: a data-centre GPU
+    (["0x030000"], "graphics"),  # VGA controller: a GPU with its display engine on
+    (["0x030200", "0x030000"], "unknown"),  # GFD: not all GPUs of one class
+    (["0x068000"], "unknown"),  # another class
+    (["3D controller"], "unknown"),  # not a number
+    ([None], "unknown"),  # the device is not in sysfs
+])
+def test_the_gpu_mode_is_the_pci_class_as_gfd_reads_it(tmp_path, classes, mode):
+    bus_ids = tuple(f"00000000:{index + 7:02x}:00.0" for index in range(len(classes)))
+    sysfs = pci_sysfs(tmp_path / "sys", {bus_id[4:]: pci_class for bus_id, pci_class in zip(bus_ids, classes)
+                                          if pci_class is not None})
+    assert gpu_mode(sysfs, bus_ids) == mode
+    assert gpu_mode(sysfs, ("not a bus id",)) == "unknown"
 
 
 def test_the_product_is_sanitised_as_gfd_sanitises_it():
@@ -248,6 +276,7 @@ async def test_single_strategy_labels_the_mig_devices_as_the_gpus(short_tmp):
             "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/gpu.sharing-strategy": "none",
             "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.compute.major": "8",
             "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.machine": labels["nvidia.com/gpu.machine"],
+            "nvidia.com/gpu.mode": "unknown",  # no PCI devices in this test's sysfs: GFD says unknown too
             **attribute_labels("nvidia.com/gpu", "1g.5gb")}
         assert not any(key.startswith("nvidia.com/mig-") for key in labels)
 
@@ -294,34 +323,51 @@ def mock_env(mock: Path, config: str) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(mock), "MOCK_NVML_CONFIG": str(MOCK_CONFIGS / f"mock-nvml-config-{config}.yaml")}
 
 
-def run_gfd(tmp: Path, mock: Path, config: str, gpus: int, strategy: str, machine_file: Path) -> dict[str, str]:
-    """GFD once, on the mock, with stand-in device nodes over /dev in a private mount namespace."""
+def run_gfd(tmp: Path, mock: Path, config: str, gpus: int, strategy: str, sysfs: Path) -> dict[str, str]:
+    """GFD once, on the mock, in a private mount namespace: stand-in device nodes over /dev and the test's
+    PCI devices over /sys/bus/pci/devices; the machine type from the test's DMI file."""
     dev = stand_in_nodes(tmp / "gfd-root", gpus) / "dev"
     os.mknod(dev / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
     output = tmp / "gfd-labels"
-    command = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /dev && exec "$@"', str(dev), str(GFD),
+    mounts = 'mount --bind "$0" /dev && mount --bind "$1" /sys/bus/pci/devices && shift && exec "$@"'
+    command = ["unshare", "--mount", "sh", "-c", mounts, str(dev), str(sysfs / "bus" / "pci" / "devices"), str(GFD),
                "--oneshot", "--use-node-feature-api=false", "--no-timestamp", f"--mig-strategy={strategy}",
-               f"--machine-type-file={machine_file}", f"--output-file={output}"]
+               f"--machine-type-file={sysfs / 'class' / 'dmi' / 'id' / 'product_name'}", f"--output-file={output}"]
     ran = subprocess.run(command, capture_output=True, text=True, timeout=120,
                          env={**os.environ, **mock_env(mock, config)})
     assert ran.returncode == 0, ran.stderr[-3000:]
     return parse_feature_text(output.read_text())
 
 
-def run_gpud(tmp: Path, mock: Path, config: str, strategy: str, sysfs: Path) -> tuple[dict[str, str], int]:
-    """gpud's real NVML backend on the mock: the labels of its NFD file, and how many GPUs it has."""
+def run_gpud(tmp: Path, mock: Path, config: str, strategy: str, sysfs: Path) -> tuple[dict[str, str], list[dict]]:
+    """gpud's real NVML backend on the mock: the labels of its NFD file, and its GPUs."""
     path = tmp / "features.d" / "gpud"
     (tmp / "sharing.yaml").write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
     (tmp / "gpud.yaml").write_text(f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
-                                   f"nfd:\n  features_file: {path}\n  sysfs: {sysfs}\n")
+                                   f"nfd:\n  features_file: {path}\n  sysfs: {sysfs}\n"
+                                   f"cdi:\n  spec_dir: {tmp / 'cdi'}\n")  # not the host's /var/run/cdi
     gpud = GpudProcess(tmp, "--config", str(tmp / "gpud.yaml"), env=mock_env(mock, config))
     try:
         labels = gpud.wait_for(lambda: path.exists() and "nvidia.com/gpu.health" in (found := nfd_labels(path))
                                and found, what="gpud's NFD file")
-        gpus = len(gpud.client.get("/v1/gpus")["gpus"])
+        gpus = gpud.client.get("/v1/gpus")["gpus"]
     finally:
         assert gpud.stop() == 0, gpud.log_text()[-3000:]
     return labels, gpus
+
+
+@pytest.fixture(scope="module")
+def mock_bus_ids(mock_nvml, tmp_path_factory):
+    """Each mock node's GPU bus ids, as gpud reads them, for a PCI tree in sysfs (once per node)."""
+    found: dict[str, list[str]] = {}
+
+    def bus_ids(config: str) -> list[str]:
+        if config not in found:
+            workdir = tmp_path_factory.mktemp(f"bus-{config}")
+            _, gpus = run_gpud(workdir, mock_nvml, config, "none", workdir / "no-sys")
+            found[config] = [gpu["pci_bus_id"] for gpu in gpus]
+        return found[config]
+    return bus_ids
 
 
 MOCK_NODES = sorted(path.name.removeprefix("mock-nvml-config-").removesuffix(".yaml")
@@ -331,21 +377,25 @@ MOCK_NODES = sorted(path.name.removeprefix("mock-nvml-config-").removesuffix(".y
 @pytest.mark.slow
 @pytest.mark.parametrize("config", MOCK_NODES)
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
-def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, config, strategy):
+def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, mock_bus_ids, config, strategy):
+    """One sysfs for both: a DMI product name, and the GPUs as 3D controllers (their bus ids as
+    NVML gives them; sysfs names them in lower case with a 4-digit domain)."""
     sysfs = dmi_sysfs(short_tmp / "sys", b"NVIDIA DGX H100 (rev. 2)\n")
+    pci_sysfs(sysfs, {normal_bus_id(bus_id)[4:]: "0x030200" for bus_id in mock_bus_ids(config)})
     ours, gpus = run_gpud(short_tmp, mock_nvml, config, strategy, sysfs)
-    gfd = run_gfd(short_tmp, mock_nvml, config, gpus, strategy, sysfs / "class" / "dmi" / "id" / "product_name")
+    gfd = run_gfd(short_tmp, mock_nvml, config, len(gpus), strategy, sysfs)
 
-    assert gfd["nvidia.com/gpu.count"] == str(gpus)  # GFD read the same node
+    assert gfd["nvidia.com/gpu.count"] == str(len(gpus))  # GFD read the same node
     shared = set(ours) & set(gfd)
     assert {name: ours[name] for name in shared} == {name: gfd[name] for name in shared}
     assert set(ours) - set(gfd) <= GPUD_OWN_LABELS, "labels gpud writes under names GFD does not use"
     assert set(gfd) - set(ours) <= set(GFD_LABELS_NOT_WRITTEN), "GFD labels gpud leaves out without a reason"
     assert invalid_labels(ours) == {}
     # what gpud must write wherever GFD does, on every node
-    assert {"nvidia.com/gpu.machine", "nvidia.com/gpu.family", "nvidia.com/gpu.compute.major",
+    assert {"nvidia.com/gpu.machine", "nvidia.com/gpu.mode", "nvidia.com/gpu.family", "nvidia.com/gpu.compute.major",
             "nvidia.com/cuda.driver-version.full", "nvidia.com/cuda.runtime-version.full",
             "nvidia.com/gpu.product", "nvidia.com/mig.capable"} <= shared
+    assert ours["nvidia.com/gpu.mode"] == "compute"
 
 
 def test_the_docs_list_the_gfd_labels_gpud_does_not_write():

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
-from gpud.inventory import Gpu, Inventory
+from gpud.inventory import Gpu, Inventory, normal_bus_id
 from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.
@@ -48,6 +48,10 @@ _VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 # labels (count, product, memory, MIG attributes) come with the sharing document.
 GPU_MACHINE = "nvidia.com/gpu.machine"
 MACHINE_UNKNOWN = "unknown"  # machine-type.go: what GFD labels when the DMI product name is unreadable
+GPU_MODE = "nvidia.com/gpu.mode"
+GPU_MODE_UNKNOWN = "unknown"
+# go-nvlib pkg/nvpci: PCIVgaControllerClass, PCI3dControllerClass
+_MODE_OF_PCI_CLASS = {0x030000: "graphics", 0x030200: "compute"}
 
 
 class Dropped(NamedTuple):
@@ -58,11 +62,13 @@ class Dropped(NamedTuple):
     reason: str
 
 
-def node_labels(inventory: Inventory, machine: str, sharing: dict | None, mig: dict, health: dict) -> dict[str, str]:
+def node_labels(inventory: Inventory, sysfs: Path, machine: str, sharing: dict | None, mig: dict,
+                health: dict) -> dict[str, str]:
     """The node's labels: GPU feature discovery's (those of the driver, the machine and the GPUs'
     architecture, and the sharing document's per resource), the MIG layout and its state (as
     mig-manager labels them), the node's health and its count of healthy GPUs."""
-    labels = gfd_node_labels(inventory, machine) | (dict(sharing["labels"]) if sharing else {})
+    mode = gpu_mode(sysfs, tuple(gpu.pci_bus_id for gpu in inventory.gpus if not gpu.lost))
+    labels = gfd_node_labels(inventory, machine, mode) | (dict(sharing["labels"]) if sharing else {})
     if mig["layout"]:  # no layout chosen: no MIG config to report
         labels[MIG_CONFIG] = mig["layout"]
         labels[MIG_CONFIG_STATE] = MIG_END_STATE_LABEL.get(mig["state"], "pending")
@@ -81,14 +87,34 @@ def machine_type(sysfs: Path) -> str:
     return gfd_sanitised(name)
 
 
-def gfd_node_labels(inventory: Inventory, machine: str) -> dict[str, str]:
-    """GFD's labels of the driver, the CUDA version, the machine and the GPUs' architecture. GFD writes
-    none on a node without GPUs (nvml.go NewNVMLLabeler), and describes one GPU: gpud describes the
-    first it can read. machine: machine_type's answer."""
+def gpu_mode(sysfs: Path, pci_bus_ids: tuple[str, ...]) -> str:
+    """GFD's nvidia.com/gpu.mode (nvml.go newGPUModeLabeler): the GPUs' PCI class, read from
+    <sysfs>/bus/pci/devices/<address>/class as go-nvlib's nvpci reads it: `graphics` for a VGA
+    controller, `compute` for a 3D controller; `unknown` for another class, GPUs of different
+    classes, or one that cannot be read."""
+    classes = set()
+    for bus_id in pci_bus_ids:
+        address = normal_bus_id(bus_id)  # "00000000:07:00.0"; sysfs names it with a 4-digit domain
+        if address is None:
+            return GPU_MODE_UNKNOWN
+        try:
+            classes.add(int((sysfs / "bus" / "pci" / "devices" / address[4:] / "class").read_text().strip(), 0))
+        except (OSError, ValueError):
+            return GPU_MODE_UNKNOWN
+    if len(classes) != 1:
+        return GPU_MODE_UNKNOWN
+    return _MODE_OF_PCI_CLASS.get(classes.pop(), GPU_MODE_UNKNOWN)
+
+
+def gfd_node_labels(inventory: Inventory, machine: str, mode: str) -> dict[str, str]:
+    """GFD's labels of the driver, the CUDA version, the machine, the GPUs' mode and their architecture.
+    GFD writes none on a node without GPUs (nvml.go NewNVMLLabeler), and describes one GPU's
+    architecture: gpud describes the first it can read. machine, mode: machine_type's and gpu_mode's
+    answers."""
     described = next((gpu for gpu in inventory.gpus if not gpu.lost and not gpu.error), None)
     if described is None:
         return {}
-    return {GPU_MACHINE: machine, **_driver_labels(inventory.driver_version),
+    return {GPU_MACHINE: machine, GPU_MODE: mode, **_driver_labels(inventory.driver_version),
             **_cuda_labels(inventory.cuda_version), **_architecture_labels(described)}
 
 
