@@ -41,7 +41,7 @@ GPUD_OWN_LABELS = {"nvidia.com/mig.config", "nvidia.com/mig.config.state", "nvid
 
 # GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
 GFD_LABELS_NOT_WRITTEN = {
-    "nvidia.com/vgpu.present": "vGPU host support (NVML's vGPU calls): gpud manages bare-metal GPUs only",
+    "nvidia.com/vgpu.present": "whether the GPUs are a VM's vGPUs (PCI config space): gpud manages bare-metal GPUs",
     "nvidia.com/gpu.clique": "the NVLink fabric clique (nvmlDeviceGetGpuFabricInfo): gpud does not read fabric info",
     "nvidia.com/gfd.timestamp": "GFD's own liveness mark; gpud's labels expire instead (# +expiry-time)",
 }
