@@ -25,7 +25,7 @@ from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
 from test_sharing import gpu, node
 
 from gpud.inventory import normal_bus_id
-from gpud.nfd.labels import gfd_node_labels, gpu_mode
+from gpud.nfd.labels import OWN_LABELS, gfd_node_labels, gpu_mode
 from gpud.nvml.sim.presets import PRESETS
 from gpud.sharing.resources import compute_sharing
 
@@ -36,8 +36,6 @@ MOCK_CONFIGS = MOCK_SOURCE / "src" / "pkg" / "gpu" / "mocknvml" / "configs"
 # Built once per machine (the build script does nothing when it is there), under a lock: tests run in
 # parallel processes.
 MOCK_BUILD = Path("/tmp/gpud-tests-mock-nvml")
-GPUD_OWN_LABELS = {"nvidia.com/mig.config", "nvidia.com/mig.config.state", "nvidia.com/gpu.health",
-                   "nvidia.com/gpu.healthy"}
 
 # GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
 GFD_LABELS_NOT_WRITTEN = {
@@ -271,7 +269,7 @@ async def test_single_strategy_labels_the_mig_devices_as_the_gpus(short_tmp):
         assert status == 200
         labels = await file_labels(node, "all-1g.5gb")
         assert {key: value for key, value in labels.items() if key.startswith("nvidia.com/gpu.")
-                and key not in GPUD_OWN_LABELS} == {
+                and key not in OWN_LABELS} == {
             "nvidia.com/gpu.count": "56", "nvidia.com/gpu.memory": "4864", "nvidia.com/gpu.replicas": "1",
             "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/gpu.sharing-strategy": "none",
             "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.compute.major": "8",
@@ -388,7 +386,7 @@ def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, mock_bus_ids,
     assert gfd["nvidia.com/gpu.count"] == str(len(gpus))  # GFD read the same node
     shared = set(ours) & set(gfd)
     assert {name: ours[name] for name in shared} == {name: gfd[name] for name in shared}
-    assert set(ours) - set(gfd) <= GPUD_OWN_LABELS, "labels gpud writes under names GFD does not use"
+    assert set(ours) - set(gfd) <= set(OWN_LABELS), "labels gpud writes under names GFD does not use"
     assert set(gfd) - set(ours) <= set(GFD_LABELS_NOT_WRITTEN), "GFD labels gpud leaves out without a reason"
     assert invalid_labels(ours) == {}
     # what gpud must write wherever GFD does, on every node
