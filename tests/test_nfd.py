@@ -469,13 +469,13 @@ async def test_the_file_is_rewritten_before_it_expires(short_tmp):
     """With nothing changing, the writer rewrites the file at half the period: the labels never lapse."""
     path = short_tmp / "gpud"
     labels = {"nvidia.com/gpu.count": "8"}
-    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=4)
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=6)  # a rewrite at 3 s, 2 s or more before expiry
     task = asyncio.create_task(writer.run())
     try:
         first = await until_async(lambda: path.exists() and path.read_text(), what="the first write")
         first_expiry = expiry_of(first)
         second = await until_async(lambda: expiry_of(path.read_text()) > first_expiry and path.read_text(),
-                                   timeout=5.0, what="a rewrite with a later expiry")
+                                   timeout=6.0, what="a rewrite with a later expiry")
         assert datetime.now(timezone.utc) < first_expiry, "the labels lapsed before the rewrite"
         assert parse_feature_text(second) == labels
         assert [p.name for p in path.parent.iterdir()] == ["gpud"]
