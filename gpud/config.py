@@ -219,6 +219,13 @@ class NfdConfig:
     # Unset: NFD's features.d/gpud; on a simulated node <runtime dir>/nfd/gpud, so simulated GPUs
     # never label the host unless this is set.
     features_file: str | None = None
+    # Seconds NFD keeps the labels after gpud's last write (the file's `# +expiry-time`). gpud rewrites
+    # the file every half of it, so only a gpud that stopped lets its labels expire.
+    expiry_s: float = field(default=600.0, metadata=_bounded(10, 86400))
+    # Where sysfs is mounted (node_exporter's --path.sysfs): nvidia.com/gpu.machine is the DMI product
+    # name, <sysfs>/class/dmi/id/product_name, and nvidia.com/gpu.mode the GPUs' PCI class, as GPU
+    # feature discovery reads them.
+    sysfs: str = "/sys"
 
 
 @dataclass(frozen=True)

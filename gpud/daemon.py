@@ -36,7 +36,7 @@ from gpud.logs import configure_log_level, get_logger
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
 from gpud.mps.manager import MpsManager, client_env
-from gpud.nfd.labels import node_labels
+from gpud.nfd.labels import machine_type, node_labels
 from gpud.nfd.writer import NfdWriter
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
@@ -112,7 +112,10 @@ class Daemon:
             else register_not_simulated
         self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s)
         self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
-                             create_directory=bool(config.nfd.features_file or config.simulate))
+                             create_directory=bool(config.nfd.features_file or config.simulate),
+                             expiry_s=config.nfd.expiry_s)
+        self._sysfs = Path(config.nfd.sysfs)
+        self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
                                      "latency": self.latency, "processes": self.processes})
@@ -207,7 +210,8 @@ class Daemon:
         inventory = self.inventory.current
         if inventory is None:
             return None
-        return node_labels(self.sharing.document, self.mig.view(inventory), self.health.view())
+        return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),
+                           self.health.view())
 
     def _unhealthy_devices(self) -> set[str]:
         """Device UUIDs health calls unhealthy: their sharing replicas are served unhealthy. (Sharing is

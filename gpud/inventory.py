@@ -21,6 +21,17 @@ log = get_logger("inventory")
 
 
 @dataclass(frozen=True)
+class MigEngines:
+    """The engines a MIG device's compute instance shares with its GPU instance (nvmlDeviceGetAttributes)."""
+
+    copy: int = 0
+    decoder: int = 0
+    encoder: int = 0
+    jpeg: int = 0
+    ofa: int = 0
+
+
+@dataclass(frozen=True)
 class MigDevice:
     uuid: str
     index: int  # the MIG device index NVML enumerates it at on its parent
@@ -33,6 +44,11 @@ class MigDevice:
     memory_total_mib: int
     sm_count: int
     pids: tuple[int, ...] = ()  # compute processes running on it
+    # Its GPU and compute instances' sizes in compute slices, and its engines (nvmlDeviceGetAttributes),
+    # for GPU feature discovery's per-profile labels.
+    gi_slices: int = 0
+    ci_slices: int = 0
+    engines: MigEngines = MigEngines()
 
 
 @dataclass(frozen=True)

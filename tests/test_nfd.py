@@ -6,21 +6,25 @@ source/local/local.go)."""
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
+from helpers import REPO, GpudProcess, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.cli import build_parser
 from gpud.config import SYSTEM_RUNTIME_DIR, ConfigError, MigHooksConfig, parse_config
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
 from gpud.events import EventBus
-from gpud.nfd.labels import GPU_HEALTH, HEADER, MIG_CONFIG_STATE, NFD_MAX_FILE_BYTES, feature_file, node_labels
+from gpud.inventory import Inventory
+from gpud.nfd.labels import (GPU_HEALTH, HEADER, MIG_CONFIG_STATE, NFD_MAX_FILE_BYTES, feature_file, machine_type,
+                             node_labels)
 from gpud.nfd.writer import NfdWriter
 
 MIXED = """version: v1
@@ -32,27 +36,36 @@ flags:
 # -- NFD's reading of a feature file ---------------------------------------------------------------
 
 
-def nfd_labels(path: Path) -> dict[str, str]:
+def nfd_labels(path: Path, now: datetime | None = None) -> dict[str, str]:
     """The labels nfd-worker's local source takes from the file: files over 65536 bytes and hidden
     files are skipped; each trimmed line is `key[=value]` (no value: "true"); `#` lines are comments,
     `# +expiry-time=<RFC 3339>` drops the lines after it once that time has passed."""
     assert not path.name.startswith("."), "NFD skips hidden files"
     data = path.read_bytes()
     assert len(data) <= 65536, f"NFD ignores a feature file of {len(data)} bytes"
-    return parse_feature_text(data.decode())
+    return parse_feature_text(data.decode(), now)
 
 
-def parse_feature_text(text: str) -> dict[str, str]:
-    labels, expires = {}, None
+# Go's time.RFC3339 as local.go parses it: a date, a time, then Z or a numeric offset.
+RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")
+
+
+def parse_feature_text(text: str, now: datetime | None = None) -> dict[str, str]:
+    """local.go parseFeatureFile at time now (default: the present): the expiry starts at now, a line
+    is dropped while the expiry set before it is Before(now), i.e. strictly earlier."""
+    now = now or datetime.now(timezone.utc)
+    labels, expires = {}, now
     for raw in text.split("\n"):
         line = raw.strip()
         if not line:
             continue
         if line.startswith("# +expiry-time="):
-            expires = datetime.fromisoformat(line.split("=", 1)[1].strip().replace("Z", "+00:00"))
+            value = line.split("=", 1)[1].strip()
+            assert RFC3339.fullmatch(value), f"NFD cannot parse the expiry {value!r}"
+            expires = datetime.fromisoformat(value.replace("Z", "+00:00"))
         if line.startswith("#"):
             continue
-        if expires is not None and expires < datetime.now(timezone.utc):
+        if expires < now:
             continue
         key, equals, value = line.partition("=")
         labels[key] = value if equals else "true"
@@ -81,20 +94,44 @@ async def file_until(path: Path, wanted, timeout: float = 1.0) -> dict[str, str]
     raise AssertionError(f"{path} did not show what was wanted within {timeout} s: {labels}")
 
 
+def dmi_sysfs(root: Path, product_name: bytes) -> Path:
+    """A sysfs tree holding only the DMI product name, as the kernel shows it (a trailing newline)."""
+    (root / "class" / "dmi" / "id").mkdir(parents=True)
+    (root / "class" / "dmi" / "id" / "product_name").write_bytes(product_name)
+    return root
+
+
 @pytest.fixture
 async def dgx(short_tmp):
-    node = await start_daemon(sharing_config(short_tmp, "dgx-a100", MIXED))
+    sysfs = dmi_sysfs(short_tmp / "sys", b"DGXA100 920-23687-2530-000 (rev. 1)\n")
+    node = await start_daemon(sharing_config(short_tmp, "dgx-a100", MIXED).with_overrides(
+        **{"nfd.sysfs": str(sysfs)}))
     await mig_settled(node)
     yield node, short_tmp / "nfd" / "gpud"
     await stop_daemon(node)
 
 
-async def test_the_file_holds_the_sharing_labels_and_gpuds_own(dgx):
+# What the simulated DGX A100's driver (550.90.07, CUDA 12.4, compute capability 8.0) gets from GFD.
+DGX_A100_DRIVER_LABELS = {
+    "nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver.minor": "90", "nvidia.com/cuda.driver.rev": "07",
+    "nvidia.com/cuda.driver-version.major": "550", "nvidia.com/cuda.driver-version.minor": "90",
+    "nvidia.com/cuda.driver-version.revision": "07", "nvidia.com/cuda.driver-version.full": "550.90.07",
+    "nvidia.com/cuda.runtime.major": "12", "nvidia.com/cuda.runtime.minor": "4",
+    "nvidia.com/cuda.runtime-version.major": "12", "nvidia.com/cuda.runtime-version.minor": "4",
+    "nvidia.com/cuda.runtime-version.full": "12.4",
+    "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.compute.major": "8", "nvidia.com/gpu.compute.minor": "0"}
+
+
+async def test_the_file_holds_gfds_labels_and_gpuds_own(dgx):
     node, path = dgx
     labels = await file_until(path, lambda labels: "nvidia.com/gpu.health" in labels)
     _, sharing = await node.get("/v1/sharing")
     assert sharing["labels"]["nvidia.com/gpu.count"] == "8" and sharing["labels"]["nvidia.com/mig.strategy"] == "mixed"
-    assert labels == {**sharing["labels"], "nvidia.com/gpu.health": "healthy", "nvidia.com/gpu.healthy": "8"}
+    # the DMI name sanitised as GFD does: characters outside [A-Za-z0-9-_. ] go, words are joined by '-'
+    assert labels == {**sharing["labels"], **DGX_A100_DRIVER_LABELS,
+                      "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000-rev.-1",
+                      "nvidia.com/gpu.mode": "unknown",  # the fixture's sysfs has no PCI devices
+                      "nvidia.com/gpu.health": "healthy", "nvidia.com/gpu.healthy": "8"}
     assert "nvidia.com/mig.config" not in labels  # no layout chosen yet: nothing to report
     assert path.read_text().startswith(HEADER) and oct(path.stat().st_mode & 0o777) == "0o644"
     assert [p.name for p in path.parent.iterdir()] == ["gpud"]  # no temporary file left behind
@@ -179,12 +216,15 @@ async def test_an_unwritable_directory_is_reported_and_healed(short_tmp):
         blocker.unlink()  # the operator fixes it: gpud writes within a second, no restart
         labels = await file_until(path, lambda labels: "nvidia.com/gpu.health" in labels, timeout=2.0)
         assert labels["nvidia.com/gpu.count"] == "1"
-
-        async def healthy() -> bool:  # the file is on disk a moment before the writer clears its error
-            return (await node.get("/healthz"))[1]["status"] == "ok"
-        await until_async(healthy, timeout=2.0, what="/healthz ok again")
+        # the file appears on the rename, the writer's state just after it
+        await until_async(lambda: healthz_ok(node), timeout=2.0, what="/healthz ok once the file is written")
     finally:
         await stop_daemon(node)
+
+
+async def healthz_ok(node) -> bool:
+    _, healthz = await node.get("/healthz")
+    return healthz["status"] == "ok"
 
 
 async def test_turned_off_it_writes_nothing_and_removes_only_its_own_old_file(short_tmp):
@@ -200,7 +240,7 @@ async def test_turned_off_it_writes_nothing_and_removes_only_its_own_old_file(sh
             _, view = await node.get("/v1/nfd")
             assert_matches_openapi("GET", "/v1/nfd", 200, view)
             assert view == {"enabled": False, "path": str(path), "labels": {}, "dropped": [], "bytes": 0,
-                            "written_at": None, "error": None, "waiting": None}
+                            "written_at": None, "expires_at": None, "error": None, "waiting": None}
             result = await asyncio.to_thread(cli, "nfd", socket=config.socket_path)
             assert result.returncode == 0 and "off" in result.stdout
         finally:
@@ -234,8 +274,9 @@ async def test_a_reader_never_sees_a_half_written_file(short_tmp):
     variants = [big_labels(str(n), 600) for n in range(2)]
     current = {"labels": variants[0]}
     writer = NfdWriter(path, lambda: current["labels"], EventBus())
-    texts = {feature_file(labels)[0] for labels in variants}
-    assert all(len(parse_feature_text(text)) == 600 for text in texts)  # files of about 64 KiB, nothing cut
+    expires_at = time.time() + 600
+    assert all(len(parse_feature_text(feature_file(labels, expires_at)[0])) == 600  # about 64 KiB, nothing cut
+               for labels in variants)
     seen, stop = [], threading.Event()
 
     def read_all_the_time():
@@ -255,7 +296,8 @@ async def test_a_reader_never_sees_a_half_written_file(short_tmp):
         stop.set()
         reader.join(10)
         assert not reader.is_alive(), "the reader thread did not end"
-    assert len(seen) > 40 and set(seen) <= texts  # every read is one whole version
+    assert len(seen) > 40
+    assert all(parse_feature_text(text) in variants for text in seen)  # every read is one whole version
     assert [p.name for p in path.parent.iterdir()] == ["gpud"]
 
 
@@ -290,7 +332,7 @@ async def test_nothing_is_written_before_the_first_inventory(short_tmp):
 def test_labels_over_nfds_size_limit_are_cut_after_gpuds_own(short_tmp):
     labels = {**big_labels("v", 700), "nvidia.com/gpu.health": "healthy", "nvidia.com/gpu.healthy": "8",
               "nvidia.com/mig.config": "all-1g.5gb", "nvidia.com/mig.config.state": "success"}
-    text, dropped = feature_file(labels)
+    text, dropped = feature_file(labels, time.time() + 600)
     size = len(text.encode())
     assert size <= NFD_MAX_FILE_BYTES < sum(len(f"{k}={v}\n") for k, v in labels.items())
     path = short_tmp / "gpud"
@@ -316,7 +358,7 @@ def test_labels_over_nfds_size_limit_are_cut_after_gpuds_own(short_tmp):
     ("nvidia.com/gpu.count", "8\nvendor.io/injected=1"),
 ])
 def test_labels_kubernetes_would_refuse_are_left_out(name, value):
-    text, dropped = feature_file({name: value, "nvidia.com/gpu.health": "healthy"})
+    text, dropped = feature_file({name: value, "nvidia.com/gpu.health": "healthy"}, time.time() + 600)
     assert parse_feature_text(text) == {"nvidia.com/gpu.health": "healthy"}
     assert [(d.label, d.value) for d in dropped] == [(name, value)]
 
@@ -324,7 +366,7 @@ def test_labels_kubernetes_would_refuse_are_left_out(name, value):
 def test_valid_labels_pass_unchanged():
     labels = {"nvidia.com/mig.config": "custom_layout-1.b", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
               "nvidia.com/empty": "", "nvidia.com/" + "n" * 63: "v" * 63}
-    text, dropped = feature_file(labels)
+    text, dropped = feature_file(labels, time.time() + 600)
     assert dropped == [] and parse_feature_text(text) == labels
 
 
@@ -373,13 +415,18 @@ def test_the_device_plugin_daemonset_mounts_what_its_command_uses():
     assert mounts == {args.socket.parent: (args.socket.parent, True), args.kubelet_dir: (args.kubelet_dir, False)}
 
 
+NO_GPUS = Inventory(driver_version="550.90.07", cuda_version="12.4", nvml_version="12.550.90.07", gpus=())
+NO_SYSFS = Path("/nonexistent/sys")
+
+
 @pytest.mark.parametrize("state, label", [("success", "success"), ("pending", "pending"), ("applying", "pending"),
                                           ("failed", "failed"), ("reset-required", "failed")])
 def test_the_mig_state_is_labelled_as_mig_manager_labels_it(state, label):
     health = {"status": "healthy", "gpus": []}
-    labels = node_labels(None, {"layout": "all-1g.5gb", "state": state}, health)
+    labels = node_labels(NO_GPUS, NO_SYSFS, "unknown", None, {"layout": "all-1g.5gb", "state": state}, health)
     assert labels[MIG_CONFIG_STATE] == label and labels["nvidia.com/mig.config"] == "all-1g.5gb"
-    assert MIG_CONFIG_STATE not in node_labels(None, {"layout": None, "state": "success"}, health)
+    assert MIG_CONFIG_STATE not in node_labels(NO_GPUS, NO_SYSFS, "unknown", None, {"layout": None, "state": "success"},
+                                               health)
 
 
 def test_a_gpu_counts_as_healthy_only_with_all_its_mig_devices():
@@ -387,5 +434,118 @@ def test_a_gpu_counts_as_healthy_only_with_all_its_mig_devices():
         return {"state": state, "mig_devices": [{"state": s} for s in mig_states]}
     health = {"status": "unhealthy", "gpus": [gpu("healthy"), gpu("healthy", "healthy", "unhealthy"),
                                               gpu("degraded"), gpu("healthy", "healthy")]}
-    labels = node_labels({"labels": {"nvidia.com/gpu.count": "4"}}, {"layout": None, "state": "success"}, health)
+    labels = node_labels(NO_GPUS, NO_SYSFS, "unknown", {"labels": {"nvidia.com/gpu.count": "4"}},
+                         {"layout": None, "state": "success"}, health)
     assert labels == {"nvidia.com/gpu.count": "4", "nvidia.com/gpu.health": "unhealthy", "nvidia.com/gpu.healthy": "2"}
+
+
+# -- expiry: a gpud that stops keeping the file current stops labelling the node ----------------------
+
+
+def expiry_of(text: str) -> datetime:
+    (line,) = [line for line in text.splitlines() if line.startswith("# +expiry-time=")]
+    return datetime.fromisoformat(line.split("=", 1)[1].replace("Z", "+00:00"))
+
+
+async def test_every_label_expires_one_period_after_the_write(short_tmp):
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.health": "healthy"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    await writer.write_if_changed()
+    text, view = path.read_text(), writer.view()
+    # one directive, before every label: it governs the lines after it (local.go parseFeatureFile)
+    lines = text.splitlines()
+    directive = next(n for n, line in enumerate(lines) if line.startswith("# +expiry-time="))
+    assert all(line.startswith("#") for line in lines[:directive])
+    expires = expiry_of(text)
+    assert view["expires_at"] == expires.timestamp() and 599 <= expires.timestamp() - view["written_at"] <= 600
+    # NFD's rule: a line counts while its expiry is not Before(now)
+    assert parse_feature_text(text, now=expires) == labels
+    assert parse_feature_text(text, now=expires + timedelta(seconds=1)) == {}
+    assert nfd_labels(path) == labels  # today
+
+
+async def test_the_file_is_rewritten_before_it_expires(short_tmp):
+    """With nothing changing, the writer rewrites the file at half the period: the labels never lapse."""
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.count": "8"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=6)  # a rewrite at 3 s, 2 s or more before expiry
+    task = asyncio.create_task(writer.run())
+    try:
+        first = await until_async(lambda: path.exists() and path.read_text(), what="the first write")
+        first_expiry = expiry_of(first)
+        second = await until_async(lambda: expiry_of(path.read_text()) > first_expiry and path.read_text(),
+                                   timeout=6.0, what="a rewrite with a later expiry")
+        assert datetime.now(timezone.utc) < first_expiry, "the labels lapsed before the rewrite"
+        assert parse_feature_text(second) == labels
+        assert [p.name for p in path.parent.iterdir()] == ["gpud"]
+    finally:
+        task.cancel()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+
+
+async def test_a_changed_label_is_written_at_once_with_a_fresh_expiry(short_tmp):
+    path = short_tmp / "gpud"
+    labels = {"nvidia.com/gpu.health": "healthy"}
+    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    await writer.write_if_changed()
+    inode = path.stat().st_ino
+    await writer.write_if_changed()  # nothing changed, the refresh not due: no write
+    assert path.stat().st_ino == inode
+    labels = {"nvidia.com/gpu.health": "unhealthy"}
+    await writer.write_if_changed()
+    assert path.stat().st_ino != inode and nfd_labels(path) == labels
+    assert writer.view()["labels"] == labels
+
+
+@pytest.mark.slow
+def test_a_killed_gpud_leaves_labels_that_expire(short_tmp):
+    """gpud killed outright (no chance to clean up): its file stays, and NFD drops every label of it
+    once nfd.expiry_s has passed since its last write."""
+    path = short_tmp / "nfd" / "gpud"
+    (short_tmp / "gpud.yaml").write_text(f"nfd:\n  features_file: {path}\n  expiry_s: 10\n")
+    gpud = GpudProcess(short_tmp, "--simulate", "t4", "--config", str(short_tmp / "gpud.yaml"))
+    try:
+        gpud.wait_for(lambda: path.exists() and "nvidia.com/gpu.health" in nfd_labels(path), what="the NFD file")
+        killed_at = datetime.now(timezone.utc)
+    finally:
+        gpud.stop(signal.SIGKILL)
+    text = path.read_text()
+    assert parse_feature_text(text)["nvidia.com/gpu.count"] == "1"  # still published right after
+    assert expiry_of(text) <= killed_at + timedelta(seconds=10)
+    assert parse_feature_text(text, now=killed_at + timedelta(seconds=11)) == {}  # and gone 10 s on
+
+
+def test_the_expiry_setting():
+    assert parse_config("").nfd.expiry_s == 600 and parse_config("").nfd.sysfs == "/sys"
+    assert parse_config("nfd:\n  expiry_s: 30\n  sysfs: /host/sys\n").nfd.expiry_s == 30
+
+
+@pytest.mark.parametrize("text, key", [
+    ("nfd:\n  expiry_s: 5\n", "nfd.expiry_s"),  # shorter than 10 s: a rewrite every few seconds for nothing
+    ("nfd:\n  expiry_s: 100000\n", "nfd.expiry_s"),
+    ("nfd:\n  expiry_s: soon\n", "nfd.expiry_s"),
+    ("nfd:\n  sysfs: 3\n", "nfd.sysfs"),
+])
+def test_a_bad_expiry_or_sysfs_is_refused(text, key):
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text)
+    assert raised.value.key == key
+
+
+# -- gpu.machine ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("product_name, label", [
+    (b"DGXA100 920-23687-2530-000 (rev. 1)\n", "DGXA100-920-23687-2530-000-rev.-1"),
+    (b"  PowerEdge   XE9680\n", "PowerEdge-XE9680"),
+    (b"To Be Filled By O.E.M.\n", "To-Be-Filled-By-O.E.M."),
+    (b"Caf\xc3\xa9 \xff box\n", "Caf-box"),  # not ASCII: GFD's sanitise keeps only [A-Za-z0-9-_. ]
+    (b"\n", ""),
+])
+def test_the_machine_is_the_dmi_product_name_as_gfd_sanitises_it(short_tmp, product_name, label):
+    assert machine_type(dmi_sysfs(short_tmp / "sys", product_name)) == label
+
+
+def test_without_dmi_the_machine_is_unknown(short_tmp):
+    assert machine_type(short_tmp / "no-sys") == "unknown"  # as GFD's machine-type.go says

@@ -241,7 +241,7 @@ def test_rtx_2080_ti_with_six_replicas():
         "nvidia.com/gpu.count": "1", "nvidia.com/gpu.memory": "11264",
         "nvidia.com/gpu.product": "NVIDIA-GeForce-RTX-2080-Ti-SHARED", "nvidia.com/gpu.replicas": "6",
         "nvidia.com/gpu.sharing-strategy": "time-slicing", "nvidia.com/mig.capable": "false",
-        "nvidia.com/mig.strategy": "none", "nvidia.com/mps.capable": "false"}
+        "nvidia.com/mps.capable": "false"}  # no mig.strategy under none, as GFD
     assert list(document["labels"]) == sorted(document["labels"])
 
 
@@ -311,7 +311,8 @@ def test_mixed_layout_labels():
     assert labels_of(labels, "nvidia.com/mig-1g.5gb") == {
         "nvidia.com/mig-1g.5gb.count": "14", "nvidia.com/mig-1g.5gb.memory": "4864",
         "nvidia.com/mig-1g.5gb.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED",
-        "nvidia.com/mig-1g.5gb.replicas": "3", "nvidia.com/mig-1g.5gb.sharing-strategy": "time-slicing"}
+        "nvidia.com/mig-1g.5gb.replicas": "3", "nvidia.com/mig-1g.5gb.sharing-strategy": "time-slicing",
+        "nvidia.com/mig-1g.5gb.multiprocessors": "14"}
     assert labels["nvidia.com/mig-1g.5gb.me.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb.me"
     assert labels["nvidia.com/mig-1g.5gb.me.sharing-strategy"] == "none"
     assert (labels["nvidia.com/mig-3g.20gb.count"], labels["nvidia.com/mig-3g.20gb.replicas"]) == ("3", "2")
@@ -392,7 +393,7 @@ def test_single_strategy_refusals(gpus, error):
     assert (document["resources"], document["error"]) == ([], error)
     assert labels_of(document["labels"], "nvidia.com/gpu") == {
         "nvidia.com/gpu.count": "0", "nvidia.com/gpu.memory": "0", "nvidia.com/gpu.replicas": "0",
-        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-INVALID"}
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-INVALID", "nvidia.com/gpu.sharing-strategy": "none"}
 
 
 def test_a_lost_gpu_and_unhealthy_devices_mark_all_their_replicas():

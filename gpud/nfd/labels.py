@@ -4,12 +4,20 @@ The file format is NFD's local source (kubernetes-sigs/node-feature-discovery so
 docs/usage/customization-guide.md "Local feature source"): one `name[=value]` per line, lines starting
 with `#` are comments, a file larger than 65536 bytes is ignored whole. Names carry their namespace
 (`nvidia.com/...`): NFD prefixes bare names with `feature.node.kubernetes.io/`, which gpud never wants.
+A `# +expiry-time=<RFC 3339>` directive makes NFD drop the lines after it once that time has passed
+(local.go parseDirectives, parseFeatureFile): gpud puts one before every label, so a gpud that stops
+keeping the file current stops labelling the node.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import NamedTuple
+
+from gpud.inventory import Gpu, Inventory, normal_bus_id
+from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.
 NFD_MAX_FILE_BYTES = 65536
@@ -35,6 +43,17 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 
 
+# What GPU feature discovery labels from the driver and the host (NVIDIA/k8s-device-plugin internal/lm:
+# nvml.go newVersionLabeler, machine-type.go, resource.go newArchitectureLabels); the per-resource
+# labels (count, product, memory, MIG attributes) come with the sharing document.
+GPU_MACHINE = "nvidia.com/gpu.machine"
+MACHINE_UNKNOWN = "unknown"  # machine-type.go: what GFD labels when the DMI product name is unreadable
+GPU_MODE = "nvidia.com/gpu.mode"
+GPU_MODE_UNKNOWN = "unknown"
+# go-nvlib pkg/nvpci: PCIVgaControllerClass, PCI3dControllerClass
+_MODE_OF_PCI_CLASS = {0x030000: "graphics", 0x030200: "compute"}
+
+
 class Dropped(NamedTuple):
     """A label gpud computed but left out of the file, and why."""
 
@@ -43,16 +62,101 @@ class Dropped(NamedTuple):
     reason: str
 
 
-def node_labels(sharing: dict | None, mig: dict, health: dict) -> dict[str, str]:
-    """The node's labels: the sharing document's GPU feature discovery labels, the MIG layout and its
-    state (as mig-manager labels them), the node's health and its count of healthy GPUs."""
-    labels = dict(sharing["labels"]) if sharing else {}
+def node_labels(inventory: Inventory, sysfs: Path, machine: str, sharing: dict | None, mig: dict,
+                health: dict) -> dict[str, str]:
+    """The node's labels: GPU feature discovery's (those of the driver, the machine and the GPUs'
+    architecture, and the sharing document's per resource), the MIG layout and its state (as
+    mig-manager labels them), the node's health and its count of healthy GPUs."""
+    mode = gpu_mode(sysfs, tuple(gpu.pci_bus_id for gpu in inventory.gpus if not gpu.lost))
+    labels = gfd_node_labels(inventory, machine, mode) | (dict(sharing["labels"]) if sharing else {})
     if mig["layout"]:  # no layout chosen: no MIG config to report
         labels[MIG_CONFIG] = mig["layout"]
         labels[MIG_CONFIG_STATE] = MIG_END_STATE_LABEL.get(mig["state"], "pending")
     labels[GPU_HEALTH] = health["status"]
     labels[GPU_HEALTHY] = str(sum(_gpu_healthy(gpu) for gpu in health["gpus"]))
     return labels
+
+
+def machine_type(sysfs: Path) -> str:
+    """The value GFD gives nvidia.com/gpu.machine: the DMI product name (machine-type.go reads
+    /sys/class/dmi/id/product_name), trimmed and sanitised as GFD sanitises names, or "unknown"."""
+    try:
+        name = (sysfs / "class" / "dmi" / "id" / "product_name").read_bytes().decode("utf-8", "replace")
+    except OSError:  # no DMI (some VMs, ARM boards): GFD labels it unknown too
+        return MACHINE_UNKNOWN
+    return gfd_sanitised(name)
+
+
+def gpu_mode(sysfs: Path, pci_bus_ids: tuple[str, ...]) -> str:
+    """GFD's nvidia.com/gpu.mode (nvml.go newGPUModeLabeler): the GPUs' PCI class, read from
+    <sysfs>/bus/pci/devices/<address>/class as go-nvlib's nvpci reads it: `graphics` for a VGA
+    controller, `compute` for a 3D controller; `unknown` for another class, GPUs of different
+    classes, or one that cannot be read."""
+    classes = set()
+    for bus_id in pci_bus_ids:
+        address = normal_bus_id(bus_id)  # "00000000:07:00.0"; sysfs names it with a 4-digit domain
+        if address is None:
+            return GPU_MODE_UNKNOWN
+        try:
+            classes.add(int((sysfs / "bus" / "pci" / "devices" / address[4:] / "class").read_text().strip(), 0))
+        except (OSError, ValueError):
+            return GPU_MODE_UNKNOWN
+    if len(classes) != 1:
+        return GPU_MODE_UNKNOWN
+    return _MODE_OF_PCI_CLASS.get(classes.pop(), GPU_MODE_UNKNOWN)
+
+
+def gfd_node_labels(inventory: Inventory, machine: str, mode: str) -> dict[str, str]:
+    """GFD's labels of the driver, the CUDA version, the machine, the GPUs' mode and their architecture.
+    GFD writes none on a node without GPUs (nvml.go NewNVMLLabeler), and describes one GPU's
+    architecture: gpud describes the first it can read. machine, mode: machine_type's and gpu_mode's
+    answers."""
+    described = next((gpu for gpu in inventory.gpus if not gpu.lost and not gpu.error), None)
+    if described is None:
+        return {}
+    return {GPU_MACHINE: machine, GPU_MODE: mode, **_driver_labels(inventory.driver_version),
+            **_cuda_labels(inventory.cuda_version), **_architecture_labels(described)}
+
+
+def _driver_labels(version: str) -> dict[str, str]:
+    """nvml.go newVersionLabeler: the driver version is X.Y[.Z]; the revision is empty without Z."""
+    parts = version.split(".")
+    if not 2 <= len(parts) <= 3:
+        return {}  # GFD fails to start on such a driver version: nothing to match
+    major, minor, revision = parts[0], parts[1], parts[2] if len(parts) == 3 else ""
+    return {"nvidia.com/cuda.driver.major": major, "nvidia.com/cuda.driver.minor": minor,
+            "nvidia.com/cuda.driver.rev": revision,
+            "nvidia.com/cuda.driver-version.major": major, "nvidia.com/cuda.driver-version.minor": minor,
+            "nvidia.com/cuda.driver-version.revision": revision, "nvidia.com/cuda.driver-version.full": version}
+
+
+def _cuda_labels(version: str) -> dict[str, str]:
+    """The CUDA version the driver supports (nvmlSystemGetCudaDriverVersion, "major.minor" in the inventory)."""
+    major, dot, minor = version.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        return {}
+    return {"nvidia.com/cuda.runtime.major": major, "nvidia.com/cuda.runtime.minor": minor,
+            "nvidia.com/cuda.runtime-version.major": major, "nvidia.com/cuda.runtime-version.minor": minor,
+            "nvidia.com/cuda.runtime-version.full": version}
+
+
+def _architecture_labels(gpu: Gpu) -> dict[str, str]:
+    """resource.go newArchitectureLabels: the family from the compute capability, none when it is 0."""
+    major, dot, minor = gpu.cuda_compute_capability.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()) or int(major) == 0:
+        return {}
+    return {"nvidia.com/gpu.family": _architecture_family(int(major), int(minor)),
+            "nvidia.com/gpu.compute.major": str(int(major)), "nvidia.com/gpu.compute.minor": str(int(minor))}
+
+
+def _architecture_family(major: int, minor: int) -> str:
+    """resource.go getArchFamily, as GFD names them."""
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ampere" if minor < 9 else "ada-lovelace"
+    return {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
+            10: "blackwell", 12: "blackwell"}.get(major, "undefined")
 
 
 def _gpu_healthy(gpu: dict) -> bool:
@@ -74,14 +178,22 @@ def label_problem(name: str, value: str) -> str | None:
     return None
 
 
-def feature_file(labels: dict[str, str]) -> tuple[str, list[Dropped]]:
-    """The file's text and the labels left out of it: those Kubernetes would refuse, and, when the file
-    would exceed NFD's limit, every label after the last that fits (gpud's own labels come first)."""
+def expiry_directive(expires_at: float) -> str:
+    """NFD's expiry line for a Unix time: RFC 3339 in UTC, whole seconds (local.go parses time.RFC3339)."""
+    moment = datetime.fromtimestamp(int(expires_at), timezone.utc)
+    return f"# +expiry-time={moment.strftime('%Y-%m-%dT%H:%M:%SZ')}\n"
+
+
+def feature_file(labels: dict[str, str], expires_at: float) -> tuple[str, list[Dropped]]:
+    """The file's text, every label in it expiring at expires_at (Unix time), and the labels left out of
+    it: those Kubernetes would refuse, and, when the file would exceed NFD's limit, every label after
+    the last that fits (gpud's own labels come first)."""
     dropped = [Dropped(name, value, problem) for name, value in labels.items()
                if (problem := label_problem(name, value))]
     refused = {entry.label for entry in dropped}
     ordered = [name for name in OWN_LABELS if name in labels] + sorted(set(labels) - set(OWN_LABELS))
-    text, size, full = HEADER, len(HEADER.encode()), False
+    text = HEADER + expiry_directive(expires_at)
+    size, full = len(text.encode()), False
     for name in (name for name in ordered if name not in refused):
         line = f"{name}={labels[name]}\n"
         full = full or size + len(line.encode()) > NFD_MAX_FILE_BYTES  # a cut, not a gap: later labels go too

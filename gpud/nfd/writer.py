@@ -1,10 +1,10 @@
 """Keeps NFD's feature file current: rewritten (whole, by rename) within a second of every change of
-the labels, and only then.
+the labels, and every half expiry period besides.
 
 Changes arrive on the event bus (MIG, health, sharing, inventory) and are written after a short quiet
-time, so one MIG apply that moves many devices is one write. Some changes publish no event (the MIG
-state leaving `pending` once start-up convergence is over), so the labels are also compared once a
-second: a comparison costs a few dictionaries, a write happens only when the text differs.
+time, so one MIG apply that moves many devices is one write. Every label expires (the file's
+`# +expiry-time`) one period after the write: the refresh at half the period keeps them, and a gpud
+that stopped or hangs leaves labels NFD drops once they expire, not a `gpu.health=healthy` forever.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gpud.config import NfdConfig
 from gpud.events import CLOSED, OVERFLOW, EventBus
 from gpud.logs import get_logger
 from gpud.nfd.labels import HEADER, feature_file
@@ -25,6 +26,9 @@ QUIET_S = 0.15  # changes of one burst (a MIG apply, an XID on every MIG device)
 # How often a file not written yet (NFD's directory missing, a failed write) is tried again. Changes
 # themselves arrive as events: every part whose state is labelled publishes on the bus.
 RETRY_INTERVAL_S = 1.0
+# The wall clock can jump (NTP, a suspended VM): the refresh is due by it, so it is re-read at least
+# this often instead of trusting one long sleep.
+CLOCK_CHECK_S = 60.0
 
 
 class NfdWriter:
@@ -32,17 +36,19 @@ class NfdWriter:
     NFD stops publishing labels nothing keeps current."""
 
     def __init__(self, path: Path, labels: Callable[[], dict[str, str] | None], bus: EventBus, *,
-                 enabled: bool = True, create_directory: bool = True):
+                 enabled: bool = True, create_directory: bool = True, expiry_s: float = NfdConfig.expiry_s):
         self.path = path
         self.enabled = enabled
+        self.expiry_s = expiry_s
         # False for NFD's own features.d: where it is missing, NFD is not installed, and gpud waits
         # for it (checked every RETRY_INTERVAL_S) instead of making it or calling that a fault.
         self._create_directory = create_directory
         self._labels = labels  # None while there is no inventory: nothing is written then
         self._bus = bus
-        self._written: str | None = None  # the text the file holds, as gpud last wrote it
+        self._written: dict[str, str] | None = None  # the labels the file holds, as gpud last wrote it
+        self._refresh_at = 0.0  # Unix time: the file is rewritten from then on, labels changed or not
         self._document = {"enabled": enabled, "path": str(path), "labels": {}, "dropped": [], "bytes": 0,
-                          "written_at": None, "error": None, "waiting": None}
+                          "written_at": None, "expires_at": None, "error": None, "waiting": None}
 
     @property
     def problem(self) -> str | None:
@@ -63,8 +69,7 @@ class NfdWriter:
             while True:
                 await self.write_if_changed()
                 try:
-                    pending = self._document["waiting"] or self._document["error"]
-                    first = await asyncio.wait_for(subscription.queue.get(), RETRY_INTERVAL_S if pending else None)
+                    first = await asyncio.wait_for(subscription.queue.get(), self._next_wake())
                 except asyncio.TimeoutError:
                     continue
                 await asyncio.sleep(QUIET_S)
@@ -76,13 +81,26 @@ class NfdWriter:
         finally:
             self._bus.unsubscribe(subscription)
 
+    def _next_wake(self) -> float | None:
+        """Seconds until the writer looks again without an event: soon while the file is not written,
+        at the refresh otherwise; None before there is anything to write."""
+        if self._document["waiting"] or self._document["error"]:
+            return RETRY_INTERVAL_S
+        if self._written is None:
+            return None
+        return min(max(self._refresh_at - time.time(), 0.0), CLOCK_CHECK_S)
+
     async def write_if_changed(self) -> None:
+        """Writes the file when the labels changed or the refresh is due."""
         labels = self._labels()
         if labels is None:
             return
-        text, dropped = feature_file(labels)
-        if text == self._written:
+        now = time.time()
+        refresh = labels == self._written
+        if refresh and now < self._refresh_at and not self._document["error"]:
             return
+        expires_at = now + self.expiry_s
+        text, dropped = feature_file(labels, expires_at)
         if not self._create_directory and not self.path.parent.is_dir():
             waiting = f"{self.path.parent} does not exist: NFD is not installed here; the file is written once it is"
             if self._document["waiting"] != waiting:
@@ -97,16 +115,21 @@ class NfdWriter:
                           consequence="NFD keeps publishing the labels of the last file written")
             self._document = {**self._document, "error": str(exc)}
             return
-        self._written = text
+        self._written, self._refresh_at = labels, now + self.expiry_s / 2
+        self._document = {**self._document, "bytes": len(text.encode()), "written_at": now,
+                          "expires_at": int(expires_at), "error": None, "waiting": None}
+        if refresh:  # the same labels, a later expiry: routine, every half period
+            log.debug("nfd_file_refreshed", path=str(self.path), expires_at=int(expires_at))
+            return
         for entry in dropped:
             log.error("nfd_label_dropped", label=entry.label, value=entry.value, reason=entry.reason,
                       path=str(self.path))
         written = {name: value for name, value in labels.items() if name not in {d.label for d in dropped}}
         log.info("nfd_file_written", path=str(self.path), labels=len(written), dropped=len(dropped),
-                 mig_config=written.get("nvidia.com/mig.config"), health=written.get("nvidia.com/gpu.health"))
+                 expires_at=int(expires_at), mig_config=written.get("nvidia.com/mig.config"),
+                 health=written.get("nvidia.com/gpu.health"))
         self._document = {**self._document, "labels": dict(sorted(written.items())),
-                          "dropped": [entry._asdict() for entry in dropped], "bytes": len(text.encode()),
-                          "written_at": time.time(), "error": None, "waiting": None}
+                          "dropped": [entry._asdict() for entry in dropped]}
 
     def _remove_own_file(self) -> None:
         """Removes the file at path when gpud wrote it (its header says so), never another's."""

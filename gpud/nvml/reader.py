@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo, normal_bus_id, unknown_gpu
+from gpud.inventory import Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, unknown_gpu
 from gpud.logs import get_logger
 from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
 from gpud.mig.model import MigCapabilities
@@ -314,7 +314,10 @@ def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabil
                 profile=mig_device_name(gi_profile.name, gi_slices, ci_slices),
                 gi_id=gi.gi_id, ci_id=ci.ci_id, gi_profile_id=gi.profile_id, ci_profile_id=ci.profile_id,
                 placement=gi.placement, memory_total_mib=attrs.memorySizeMB, sm_count=attrs.multiprocessorCount,
-                pids=found["pids"]))
+                pids=found["pids"], gi_slices=gi_slices, ci_slices=ci_slices,
+                engines=MigEngines(copy=attrs.sharedCopyEngineCount, decoder=attrs.sharedDecoderCount,
+                                   encoder=attrs.sharedEncoderCount, jpeg=attrs.sharedJpegCount,
+                                   ofa=attrs.sharedOfaCount)))
     return tuple(sorted(devices, key=lambda d: d.index))
 
 

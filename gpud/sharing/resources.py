@@ -9,6 +9,7 @@ feature discovery (GFD) writes for the same node.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gpud.inventory import Gpu, Inventory, MigDevice
@@ -47,8 +48,8 @@ class _Device:
 
     @property
     def product(self) -> str:
-        """GFD's product label: the model name with spaces as dashes; MIG devices add -MIG-<profile>."""
-        model = self.gpu.name.replace(" ", "-")
+        """GFD's product label: the model name sanitised; MIG devices add -MIG-<profile>."""
+        model = gfd_sanitised(self.gpu.name)
         return f"{model}-MIG-{_profile_for_names(self.mig.profile)}" if self.mig else model
 
     def matches(self, selector: str) -> bool:
@@ -259,9 +260,11 @@ def _device_entries(device: _Device, replicas: int, unhealthy: frozenset[str]) -
 
 
 def _node_labels(config: SharingConfig, gpus: tuple[Gpu, ...]) -> dict[str, str]:
-    return {"nvidia.com/mig.capable": _flag(any(gpu.mig.capable for gpu in gpus)),
-            "nvidia.com/mig.strategy": config.mig_strategy,
-            "nvidia.com/mps.capable": _flag(config.strategy == "mps")}
+    labels = {"nvidia.com/mig.capable": _flag(any(gpu.mig.capable for gpu in gpus)),
+              "nvidia.com/mps.capable": _flag(config.strategy == "mps")}
+    if config.mig_strategy != "none":  # GFD labels the strategy only with its MIG labeler (mig-strategy.go)
+        labels["nvidia.com/mig.strategy"] = config.mig_strategy
+    return labels
 
 
 def _resource_labels(assignments: _Assignments, gpus: tuple[Gpu, ...], strategy: str) -> dict[str, str]:
@@ -270,6 +273,11 @@ def _resource_labels(assignments: _Assignments, gpus: tuple[Gpu, ...], strategy:
     gpu_pairs = assignments.get(GPU_RESOURCE, [])
     if gpu_pairs and gpu_pairs[0][0].mig:  # migStrategy single: the MIG devices are the GPUs
         labels = _labels_for(GPU_RESOURCE, len(gpu_pairs), gpu_pairs[0][0], gpu_pairs, strategy)
+    elif all(_mig_enabled(gpu) for gpu in gpus):
+        # GFD labels MIG-enabled GPUs without sharing, replicas 0 (mig-strategy.go newGPULabelers,
+        # NewGPUResourceLabelerWithoutSharing; resource.go getReplicas)
+        labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), [], strategy) | {
+            f"{GPU_RESOURCE}.replicas": "0"}
     else:  # GFD counts every physical GPU, and describes GPU 0
         labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), gpu_pairs, strategy)
     for name, pairs in assignments.items():
@@ -290,13 +298,36 @@ def _labels_for(name: str, count: int, described: _Device, pairs: list[tuple[_De
               f"{name}.sharing-strategy": strategy if replicas > 1 else "none"}
     if described.memory_mib:  # GFD leaves the label out when the memory is unknown
         labels[f"{name}.memory"] = str(described.memory_mib)
+    if described.mig:
+        labels |= _mig_attribute_labels(name, described.mig)
     return labels
 
 
+def _mig_attribute_labels(name: str, mig: MigDevice) -> dict[str, str]:
+    """GFD's labels of a MIG device's attributes (k8s-device-plugin internal/resource/nvml-mig-device.go
+    GetAttributes, from nvmlDeviceGetAttributes), beside its memory."""
+    engines = mig.engines
+    return {f"{name}.{suffix}": str(value) for suffix, value in (
+        ("multiprocessors", mig.sm_count), ("slices.gi", mig.gi_slices), ("slices.ci", mig.ci_slices),
+        ("engines.copy", engines.copy), ("engines.decoder", engines.decoder), ("engines.encoder", engines.encoder),
+        ("engines.jpeg", engines.jpeg), ("engines.ofa", engines.ofa))}
+
+
+def gfd_sanitised(text: str) -> str:
+    """GFD's names in label values (k8s-device-plugin internal/lm/resource.go sanitise, used for the
+    product and the machine): characters other than letters, digits, '-', '_', '.' and space removed,
+    then the words joined by '-'."""
+    return "-".join(re.sub(r"[^A-Za-z0-9\-_. ]", "", text).split())
+
+
 def _invalid_single_labels(gpus: tuple[Gpu, ...]) -> dict[str, str]:
+    """mig-strategy.go newInvalidMigStrategyLabeler over GFD's GPU labels, whose sharing strategy is
+    none: MIG-enabled GPUs are labelled unshared. (Shared MIG-disabled GPUs beside them, where GFD
+    would name the strategy, are not modelled.)"""
     model = _Device(next(gpu for gpu in gpus if _mig_enabled(gpu))).product
     return {f"{GPU_RESOURCE}.product": f"{model}-MIG-INVALID", f"{GPU_RESOURCE}.count": "0",
-            f"{GPU_RESOURCE}.replicas": "0", f"{GPU_RESOURCE}.memory": "0"}
+            f"{GPU_RESOURCE}.replicas": "0", f"{GPU_RESOURCE}.memory": "0",
+            f"{GPU_RESOURCE}.sharing-strategy": "none"}
 
 
 def _flag(value: bool) -> str:
