@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,11 +19,14 @@ import jsonschema
 import pytest
 import referencing
 from referencing.jsonschema import DRAFT7
+from cdi_library import assert_cdi_library_accepts, cdi_library_verdict
 from helpers import (IN_CI, PODMAN_RUN, REPO, cli, mig_config, mig_settled, minimal_rootfs, need_podman_as_root,
-                     podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon)
+                     podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
 
-from gpud.cdi.spec import parse_mig_minors
+from gpud.cdi.spec import CONTROL_NODES, parse_mig_minors
+from gpud.client import Client, DaemonUnreachable
+from gpud.cdi.version import minimum_version
 from gpud.nvml.sim.mig_minors import mig_minors_text
 
 SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
@@ -32,6 +37,12 @@ PODMAN_LOCK = Path("/tmp/gpud-tests-cdi.lock")  # tests in parallel processes sh
 
 
 def validate(spec: dict) -> None:
+    """Every spec a test produces: valid by the CDI schema and loaded by the CDI library itself."""
+    validate_by_schema(spec)
+    assert_cdi_library_accepts(spec)
+
+
+def validate_by_schema(spec: dict) -> None:
     resources = {name: DRAFT7.create_resource(json.loads((SCHEMA_DIR / name).read_text()))
                  for name in ("schema.json", "defs.json")}
     registry = referencing.Registry().with_resources(resources.items())
@@ -71,13 +82,13 @@ async def mig_devices(node) -> list[dict]:
 
 def test_the_schema_tells_its_own_good_examples_from_bad():
     for name in ("testdata_good_minimal.json", "testdata_good_spec-example.json"):
-        validate(json.loads((SCHEMA_DIR / name).read_text()))
+        validate_by_schema(json.loads((SCHEMA_DIR / name).read_text()))
     assert (SCHEMA_DIR / "testdata_bad_empty.json").read_text() == ""  # the schema's bad example: no document
     for bad in ({"kind": "gpud/gpu", "devices": []}, {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0"}]},
                 {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0", "containerEdits": {
                     "deviceNodes": [{"hostPath": "/dev/nvidia0"}]}}]}):
         with pytest.raises(jsonschema.ValidationError):
-            validate(bad)
+            validate_by_schema(bad)
 
 
 # -- the driver's MIG minors table -----------------------------------------------------------------
@@ -101,6 +112,45 @@ def test_mig_minors_lines_of_another_shape_are_skipped():
     assert parse_mig_minors(text) == {"config": 1, "gpu0/gi1/access": 12, "gpu0/gi1/ci2/access": 15}
 
 
+# -- cdiVersion: the least the CDI library accepts -------------------------------------------------
+
+NODE = {"path": "/dev/nvidia0"}
+VERSION_CASES = [  # (what a spec uses, its devices' edits, the version the CDI library wants)
+    ("names starting with a letter, nothing else", {"name": "GPU-1", "containerEdits": {"deviceNodes": [NODE]}}, "0.3.0"),
+    ("a name starting with a digit", {"name": "0", "containerEdits": {"deviceNodes": [NODE]}}, "0.5.0"),
+    ("a hostPath", {"name": "a", "containerEdits": {"deviceNodes": [{**NODE, "hostPath": "/x/dev/nvidia0"}]}}, "0.5.0"),
+    ("a mount type", {"name": "a", "containerEdits": {"mounts": [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]}}, "0.4.0"),
+    ("device annotations", {"name": "a", "annotations": {"k": "v"}, "containerEdits": {"deviceNodes": [NODE]}}, "0.6.0"),
+    ("additionalGids", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "additionalGids": [44]}}, "0.7.0"),
+    ("intelRdt", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "intelRdt": {"closID": "c"}}}, "0.7.0"),
+    ("intelRdt monitoring", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "intelRdt": {"enableMonitoring": True}}}, "1.1.0"),
+    ("netDevices", {"name": "a", "containerEdits": {"netDevices": [{"hostInterfaceName": "eth1", "name": "eth1"}]}}, "1.1.0"),
+]
+RELEASED = ["0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0"]  # specs-go/version.go
+
+
+@pytest.mark.parametrize("uses, device, wanted", VERSION_CASES, ids=[case[0] for case in VERSION_CASES])
+def test_the_version_gpud_computes_is_the_least_the_cdi_library_accepts(uses, device, wanted):
+    spec = {"cdiVersion": "", "kind": "gpud/gpu", "devices": [device]}
+    assert minimum_version(spec) == wanted
+    for version in RELEASED:
+        devices, errors = cdi_library_verdict({**spec, "cdiVersion": version})
+        if RELEASED.index(version) < RELEASED.index(wanted):
+            assert f"the spec version must be at least v{wanted}" in errors and devices == [], (version, errors)
+        else:
+            assert not errors and devices == [f"gpud/gpu={device['name']}"], (version, errors)
+
+
+def test_a_dot_in_the_kinds_class_and_spec_annotations_need_0_6_0():
+    device = {"name": "a", "containerEdits": {"deviceNodes": [NODE]}}
+    for spec in ({"kind": "gpud/gpu.mig", "devices": [device]},
+                 {"kind": "gpud/gpu", "annotations": {"k": "v"}, "devices": [device]}):
+        assert minimum_version(spec) == "0.6.0"
+        _, errors = cdi_library_verdict({"cdiVersion": "0.5.0", **spec})
+        assert "the spec version must be at least v0.6.0" in errors
+        assert_cdi_library_accepts({"cdiVersion": "0.6.0", **spec})
+
+
 # -- the spec --------------------------------------------------------------------------------------
 
 
@@ -121,7 +171,7 @@ async def test_gpus_mig_devices_and_time_sliced_replicas(short_tmp):
         validate(spec)
         assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
         assert (spec["kind"], view["kind"], view["path"]) == ("gpud/gpu", "gpud/gpu", str(short_tmp / "cdi/gpud-gpu.json"))
-        assert spec["cdiVersion"] == "0.5.0"  # hostPath in deviceNodes: the stand-ins are not at /dev
+        assert spec["cdiVersion"] == "0.5.0"  # names starting with a digit, and hostPaths
         _, gpus = await node.get("/v1/gpus")
         expected = []
         for gpu in gpus["gpus"]:
@@ -328,6 +378,57 @@ async def test_no_device_node_no_spec_file(short_tmp):
         assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
     finally:
         await stop_daemon(node)
+
+
+# The production default, cdi.dev_root "/": gpud in a private mount namespace (unshare --mount) whose
+# /dev is a tmpfs holding a few ordinary nodes and NVIDIA stand-ins (/dev/null's numbers, harmless).
+PRIVATE_DEV = """set -e
+mount -t tmpfs -o mode=755 gpud-test-dev /dev
+mknod -m 666 /dev/null c 1 3; mknod -m 666 /dev/zero c 1 5; mknod -m 666 /dev/urandom c 1 9
+for name in nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools; do mknod -m 666 /dev/$name c 1 3; done
+exec "$@"
+"""
+
+
+@pytest.mark.slow
+def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
+    """No hostPath at all, yet names such as "0" need cdiVersion 0.5.0: a 0.3.0 spec is refused whole."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if IN_CI:
+            pytest.fail("CI runs as root, with util-linux's unshare")
+        pytest.skip("needs root for a private mount namespace")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  dev_root: /\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    socket = short_tmp / "gpud.sock"
+    with (short_tmp / "gpud.log").open("w") as log:
+        gpud = subprocess.Popen(
+            ["unshare", "--mount", "sh", "-c", PRIVATE_DEV, "sh", sys.executable, "-m", "gpud", "serve",
+             "--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"), "--socket", str(socket),
+             "--state-dir", str(short_tmp / "state"), "--config", str(short_tmp / "gpud.yaml"), "--log-format", "json"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        client = Client(socket, timeout=10)
+
+        def written():
+            assert gpud.poll() is None, (short_tmp / "gpud.log").read_text()
+            try:
+                return client.get("/v1/cdi")["spec"]
+            except DaemonUnreachable:
+                return None
+        spec = until(written, 20, "the spec")
+        gpus = client.get("/v1/gpus")["gpus"]
+        assert [d["name"] for d in spec["devices"]] == ["0", gpus[0]["uuid"], "1", gpus[1]["uuid"], "all"]
+        assert not any("hostPath" in node for device in spec["devices"]
+                       for node in device["containerEdits"]["deviceNodes"])
+        assert spec["containerEdits"]["deviceNodes"] == [{"path": p} for p in CONTROL_NODES]
+        assert spec["cdiVersion"] == "0.5.0"
+        validate(spec)
+        assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
+        # what gpud wrote before: the CDI library refuses it whole, none of its devices can be had
+        devices, errors = cdi_library_verdict({**spec, "cdiVersion": "0.3.0"})
+        assert devices == [] and "the spec version must be at least v0.5.0" in errors
+    finally:
+        gpud.terminate()
+        assert gpud.wait(10) == 0
 
 
 @pytest.mark.parametrize("text, error", [
