@@ -204,8 +204,9 @@ class CdiConfig:
     # so simulated devices never reach the host's runtimes unless this is set.
     spec_dir: str | None = None
     # The host root device nodes are found under (/dev/nvidia0 is <dev_root>/dev/nvidia0); the
-    # container path stays /dev/... Only nodes that exist there go in the spec.
-    dev_root: str = "/"
+    # container path stays /dev/... Only nodes that exist there go in the spec. Unset: /; on a
+    # simulated node the simulator's device nodes beside its state file.
+    dev_root: str | None = None
     # The driver's table of MIG capability minors. Unset: /proc/driver/nvidia-caps/mig-minors; on a
     # simulated node the simulator's copy beside its state file.
     mig_minors: str | None = None
@@ -294,6 +295,15 @@ class Config:
         if self.cdi.spec_dir:
             return Path(self.cdi.spec_dir)
         return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
+
+    @property
+    def cdi_dev_root(self) -> Path:
+        if self.cdi.dev_root:
+            return Path(self.cdi.dev_root)
+        if self.simulate:
+            state = self.sim_state_path
+            return state.with_name(state.name + ".dev")
+        return Path("/")
 
     @property
     def mig_minors_path(self) -> Path:

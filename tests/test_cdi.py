@@ -390,6 +390,31 @@ exec "$@"
 """
 
 
+def serve_behind(prefix: list[str], tmp: Path, *args: str) -> tuple[subprocess.Popen, Client]:
+    """`gpud serve` on a simulated node, started through a command prefix (a namespace, another user)."""
+    with (tmp / "gpud.log").open("w") as log:
+        gpud = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "gpud", "serve", "--sim-state", str(tmp / "sim.json"),
+             "--socket", str(tmp / "gpud.sock"), "--state-dir", str(tmp / "state"), "--log-format", "json", *args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return gpud, Client(tmp / "gpud.sock", timeout=10)
+
+
+def spec_served(gpud: subprocess.Popen, client: Client, log: Path) -> dict:
+    def written():
+        assert gpud.poll() is None, log.read_text()
+        try:
+            return client.get("/v1/cdi")["spec"]
+        except DaemonUnreachable:
+            return None
+    return until(written, 20, "the spec")
+
+
+def stop_served(gpud: subprocess.Popen) -> None:
+    gpud.terminate()
+    assert gpud.wait(10) == 0
+
+
 @pytest.mark.slow
 def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
     """No hostPath at all, yet names such as "0" need cdiVersion 0.5.0: a 0.3.0 spec is refused whole."""
@@ -398,23 +423,10 @@ def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
             pytest.fail("CI runs as root, with util-linux's unshare")
         pytest.skip("needs root for a private mount namespace")
     (short_tmp / "gpud.yaml").write_text(f"cdi:\n  dev_root: /\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
-    socket = short_tmp / "gpud.sock"
-    with (short_tmp / "gpud.log").open("w") as log:
-        gpud = subprocess.Popen(
-            ["unshare", "--mount", "sh", "-c", PRIVATE_DEV, "sh", sys.executable, "-m", "gpud", "serve",
-             "--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"), "--socket", str(socket),
-             "--state-dir", str(short_tmp / "state"), "--config", str(short_tmp / "gpud.yaml"), "--log-format", "json"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    gpud, client = serve_behind(["unshare", "--mount", "sh", "-c", PRIVATE_DEV, "sh"], short_tmp,
+                                "--simulate", "A100-SXM4-40GB:2", "--config", str(short_tmp / "gpud.yaml"))
     try:
-        client = Client(socket, timeout=10)
-
-        def written():
-            assert gpud.poll() is None, (short_tmp / "gpud.log").read_text()
-            try:
-                return client.get("/v1/cdi")["spec"]
-            except DaemonUnreachable:
-                return None
-        spec = until(written, 20, "the spec")
+        spec = spec_served(gpud, client, short_tmp / "gpud.log")
         gpus = client.get("/v1/gpus")["gpus"]
         assert [d["name"] for d in spec["devices"]] == ["0", gpus[0]["uuid"], "1", gpus[1]["uuid"], "all"]
         assert not any("hostPath" in node for device in spec["devices"]
@@ -427,8 +439,52 @@ def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
         devices, errors = cdi_library_verdict({**spec, "cdiVersion": "0.3.0"})
         assert devices == [] and "the spec version must be at least v0.5.0" in errors
     finally:
-        gpud.terminate()
-        assert gpud.wait(10) == 0
+        stop_served(gpud)
+
+
+# -- a simulated node's device nodes ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
+    """`gpud serve --simulate dgx-a100` without root: the simulator makes its device nodes (links to
+    /dev/null, no mknod), so `gpud cdi` lists every GPU and the CDI library takes the spec."""
+    as_user = []
+    if os.geteuid() == 0:  # be an ordinary user, nobody, for gpud and for its client
+        if shutil.which("setpriv") is None:
+            pytest.fail("setpriv (util-linux) is missing")
+        os.chown(short_tmp, 65534, 65534)
+        as_user = [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"]
+    gpud, _ = serve_behind(as_user, short_tmp, "--simulate", "dgx-a100")
+
+    def gpud_cdi(*args):
+        return subprocess.run([*as_user, sys.executable, "-m", "gpud", "cdi", "--socket", str(short_tmp / "gpud.sock"),
+                               *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    def written():
+        assert gpud.poll() is None, (short_tmp / "gpud.log").read_text()
+        shown = gpud_cdi("--json")  # fails until gpud listens
+        return shown.returncode == 0 and json.loads(shown.stdout)["written_at"] and json.loads(shown.stdout)
+    try:
+        view = until(written, 20, "the spec")
+        spec, names = view["spec"], view["devices"]
+        assert names[-1] == "all" and len(names) == 2 * 8 + 1 and view["unavailable"] == []
+        assert names[:-1:2] == [str(index) for index in range(8)] and all(n.startswith("GPU-") for n in names[1:-1:2])
+        validate(spec)
+        shown = gpud_cdi()
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  "
+                                             f"devices: {len(names)}"] + [f"  gpud/gpu={name}" for name in names]
+        dev = short_tmp / "sim.json.dev" / "dev"
+        assert os.readlink(dev / "nvidia7") == "/dev/null" and (dev / "nvidia7").lstat().st_uid == os.stat(short_tmp).st_uid
+        # the driver's MIG capability nodes of these 8 GPUs, config and monitor: as the minors table says
+        minors = parse_mig_minors(mig_minors_text())
+        wanted = {f"nvidia-cap{m}" for cap, m in minors.items() if not cap.startswith("gpu") or int(cap[3:cap.index("/")]) < 8}
+        assert {path.name for path in (dev / "nvidia-caps").iterdir()} == wanted
+        for node in [n for device in spec["devices"] for n in device["containerEdits"]["deviceNodes"]]:
+            assert node["hostPath"] == "/dev/null", node  # what the link resolves to: the CDI library lstats hostPath
+    finally:
+        stop_served(gpud)
 
 
 @pytest.mark.parametrize("text, error", [
@@ -490,6 +546,32 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
             for name in set(old) - set(new):
                 assert_unresolvable(rootfs, name)
             assert_runs_with_its_nodes(gpud, rootfs, new[-1])
+        finally:
+            gpud.stop()
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_podman_takes_a_simulated_nodes_devices(run_gpud, short_tmp):
+    """The simulator's device nodes as they are (links to /dev/null): podman runs a container with a GPU,
+    whose nodes are the character devices the links resolve to."""
+    need_podman_as_root()
+    rootfs = minimal_rootfs(short_tmp / "rootfs", "busybox")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n"
+                                         f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
+    with PODMAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
+                        "--config", str(short_tmp / "gpud.yaml"))
+        try:
+            gpud.wait_healthy()
+            gpud.wait_for(lambda: "1" in gpud.client.get("/v1/cdi")["devices"], 10, "the spec")
+            validate(gpud.client.get("/v1/cdi")["spec"])
+            inside = run_in_container(rootfs, "1", "ls -l /dev")
+            assert inside.returncode == 0, inside.stderr
+            nodes = {line.split()[-1]: line for line in inside.stdout.splitlines() if " nvidia" in line}
+            assert sorted(nodes) == ["nvidia-uvm", "nvidia-uvm-tools", "nvidia1", "nvidiactl"]
+            assert all(line.startswith("c") and " 1,   3 " in line for line in nodes.values()), nodes
         finally:
             gpud.stop()
             (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
