@@ -210,6 +210,14 @@ class CdiConfig:
     # The driver's table of MIG capability minors. Unset: /proc/driver/nvidia-caps/mig-minors; on a
     # simulated node the simulator's copy beside its state file.
     mig_minors: str | None = None
+    # Carry the host driver's user-space files as nvidia-ctk cdi generate does, for the driver version
+    # NVML reports: its libraries (from the ld.so.cache), nvidia-smi and the other binaries, GSP
+    # firmware, the persistenced and Fabric Manager sockets, and hooks of gpud's own that make the
+    # libraries' .so.1 links and the container's linker cache. false: device nodes only, the driver's
+    # files left to whatever gives them to containers (NVIDIA's runtime hook, nvidia-ctk's spec).
+    driver_files: bool = True
+    # The root the driver's files are found under (its etc/ld.so.cache, usr/bin, lib/firmware, run).
+    driver_root: str = "/"
 
 
 @dataclass(frozen=True)

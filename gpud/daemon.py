@@ -199,7 +199,8 @@ class Daemon:
                 from gpud.nvml.sim.device_nodes import write_device_nodes
                 write_device_nodes(config.cdi_dev_root, config.simulate)
         return CdiWriter(config.cdi_spec_path, config.cdi_dev_root, config.mig_minors_path, self.inventory,
-                         self.sharing, self._mps_clients, self.bus)
+                         self.sharing, self._mps_clients, self.bus,
+                         Path(config.cdi.driver_root) if config.cdi.driver_files else None)
 
     def _mps_clients(self) -> dict[str, dict]:
         """Device UUID -> the client environment of the MPS daemon serving it, for the CDI spec's MPS replicas."""

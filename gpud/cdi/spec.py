@@ -81,8 +81,9 @@ def parse_mig_minors(text: str) -> dict[str, int]:
 
 
 def build_spec(inventory: Inventory, sharing: dict | None, mps_clients: Mapping[str, dict],
-               host: HostDevices) -> CdiSpec:
-    """mps_clients: device UUID -> what GET /v1/mps/{name}/client-env serves for the daemon of that device."""
+               host: HostDevices, driver_edits: Mapping[str, list] | None = None) -> CdiSpec:
+    """mps_clients: device UUID -> what GET /v1/mps/{name}/client-env serves for the daemon of that device;
+    driver_edits: the driver's files (driver_files.DriverFiles.edits), which every device needs."""
     devices: list[dict] = []
     unavailable: list[dict] = []
     nodes_of: dict[str, list[str]] = {}  # device UUID -> its device node paths, for replicas and "all"
@@ -100,8 +101,9 @@ def build_spec(inventory: Inventory, sharing: dict | None, mps_clients: Mapping[
         devices.append(_device(ALL, host, list(dict.fromkeys(p for paths in nodes_of.values() for p in paths))))
     spec = {"kind": KIND, "devices": devices}
     control = [host.node(path) for path in CONTROL_NODES if path in host.present]
-    if control:
-        spec["containerEdits"] = {"deviceNodes": control}
+    common = {"deviceNodes": control, **(driver_edits or {})}
+    if any(common.values()):
+        spec["containerEdits"] = {key: value for key, value in common.items() if value}
     # In every configuration: device names such as "0" alone need 0.5.0, with or without a hostPath.
     return CdiSpec({"cdiVersion": minimum_version(spec), **spec}, unavailable)
 
