@@ -18,6 +18,10 @@ from helpers import IN_CI, REPO
 SHARED = REPO.parent / "shared"
 NVIDIA_CTK = SHARED / "nvidia-container-toolkit" / "bin" / "nvidia-ctk"
 REGISTRY_ERRORS = "The following registry errors were reported"
+# The container runtimes' spec directory podman 4.3 reads (it has no setting for another one), shared
+# by tests in parallel processes: they take the lock while their spec is there.
+RUNTIME_SPEC_DIR = Path("/var/run/cdi")
+PODMAN_LOCK = Path("/tmp/gpud-tests-cdi.lock")
 
 
 def need_nvidia_ctk() -> None:

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import referencing
 from referencing.jsonschema import DRAFT7
-from cdi_library import assert_cdi_library_accepts, cdi_library_verdict
+from cdi_library import PODMAN_LOCK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts, cdi_library_verdict
 from helpers import (IN_CI, PODMAN_RUN, REPO, cli, mig_config, mig_settled, minimal_rootfs, need_podman_as_root,
                      podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
@@ -31,9 +31,6 @@ from gpud.nvml.sim.mig_minors import mig_minors_text
 
 SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
 CAPTURE = REPO / "tests" / "fixtures" / "hardware" / "h100-sxm5-580.159.04" / "capture.log"
-# The container runtimes' spec directory podman 4.3 reads (it has no setting for another one).
-RUNTIME_SPEC_DIR = Path("/var/run/cdi")
-PODMAN_LOCK = Path("/tmp/gpud-tests-cdi.lock")  # tests in parallel processes share /var/run/cdi
 
 
 def validate(spec: dict) -> None:

@@ -5,6 +5,7 @@ spec, with no NVIDIA tool anywhere."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cdi_library import SHARED, NVIDIA_CTK, assert_cdi_library_accepts
+from cdi_library import NVIDIA_CTK, PODMAN_LOCK, RUNTIME_SPEC_DIR, SHARED, assert_cdi_library_accepts
 from helpers import (IN_CI, PODMAN_RUN, minimal_rootfs, need_podman_as_root, podman, sim_config, stand_in_nodes,
                      start_daemon, stop_daemon, until_async)
 
@@ -60,18 +61,18 @@ def mock_nvml() -> Path:
     return MOCK_NVML_DIR
 
 
-def driver_tree(root: Path) -> Path:
+def driver_tree(root: Path, nvml: Path | None = None) -> Path:
     """A driver install under root, as the nvidia-container-toolkit README in ../shared describes: small
-    shared objects with the driver's file names and sonames (gcc), NVIDIA's mock as libnvidia-ml (what
-    nvidia-ctk loads from the tree), binaries, GSP firmware, persistenced's socket, ldconfig -r root."""
+    shared objects with the driver's file names and sonames (gcc; libnvidia-ml the library in nvml, if
+    given: nvidia-ctk loads the tree's own), binaries, GSP firmware, persistenced's socket, ldconfig -r root."""
     need(shutil.which("gcc") is not None, "gcc is not installed")
     lib_dir = root / LIB_DIR
     lib_dir.mkdir(parents=True)
     (root / "stub.c").write_text("int gpud_test_stub;\n")
     for stem, soname in LIBRARIES.items():
         target = lib_dir / f"{stem}.so.{VERSION}"
-        if stem == "libnvidia-ml":
-            shutil.copy(mock_nvml() / f"libnvidia-ml.so.{VERSION}", target)
+        if stem == "libnvidia-ml" and nvml:
+            shutil.copy(nvml / f"libnvidia-ml.so.{VERSION}", target)
             continue
         compiled = subprocess.run(["gcc", "-shared", f"-Wl,-soname,{soname}", "-o", target, root / "stub.c"],
                                   capture_output=True, text=True, timeout=120)
@@ -128,8 +129,9 @@ async def written(node) -> dict:
     return await until_async(view, 2, "the spec")
 
 
+@pytest.mark.slow
 async def test_gpuds_driver_files_are_nvidia_ctks(short_tmp):
-    tree = driver_tree(short_tmp / "driver")
+    tree = driver_tree(short_tmp / "driver", mock_nvml())
     nvidia = nvidia_spec(tree, short_tmp / "nvidia.json")["containerEdits"]
     config = sim_config(short_tmp, "A100-SXM4-40GB:1").with_overrides(**{
         "sim_driver": VERSION, "cdi.driver_root": str(tree), "cdi.dev_root": str(stand_in_nodes(short_tmp / "dev", 1))})
@@ -301,10 +303,7 @@ def test_a_container_with_only_a_gpud_device_loads_the_hosts_nvml(run_gpud, shor
         target = rootfs / needed.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(Path(needed).resolve(), target)
-    spec_dir = Path("/var/run/cdi")
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {spec_dir}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
-    from test_cdi import PODMAN_LOCK
-    import fcntl
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-driver", version, "--sim-state",
@@ -323,4 +322,4 @@ def test_a_container_with_only_a_gpud_device_loads_the_hosts_nvml(run_gpud, shor
                                                   "nvmlInit_v2: Driver Not Loaded"], inside.stdout
         finally:
             gpud.stop()
-            (spec_dir / "gpud-gpu.json").unlink(missing_ok=True)
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)

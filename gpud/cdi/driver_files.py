@@ -65,15 +65,17 @@ class DriverFiles:
         """The CDI container edits; none without libraries (a driver of another version, or none)."""
         if not self.libraries:
             return {}
-        host = lambda path: str(self.root / path.lstrip("/"))  # noqa: E731
-        mounts = [{"hostPath": host(path), "containerPath": path, "options": FILE_OPTIONS}
-                  for path in (*self.binaries, *self.libraries, *self.firmware)]
-        mounts += [{"hostPath": host(path), "containerPath": path, "options": SOCKET_OPTIONS} for path in self.sockets]
+        mounts = [self._mount(path, FILE_OPTIONS) for path in (*self.binaries, *self.libraries, *self.firmware)]
+        mounts += [self._mount(path, SOCKET_OPTIONS) for path in self.sockets]
         links = [arg for target, link in self.links for arg in ("--link", f"{target}::{link}")]
         folders = [arg for folder in dict.fromkeys(os.path.dirname(p) for p in self.libraries)
                    for arg in ("--folder", folder)]
         return {"mounts": mounts, "hooks": [_hook("create-symlinks", *links),
                                             _hook("update-ldcache", "--ldconfig", ldconfig, *folders)]}
+
+
+    def _mount(self, path: str, options: list[str]) -> dict:
+        return {"hostPath": str(self.root / path.lstrip("/")), "containerPath": path, "options": options}
 
 
 def find_driver_files(root: Path, version: str) -> DriverFiles:
