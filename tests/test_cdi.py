@@ -218,6 +218,7 @@ async def test_device_nodes_only_where_they_exist(short_tmp):
         (root / "dev" / "nvidia-caps" / f"nvidia-cap{minor}").unlink()
         node.daemon.cdi.refresh("test: a node went")
         _, view = await node.get("/v1/cdi")
+        validate(view["spec"])
         assert gone["uuid"] not in view["devices"] and "0" in view["devices"]
         assert {"device": gone["uuid"], "reason": f"no device node /dev/nvidia-caps/nvidia-cap{minor} on the host"} \
             in view["unavailable"]
@@ -285,6 +286,7 @@ async def test_mps_replicas_without_a_daemon_are_left_out(short_tmp):
     node = await start_daemon(config)
     try:
         view = await cdi_until(node, lambda v: v["devices"])
+        validate(view["spec"])
         _, gpu = await node.get("/v1/gpus/0")
         assert view["devices"] == ["0", gpu["uuid"], "all"]
         assert [u["device"] for u in view["unavailable"]] == [f"{gpu['uuid']}::0", f"{gpu['uuid']}::1"]
@@ -323,6 +325,7 @@ async def test_a_reader_never_sees_half_a_spec(short_tmp):
         reader.join(10)
         assert not reader.is_alive(), "the reader thread did not end"
         assert bad == [] and len(seen) == 2, (seen, bad[:1])
+        validate(json.loads(path.read_text()))
         assert [p.name for p in path.parent.iterdir()] == ["gpud-gpu.json"]  # no temporary files left
     finally:
         stop.set()
@@ -344,6 +347,7 @@ async def test_an_unwritable_spec_dir_is_reported_and_gpud_keeps_serving(short_t
         node.daemon.cdi.refresh("test: the directory can be made now")
         _, view = await node.get("/v1/cdi")
         assert view["error"] is None and (blocker / "cdi" / "gpud-gpu.json").exists()
+        validate(json.loads((blocker / "cdi" / "gpud-gpu.json").read_text()))
         _, health = await node.get("/healthz")
         assert not any("gpud-gpu.json" in problem for problem in health.get("problems", [])), health
     finally:
@@ -522,6 +526,7 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
             replica = f"{gpud.client.get('/v1/gpus/0')['uuid']}::0"
             gpud.wait_for(lambda: replica in gpud.client.get("/v1/cdi")["devices"], 20, "the MPS replicas")
             spec = gpud.client.get("/v1/cdi")["spec"]
+            validate(spec)
             inside = run_in_container(rootfs, replica, "env; ls /dev; cat /proc/mounts")
             assert inside.returncode == 0, inside.stderr
             lines = inside.stdout.splitlines()
@@ -578,7 +583,9 @@ def assert_runs_with_its_nodes(gpud, rootfs: Path, device: str) -> None:
     """A container with the device has exactly the device nodes the spec gives it, the GPU's and its MIG caps."""
     inside = run_in_container(rootfs, device, "ls /dev /dev/nvidia-caps")
     assert inside.returncode == 0, inside.stderr
-    wanted = node_paths(gpud.client.get("/v1/cdi")["spec"], device)
+    spec = gpud.client.get("/v1/cdi")["spec"]
+    validate(spec)
+    wanted = node_paths(spec, device)
     caps = sorted(path.rsplit("/", 1)[1] for path in wanted if path.startswith("/dev/nvidia-caps/"))
     assert len(caps) == 2 and inside.stdout.split("/dev/nvidia-caps:")[1].split() == caps
     assert "nvidia0" in inside.stdout.split()
@@ -605,6 +612,7 @@ def test_gpud_cdi_prints_the_names_a_runtime_takes(run_gpud, short_tmp):
     gpud.wait_healthy()
     uuid = gpud.client.get("/v1/gpus/0")["uuid"]
     gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["devices"], 5, "the spec")
+    validate(gpud.client.get("/v1/cdi")["spec"])
     shown = cli("cdi", socket=gpud.socket)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  devices: 3",
