@@ -478,6 +478,8 @@ def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
                                              f"devices: {len(names)}"] + [f"  gpud/gpu={name}" for name in names]
         dev = short_tmp / "sim.json.dev" / "dev"
         assert os.readlink(dev / "nvidia7") == "/dev/null" and (dev / "nvidia7").lstat().st_uid == os.stat(short_tmp).st_uid
+        assert {path.name for path in dev.iterdir() if path.is_symlink()} == \
+            {f"nvidia{minor}" for minor in range(8)} | {"nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools"}
         # the driver's MIG capability nodes of these 8 GPUs, config and monitor: as the minors table says
         minors = parse_mig_minors(mig_minors_text())
         wanted = {f"nvidia-cap{m}" for cap, m in minors.items() if not cap.startswith("gpu") or int(cap[3:cap.index("/")]) < 8}

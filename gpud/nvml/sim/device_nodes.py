@@ -1,17 +1,17 @@
 """The device nodes of a simulated node, under a dev root of its own (<root>/dev/...), made without root.
 
-The NVIDIA driver's nodes (NVIDIA driver README, "Installing the NVIDIA Driver" and nvidia-modprobe;
-nvidia-container-toolkit's `nvidia-ctk system create-device-nodes` makes the same set): /dev/nvidia<minor>
-for each GPU (the minor NVML's nvmlDeviceGetMinorNumber answers; the simulator answers the GPU's index),
-/dev/nvidiactl, /dev/nvidia-uvm and /dev/nvidia-uvm-tools; with MIG, /dev/nvidia-caps/nvidia-cap<minor>
-for mig/config, mig/monitor and each GPU's GI and CI access capabilities, numbered by the driver's
-mig-minors table (mig_minors.py; made here for every entry of the node's GPUs, as `nvidia-modprobe -f`
-makes one per capability).
+The NVIDIA driver's nodes: /dev/nvidia<minor> for each GPU (the minor nvmlDeviceGetMinorNumber answers;
+the simulator answers the GPU's index) and the control nodes nvidiactl, nvidia-modeset, nvidia-uvm and
+nvidia-uvm-tools (the set `nvidia-ctk system create-device-nodes --control-devices` makes, as
+nvidia-modprobe does when the modules load); with MIG, /dev/nvidia-caps/nvidia-cap<minor> for
+mig/config, mig/monitor and each GPU's GI and CI access capabilities, numbered by the driver's
+mig-minors table (mig_minors.py), made here for every entry of the node's GPUs as `nvidia-modprobe -f`
+makes one per capability (NVIDIA MIG user guide, "Device Nodes and Capabilities").
 
-Real nodes are character devices of the driver's major (195, 234, ...); making one needs root (mknod).
-A symbolic link to /dev/null needs none and is a character device once resolved, harmless to open: gpud
-resolves the links when it writes the CDI spec (hostPath /dev/null), since the CDI library refuses a
-link as a hostPath."""
+Real nodes are character devices of the driver's majors (195, the uvm and caps majors); making one
+needs root (mknod). A symbolic link to /dev/null needs none and is a character device once resolved,
+harmless to open: gpud resolves the links when it writes the CDI spec (hostPath /dev/null), since the
+CDI library refuses a link as a hostPath."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .mig_minors import mig_minors_text
 from .presets import parse_preset
 
 STAND_IN = "/dev/null"
-CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+CONTROL_NODES = ("nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools")
 
 
 def device_node_names(gpus: int) -> list[str]:
