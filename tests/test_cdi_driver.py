@@ -202,8 +202,10 @@ def test_libraries_are_found_through_links_anywhere_in_the_tree(short_tmp):
     assert found.libraries == (lib,)
     assert found.links == ((f"libnvidia-ml.so.{VERSION}", f"/{LIB_DIR}/nvidia/current/libnvidia-ml.so.1"),)
     assert find_driver_files(root, "535.309.01").libraries == ()
-    (root / "etc" / "ld.so.cache").write_bytes(b"not a cache")
-    assert find_driver_files(root, VERSION).libraries == ()  # an unreadable cache: nothing, no error
+    whole = (root / "etc" / "ld.so.cache").read_bytes()
+    for bad in (b"not a cache", whole[:60], whole[:80]):  # not one, cut in its entry (48 + 24 bytes), in its strings
+        (root / "etc" / "ld.so.cache").write_bytes(bad)
+        assert find_driver_files(root, VERSION).libraries == (), bad[:60]  # nothing, and no error
 
 
 # -- gpud's hook ------------------------------------------------------------------------------------

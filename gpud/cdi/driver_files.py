@@ -73,7 +73,6 @@ class DriverFiles:
         return {"mounts": mounts, "hooks": [_hook("create-symlinks", *links),
                                             _hook("update-ldcache", "--ldconfig", ldconfig, *folders)]}
 
-
     def _mount(self, path: str, options: list[str]) -> dict:
         return {"hostPath": str(self.root / path.lstrip("/")), "containerPath": path, "options": options}
 
@@ -100,7 +99,7 @@ def find_driver_files(root: Path, version: str) -> DriverFiles:
 
 
 @functools.lru_cache(maxsize=4)
-def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[list[str], list[tuple[str, str]]]:
+def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """The driver's libraries and their links, from the ld.so.cache (as of cache_stamp: resolving each
     entry costs tens of milliseconds, and the cache changes only when libraries are installed)."""
     libraries, links = [], []
@@ -114,7 +113,7 @@ def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[lis
         if soname != name:
             links.append((name, f"{folder}/{soname}"))
         links += [(target, f"{folder}/{link}") for link, target in EXTRA_LINKS.items() if name == f"{link}.{version}"]
-    return libraries, links
+    return tuple(libraries), tuple(links)
 
 
 def host_ldconfig() -> str:
@@ -141,13 +140,16 @@ def _ld_cache(path: Path) -> list[tuple[str, str]]:
         start = (16 + old_count * 12 + 7) & ~7
     if data[start:start + len(_NEW_MAGIC)] != _NEW_MAGIC:
         return []
-    _, count, _ = _NEW_HEADER.unpack_from(data, start)
     wanted = _LIB64_FLAGS.get(platform.machine())
     entries = []
-    for index in range(count):
-        flags, key, value, _, _ = _NEW_ENTRY.unpack_from(data, start + 48 + index * _NEW_ENTRY.size)
-        if flags == wanted:  # string offsets count from the new header
-            entries.append((_string(data, start + key), _string(data, start + value)))
+    try:
+        _, count, _ = _NEW_HEADER.unpack_from(data, start)
+        for index in range(count):
+            flags, key, value, _, _ = _NEW_ENTRY.unpack_from(data, start + 48 + index * _NEW_ENTRY.size)
+            if flags == wanted:  # string offsets count from the new header
+                entries.append((_string(data, start + key), _string(data, start + value)))
+    except (struct.error, ValueError):  # cut short or corrupt: ld.so ignores such a cache too
+        return []
     return entries
 
 
