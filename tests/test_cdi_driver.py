@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 from cdi_library import NVIDIA_CTK, PODMAN_LOCK, RUNTIME_SPEC_DIR, SHARED, assert_cdi_library_accepts
 from helpers import (IN_CI, PODMAN_RUN, minimal_rootfs, need_podman_as_root, podman, sim_config, stand_in_nodes,
                      start_daemon, stop_daemon, until_async)
@@ -170,13 +171,18 @@ async def test_no_driver_files_when_turned_off_or_of_another_version(short_tmp):
                       {"sim_driver": "550.90.07"}):  # the tree holds another driver's files
         config = sim_config(short_tmp, "A100-SXM4-40GB:1").with_overrides(**{
             "cdi.driver_root": str(tree), "cdi.dev_root": dev_root, **overrides})
-        node = await start_daemon(config)
-        try:
-            view = await written(node)
-        finally:
-            await stop_daemon(node)
+        with structlog.testing.capture_logs() as logged:
+            node = await start_daemon(config)
+            try:
+                view = await written(node)
+                node.daemon.cdi.refresh("test: said once")
+            finally:
+                await stop_daemon(node)
         assert_cdi_library_accepts(view["spec"])
         assert list(view["spec"]["containerEdits"]) == ["deviceNodes"], overrides
+        said = [(entry["log_level"], entry["driver_version"], entry["driver_root"]) for entry in logged
+                if entry["event"] == "cdi_driver_files_not_found"]
+        assert said == ([] if overrides.get("cdi.driver_files") is False else [("warning", "550.90.07", str(tree))])
 
 
 def test_libraries_are_found_through_links_anywhere_in_the_tree(short_tmp):

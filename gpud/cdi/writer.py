@@ -32,6 +32,7 @@ class CdiWriter:
         self._dev_root = dev_root
         self._driver_root = driver_root  # None: the driver's files are left to something else
         self._ldconfig = host_ldconfig()
+        self._missing_drivers: set[str] = set()
         self._mig_minors_path = mig_minors_path
         self._inventory = inventory
         self._sharing = sharing
@@ -88,8 +89,7 @@ class CdiWriter:
         if inventory is None:
             return
         host = read_host_devices(self._dev_root, self._mig_minors_path)
-        driver = {} if self._driver_root is None else \
-            find_driver_files(self._driver_root, inventory.driver_version).edits(self._ldconfig)
+        driver = self._driver_edits(inventory.driver_version)
         built = build_spec(inventory, self._sharing.document, self._mps_clients(), host, driver)
         self.unavailable = built.unavailable
         if built.spec == self.spec and self.error is None:
@@ -105,6 +105,17 @@ class CdiWriter:
         log.info("cdi_spec_written", path=str(self.path), devices=len(built.spec["devices"]), reason=reason,
                  unavailable=len(built.unavailable), cdi_version=built.spec["cdiVersion"],
                  driver_files=len(driver.get("mounts", [])), driver_version=inventory.driver_version)
+
+    def _driver_edits(self, version: str) -> dict:
+        if self._driver_root is None:
+            return {}
+        edits = find_driver_files(self._driver_root, version).edits(self._ldconfig)
+        if not edits and version not in self._missing_drivers:
+            self._missing_drivers.add(version)  # said once per version: the refresh runs every 30 s
+            log.warning("cdi_driver_files_not_found", driver_version=version, driver_root=str(self._driver_root),
+                        looked_in=str(self._driver_root / "etc" / "ld.so.cache"),
+                        consequence="containers get device nodes only, no driver libraries")
+        return edits
 
     def _write(self, spec: dict) -> None:
         if not spec["devices"]:
