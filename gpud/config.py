@@ -204,11 +204,20 @@ class CdiConfig:
     # so simulated devices never reach the host's runtimes unless this is set.
     spec_dir: str | None = None
     # The host root device nodes are found under (/dev/nvidia0 is <dev_root>/dev/nvidia0); the
-    # container path stays /dev/... Only nodes that exist there go in the spec.
-    dev_root: str = "/"
+    # container path stays /dev/... Only nodes that exist there go in the spec. Unset: /; on a
+    # simulated node the simulator's device nodes beside its state file.
+    dev_root: str | None = None
     # The driver's table of MIG capability minors. Unset: /proc/driver/nvidia-caps/mig-minors; on a
     # simulated node the simulator's copy beside its state file.
     mig_minors: str | None = None
+    # Carry the host driver's user-space files as nvidia-ctk cdi generate does, for the driver version
+    # NVML reports: its libraries (from the ld.so.cache), nvidia-smi and the other binaries, GSP
+    # firmware, the persistenced and Fabric Manager sockets, and hooks of gpud's own that make the
+    # libraries' .so.1 links and the container's linker cache. false: device nodes only, the driver's
+    # files left to whatever gives them to containers (NVIDIA's runtime hook, nvidia-ctk's spec).
+    driver_files: bool = True
+    # The root the driver's files are found under (its etc/ld.so.cache, usr/bin, lib/firmware, run).
+    driver_root: str = "/"
 
 
 @dataclass(frozen=True)
@@ -301,6 +310,15 @@ class Config:
         if self.cdi.spec_dir:
             return Path(self.cdi.spec_dir)
         return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
+
+    @property
+    def cdi_dev_root(self) -> Path:
+        if self.cdi.dev_root:
+            return Path(self.cdi.dev_root)
+        if self.simulate:
+            state = self.sim_state_path
+            return state.with_name(state.name + ".dev")
+        return Path("/")
 
     @property
     def mig_minors_path(self) -> Path:

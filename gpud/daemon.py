@@ -198,8 +198,12 @@ class Daemon:
         if self.session.simulated:
             from gpud.nvml.sim.mig_minors import write_mig_minors
             write_mig_minors(config.mig_minors_path)
-        return CdiWriter(config.cdi_spec_path, Path(config.cdi.dev_root), config.mig_minors_path, self.inventory,
-                         self.sharing, self._mps_clients, self.bus)
+            if not config.cdi.dev_root:  # the simulator's device nodes, which it makes as the driver would
+                from gpud.nvml.sim.device_nodes import write_device_nodes
+                write_device_nodes(config.cdi_dev_root, config.simulate)
+        return CdiWriter(config.cdi_spec_path, config.cdi_dev_root, config.mig_minors_path, self.inventory,
+                         self.sharing, self._mps_clients, self.bus,
+                         Path(config.cdi.driver_root) if config.cdi.driver_files else None)
 
     def _mps_clients(self) -> dict[str, dict]:
         """Device UUID -> the client environment of the MPS daemon serving it, for the CDI spec's MPS replicas."""

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,21 +19,27 @@ import jsonschema
 import pytest
 import referencing
 from referencing.jsonschema import DRAFT7
+from cdi_library import PODMAN_LOCK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts, cdi_library_verdict
 from helpers import (IN_CI, PODMAN_RUN, REPO, cli, mig_config, mig_settled, minimal_rootfs, need_podman_as_root,
-                     podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon)
+                     podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
 
-from gpud.cdi.spec import parse_mig_minors
+from gpud.cdi.spec import CONTROL_NODES, parse_mig_minors
+from gpud.client import Client, DaemonUnreachable
+from gpud.cdi.version import minimum_version
 from gpud.nvml.sim.mig_minors import mig_minors_text
 
 SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
 CAPTURE = REPO / "tests" / "fixtures" / "hardware" / "h100-sxm5-580.159.04" / "capture.log"
-# The container runtimes' spec directory podman 4.3 reads (it has no setting for another one).
-RUNTIME_SPEC_DIR = Path("/var/run/cdi")
-PODMAN_LOCK = Path("/tmp/gpud-tests-cdi.lock")  # tests in parallel processes share /var/run/cdi
 
 
 def validate(spec: dict) -> None:
+    """Every spec a test produces: valid by the CDI schema and loaded by the CDI library itself."""
+    validate_by_schema(spec)
+    assert_cdi_library_accepts(spec)
+
+
+def validate_by_schema(spec: dict) -> None:
     resources = {name: DRAFT7.create_resource(json.loads((SCHEMA_DIR / name).read_text()))
                  for name in ("schema.json", "defs.json")}
     registry = referencing.Registry().with_resources(resources.items())
@@ -71,13 +79,13 @@ async def mig_devices(node) -> list[dict]:
 
 def test_the_schema_tells_its_own_good_examples_from_bad():
     for name in ("testdata_good_minimal.json", "testdata_good_spec-example.json"):
-        validate(json.loads((SCHEMA_DIR / name).read_text()))
+        validate_by_schema(json.loads((SCHEMA_DIR / name).read_text()))
     assert (SCHEMA_DIR / "testdata_bad_empty.json").read_text() == ""  # the schema's bad example: no document
     for bad in ({"kind": "gpud/gpu", "devices": []}, {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0"}]},
                 {"cdiVersion": "0.5.0", "kind": "gpud/gpu", "devices": [{"name": "0", "containerEdits": {
                     "deviceNodes": [{"hostPath": "/dev/nvidia0"}]}}]}):
         with pytest.raises(jsonschema.ValidationError):
-            validate(bad)
+            validate_by_schema(bad)
 
 
 # -- the driver's MIG minors table -----------------------------------------------------------------
@@ -101,6 +109,45 @@ def test_mig_minors_lines_of_another_shape_are_skipped():
     assert parse_mig_minors(text) == {"config": 1, "gpu0/gi1/access": 12, "gpu0/gi1/ci2/access": 15}
 
 
+# -- cdiVersion: the least the CDI library accepts -------------------------------------------------
+
+NODE = {"path": "/dev/nvidia0"}
+VERSION_CASES = [  # (what a spec uses, its devices' edits, the version the CDI library wants)
+    ("names starting with a letter, nothing else", {"name": "GPU-1", "containerEdits": {"deviceNodes": [NODE]}}, "0.3.0"),
+    ("a name starting with a digit", {"name": "0", "containerEdits": {"deviceNodes": [NODE]}}, "0.5.0"),
+    ("a hostPath", {"name": "a", "containerEdits": {"deviceNodes": [{**NODE, "hostPath": "/x/dev/nvidia0"}]}}, "0.5.0"),
+    ("a mount type", {"name": "a", "containerEdits": {"mounts": [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]}}, "0.4.0"),
+    ("device annotations", {"name": "a", "annotations": {"k": "v"}, "containerEdits": {"deviceNodes": [NODE]}}, "0.6.0"),
+    ("additionalGids", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "additionalGids": [44]}}, "0.7.0"),
+    ("intelRdt", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "intelRdt": {"closID": "c"}}}, "0.7.0"),
+    ("intelRdt monitoring", {"name": "a", "containerEdits": {"deviceNodes": [NODE], "intelRdt": {"enableMonitoring": True}}}, "1.1.0"),
+    ("netDevices", {"name": "a", "containerEdits": {"netDevices": [{"hostInterfaceName": "eth1", "name": "eth1"}]}}, "1.1.0"),
+]
+RELEASED = ["0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0"]  # specs-go/version.go
+
+
+@pytest.mark.parametrize("uses, device, wanted", VERSION_CASES, ids=[case[0] for case in VERSION_CASES])
+def test_the_version_gpud_computes_is_the_least_the_cdi_library_accepts(uses, device, wanted):
+    spec = {"cdiVersion": "", "kind": "gpud/gpu", "devices": [device]}
+    assert minimum_version(spec) == wanted
+    for version in RELEASED:
+        devices, errors = cdi_library_verdict({**spec, "cdiVersion": version})
+        if RELEASED.index(version) < RELEASED.index(wanted):
+            assert f"the spec version must be at least v{wanted}" in errors and devices == [], (version, errors)
+        else:
+            assert not errors and devices == [f"gpud/gpu={device['name']}"], (version, errors)
+
+
+def test_a_dot_in_the_kinds_class_and_spec_annotations_need_0_6_0():
+    device = {"name": "a", "containerEdits": {"deviceNodes": [NODE]}}
+    for spec in ({"kind": "gpud/gpu.mig", "devices": [device]},
+                 {"kind": "gpud/gpu", "annotations": {"k": "v"}, "devices": [device]}):
+        assert minimum_version(spec) == "0.6.0"
+        _, errors = cdi_library_verdict({"cdiVersion": "0.5.0", **spec})
+        assert "the spec version must be at least v0.6.0" in errors
+        assert_cdi_library_accepts({"cdiVersion": "0.6.0", **spec})
+
+
 # -- the spec --------------------------------------------------------------------------------------
 
 
@@ -121,7 +168,7 @@ async def test_gpus_mig_devices_and_time_sliced_replicas(short_tmp):
         validate(spec)
         assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
         assert (spec["kind"], view["kind"], view["path"]) == ("gpud/gpu", "gpud/gpu", str(short_tmp / "cdi/gpud-gpu.json"))
-        assert spec["cdiVersion"] == "0.5.0"  # hostPath in deviceNodes: the stand-ins are not at /dev
+        assert spec["cdiVersion"] == "0.5.0"  # names starting with a digit, and hostPaths
         _, gpus = await node.get("/v1/gpus")
         expected = []
         for gpu in gpus["gpus"]:
@@ -171,6 +218,7 @@ async def test_device_nodes_only_where_they_exist(short_tmp):
         (root / "dev" / "nvidia-caps" / f"nvidia-cap{minor}").unlink()
         node.daemon.cdi.refresh("test: a node went")
         _, view = await node.get("/v1/cdi")
+        validate(view["spec"])
         assert gone["uuid"] not in view["devices"] and "0" in view["devices"]
         assert {"device": gone["uuid"], "reason": f"no device node /dev/nvidia-caps/nvidia-cap{minor} on the host"} \
             in view["unavailable"]
@@ -238,6 +286,7 @@ async def test_mps_replicas_without_a_daemon_are_left_out(short_tmp):
     node = await start_daemon(config)
     try:
         view = await cdi_until(node, lambda v: v["devices"])
+        validate(view["spec"])
         _, gpu = await node.get("/v1/gpus/0")
         assert view["devices"] == ["0", gpu["uuid"], "all"]
         assert [u["device"] for u in view["unavailable"]] == [f"{gpu['uuid']}::0", f"{gpu['uuid']}::1"]
@@ -276,6 +325,7 @@ async def test_a_reader_never_sees_half_a_spec(short_tmp):
         reader.join(10)
         assert not reader.is_alive(), "the reader thread did not end"
         assert bad == [] and len(seen) == 2, (seen, bad[:1])
+        validate(json.loads(path.read_text()))
         assert [p.name for p in path.parent.iterdir()] == ["gpud-gpu.json"]  # no temporary files left
     finally:
         stop.set()
@@ -297,6 +347,7 @@ async def test_an_unwritable_spec_dir_is_reported_and_gpud_keeps_serving(short_t
         node.daemon.cdi.refresh("test: the directory can be made now")
         _, view = await node.get("/v1/cdi")
         assert view["error"] is None and (blocker / "cdi" / "gpud-gpu.json").exists()
+        validate(json.loads((blocker / "cdi" / "gpud-gpu.json").read_text()))
         _, health = await node.get("/healthz")
         assert not any("gpud-gpu.json" in problem for problem in health.get("problems", [])), health
     finally:
@@ -328,6 +379,115 @@ async def test_no_device_node_no_spec_file(short_tmp):
         assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
     finally:
         await stop_daemon(node)
+
+
+# The production default, cdi.dev_root "/": gpud in a private mount namespace (unshare --mount) whose
+# /dev is a tmpfs holding a few ordinary nodes and NVIDIA stand-ins (/dev/null's numbers, harmless).
+PRIVATE_DEV = """set -e
+mount -t tmpfs -o mode=755 gpud-test-dev /dev
+mknod -m 666 /dev/null c 1 3; mknod -m 666 /dev/zero c 1 5; mknod -m 666 /dev/urandom c 1 9
+for name in nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools; do mknod -m 666 /dev/$name c 1 3; done
+exec "$@"
+"""
+
+
+def serve_behind(prefix: list[str], tmp: Path, *args: str) -> tuple[subprocess.Popen, Client]:
+    """`gpud serve` on a simulated node, started through a command prefix (a namespace, another user)."""
+    with (tmp / "gpud.log").open("w") as log:
+        gpud = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "gpud", "serve", "--sim-state", str(tmp / "sim.json"),
+             "--socket", str(tmp / "gpud.sock"), "--state-dir", str(tmp / "state"), "--log-format", "json", *args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return gpud, Client(tmp / "gpud.sock", timeout=10)
+
+
+def spec_served(gpud: subprocess.Popen, client: Client, log: Path) -> dict:
+    def written():
+        assert gpud.poll() is None, log.read_text()
+        try:
+            return client.get("/v1/cdi")["spec"]
+        except DaemonUnreachable:
+            return None
+    return until(written, 20, "the spec")
+
+
+def stop_served(gpud: subprocess.Popen) -> None:
+    gpud.terminate()
+    assert gpud.wait(10) == 0
+
+
+@pytest.mark.slow
+def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
+    """No hostPath at all, yet names such as "0" need cdiVersion 0.5.0: a 0.3.0 spec is refused whole."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if IN_CI:
+            pytest.fail("CI runs as root, with util-linux's unshare")
+        pytest.skip("needs root for a private mount namespace")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  dev_root: /\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    gpud, client = serve_behind(["unshare", "--mount", "sh", "-c", PRIVATE_DEV, "sh"], short_tmp,
+                                "--simulate", "A100-SXM4-40GB:2", "--config", str(short_tmp / "gpud.yaml"))
+    try:
+        spec = spec_served(gpud, client, short_tmp / "gpud.log")
+        gpus = client.get("/v1/gpus")["gpus"]
+        assert [d["name"] for d in spec["devices"]] == ["0", gpus[0]["uuid"], "1", gpus[1]["uuid"], "all"]
+        assert not any("hostPath" in node for device in spec["devices"]
+                       for node in device["containerEdits"]["deviceNodes"])
+        assert spec["containerEdits"]["deviceNodes"] == [{"path": p} for p in CONTROL_NODES]
+        assert spec["cdiVersion"] == "0.5.0"
+        validate(spec)
+        assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
+        # what gpud wrote before: the CDI library refuses it whole, none of its devices can be had
+        devices, errors = cdi_library_verdict({**spec, "cdiVersion": "0.3.0"})
+        assert devices == [] and "the spec version must be at least v0.5.0" in errors
+    finally:
+        stop_served(gpud)
+
+
+# -- a simulated node's device nodes ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
+    """`gpud serve --simulate dgx-a100` without root: the simulator makes its device nodes (links to
+    /dev/null, no mknod), so `gpud cdi` lists every GPU and the CDI library takes the spec."""
+    as_user = []
+    if os.geteuid() == 0:  # be an ordinary user, nobody, for gpud and for its client
+        if shutil.which("setpriv") is None:
+            pytest.fail("setpriv (util-linux) is missing")
+        os.chown(short_tmp, 65534, 65534)
+        as_user = [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"]
+    gpud, _ = serve_behind(as_user, short_tmp, "--simulate", "dgx-a100")
+
+    def gpud_cdi(*args):
+        return subprocess.run([*as_user, sys.executable, "-m", "gpud", "cdi", "--socket", str(short_tmp / "gpud.sock"),
+                               *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    def written():
+        assert gpud.poll() is None, (short_tmp / "gpud.log").read_text()
+        shown = gpud_cdi("--json")  # fails until gpud listens
+        return shown.returncode == 0 and json.loads(shown.stdout)["written_at"] and json.loads(shown.stdout)
+    try:
+        view = until(written, 20, "the spec")
+        spec, names = view["spec"], view["devices"]
+        assert names[-1] == "all" and len(names) == 2 * 8 + 1 and view["unavailable"] == []
+        assert names[:-1:2] == [str(index) for index in range(8)] and all(n.startswith("GPU-") for n in names[1:-1:2])
+        validate(spec)
+        shown = gpud_cdi()
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  "
+                                             f"devices: {len(names)}"] + [f"  gpud/gpu={name}" for name in names]
+        dev = short_tmp / "sim.json.dev" / "dev"
+        assert os.readlink(dev / "nvidia7") == "/dev/null" and (dev / "nvidia7").lstat().st_uid == os.stat(short_tmp).st_uid
+        assert {path.name for path in dev.iterdir() if path.is_symlink()} == \
+            {f"nvidia{minor}" for minor in range(8)} | {"nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools"}
+        # the driver's MIG capability nodes of these 8 GPUs, config and monitor: as the minors table says
+        minors = parse_mig_minors(mig_minors_text())
+        wanted = {f"nvidia-cap{m}" for cap, m in minors.items() if not cap.startswith("gpu") or int(cap[3:cap.index("/")]) < 8}
+        assert {path.name for path in (dev / "nvidia-caps").iterdir()} == wanted
+        for node in [n for device in spec["devices"] for n in device["containerEdits"]["deviceNodes"]]:
+            assert node["hostPath"] == "/dev/null", node  # what the link resolves to: the CDI library lstats hostPath
+    finally:
+        stop_served(gpud)
 
 
 @pytest.mark.parametrize("text, error", [
@@ -368,6 +528,7 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
             replica = f"{gpud.client.get('/v1/gpus/0')['uuid']}::0"
             gpud.wait_for(lambda: replica in gpud.client.get("/v1/cdi")["devices"], 20, "the MPS replicas")
             spec = gpud.client.get("/v1/cdi")["spec"]
+            validate(spec)
             inside = run_in_container(rootfs, replica, "env; ls /dev; cat /proc/mounts")
             assert inside.returncode == 0, inside.stderr
             lines = inside.stdout.splitlines()
@@ -394,11 +555,39 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
             (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
 
 
+@pytest.mark.slow
+def test_podman_takes_a_simulated_nodes_devices(run_gpud, short_tmp):
+    """The simulator's device nodes as they are (links to /dev/null): podman runs a container with a GPU,
+    whose nodes are the character devices the links resolve to."""
+    need_podman_as_root()
+    rootfs = minimal_rootfs(short_tmp / "rootfs", "busybox")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n"
+                                         f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
+    with PODMAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
+                        "--config", str(short_tmp / "gpud.yaml"))
+        try:
+            gpud.wait_healthy()
+            gpud.wait_for(lambda: "1" in gpud.client.get("/v1/cdi")["devices"], 10, "the spec")
+            validate(gpud.client.get("/v1/cdi")["spec"])
+            inside = run_in_container(rootfs, "1", "ls -l /dev")
+            assert inside.returncode == 0, inside.stderr
+            nodes = {line.split()[-1]: line for line in inside.stdout.splitlines() if " nvidia" in line}
+            assert sorted(nodes) == ["nvidia-uvm", "nvidia-uvm-tools", "nvidia1", "nvidiactl"]
+            assert all(line.startswith("c") and " 1,   3 " in line for line in nodes.values()), nodes
+        finally:
+            gpud.stop()
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+
+
 def assert_runs_with_its_nodes(gpud, rootfs: Path, device: str) -> None:
     """A container with the device has exactly the device nodes the spec gives it, the GPU's and its MIG caps."""
     inside = run_in_container(rootfs, device, "ls /dev /dev/nvidia-caps")
     assert inside.returncode == 0, inside.stderr
-    wanted = node_paths(gpud.client.get("/v1/cdi")["spec"], device)
+    spec = gpud.client.get("/v1/cdi")["spec"]
+    validate(spec)
+    wanted = node_paths(spec, device)
     caps = sorted(path.rsplit("/", 1)[1] for path in wanted if path.startswith("/dev/nvidia-caps/"))
     assert len(caps) == 2 and inside.stdout.split("/dev/nvidia-caps:")[1].split() == caps
     assert "nvidia0" in inside.stdout.split()
@@ -425,6 +614,7 @@ def test_gpud_cdi_prints_the_names_a_runtime_takes(run_gpud, short_tmp):
     gpud.wait_healthy()
     uuid = gpud.client.get("/v1/gpus/0")["uuid"]
     gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["devices"], 5, "the spec")
+    validate(gpud.client.get("/v1/cdi")["spec"])
     shown = cli("cdi", socket=gpud.socket)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  devices: 3",

@@ -18,15 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, NamedTuple
 
+from gpud.cdi.version import minimum_version
 from gpud.inventory import Gpu, Inventory, MigDevice
 
 KIND = "gpud/gpu"
 SPEC_FILE = "gpud-gpu.json"  # <vendor>-<class>.json, as NVIDIA's device plugin names its specs
-# CDI spec versions (cncf-tags/container-device-interface SPEC.md, "Released versions"): 0.3.0 is the
-# first tagged one; 0.5.0 added hostPath to deviceNodes. A newer version than a spec needs would lock
-# out older readers: Debian 12's podman 4.3 ignores a 0.6.0 spec ("unresolvable CDI devices").
-BASE_VERSION = "0.3.0"
-HOST_PATH_VERSION = "0.5.0"
 # Every CUDA client opens these besides its GPU's node (nvidia-ctk puts them in every spec).
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 ALL = "all"
@@ -35,16 +31,15 @@ _MIG_MINORS_LINE = re.compile(r"(config|monitor|gpu[0-9]+/gi[0-9]+(?:/ci[0-9]+)?
 
 @dataclass(frozen=True)
 class HostDevices:
-    """The NVIDIA device nodes present on the host, by their path in a container ("/dev/nvidia0"),
-    and the driver's MIG capability minors ("gpu0/gi1/access" -> 12)."""
+    """The NVIDIA device nodes present on the host: their path in a container ("/dev/nvidia0") -> the
+    character device itself on the host; and the driver's MIG capability minors ("gpu0/gi1/access" -> 12)."""
 
-    dev_root: Path
-    present: frozenset[str] = frozenset()
+    present: Mapping[str, str] = field(default_factory=dict)
     mig_minors: Mapping[str, int] = field(default_factory=dict)
 
     def node(self, path: str) -> dict:
-        host = self.dev_root / path.lstrip("/")
-        return {"path": path} if str(host) == path else {"path": path, "hostPath": str(host)}
+        host = self.present[path]
+        return {"path": path} if host == path else {"path": path, "hostPath": host}
 
 
 class CdiSpec(NamedTuple):
@@ -54,8 +49,11 @@ class CdiSpec(NamedTuple):
 
 def read_host_devices(dev_root: Path, mig_minors_path: Path) -> HostDevices:
     """Scans <dev_root>/dev for NVIDIA character devices and reads the MIG minors table (absent on a
-    host without MIG support: no table, as nvidia-container-toolkit internal/nvcaps takes it)."""
-    present = set()
+    host without MIG support: no table, as nvidia-container-toolkit internal/nvcaps takes it).
+    A symbolic link to a character device counts as the device it resolves to: the CDI library reads a
+    hostPath with lstat (pkg/cdi container-edits_unix.go deviceInfoFromPath) and refuses a link ("not a
+    device node"), so the spec names the device itself (a simulated node's links to /dev/null)."""
+    present = {}
     for directory, prefix in ((dev_root / "dev", "/dev/"), (dev_root / "dev" / "nvidia-caps", "/dev/nvidia-caps/")):
         try:
             names = os.listdir(directory)
@@ -63,12 +61,12 @@ def read_host_devices(dev_root: Path, mig_minors_path: Path) -> HostDevices:
             continue
         for name in names:
             if name.startswith("nvidia") and _is_char_device(directory / name):
-                present.add(prefix + name)
+                present[prefix + name] = os.path.realpath(directory / name)
     try:
         minors = parse_mig_minors(mig_minors_path.read_text())
     except OSError:
         minors = {}
-    return HostDevices(dev_root, frozenset(present), minors)
+    return HostDevices(present, minors)
 
 
 def parse_mig_minors(text: str) -> dict[str, int]:
@@ -83,8 +81,9 @@ def parse_mig_minors(text: str) -> dict[str, int]:
 
 
 def build_spec(inventory: Inventory, sharing: dict | None, mps_clients: Mapping[str, dict],
-               host: HostDevices) -> CdiSpec:
-    """mps_clients: device UUID -> what GET /v1/mps/{name}/client-env serves for the daemon of that device."""
+               host: HostDevices, driver_edits: Mapping[str, list] | None = None) -> CdiSpec:
+    """mps_clients: device UUID -> what GET /v1/mps/{name}/client-env serves for the daemon of that device;
+    driver_edits: the driver's files (driver_files.DriverFiles.edits), which every device needs."""
     devices: list[dict] = []
     unavailable: list[dict] = []
     nodes_of: dict[str, list[str]] = {}  # device UUID -> its device node paths, for replicas and "all"
@@ -100,13 +99,13 @@ def build_spec(inventory: Inventory, sharing: dict | None, mps_clients: Mapping[
     devices += _replicas(sharing, mps_clients, nodes_of, host, unavailable)
     if nodes_of:
         devices.append(_device(ALL, host, list(dict.fromkeys(p for paths in nodes_of.values() for p in paths))))
-    spec = {"cdiVersion": BASE_VERSION, "kind": KIND, "devices": devices}
+    spec = {"kind": KIND, "devices": devices}
     control = [host.node(path) for path in CONTROL_NODES if path in host.present]
-    if control:
-        spec["containerEdits"] = {"deviceNodes": control}
-    if any("hostPath" in node for node in _all_nodes(spec)):
-        spec["cdiVersion"] = HOST_PATH_VERSION
-    return CdiSpec(spec, unavailable)
+    common = {"deviceNodes": control, **(driver_edits or {})}
+    if any(common.values()):
+        spec["containerEdits"] = {key: value for key, value in common.items() if value}
+    # In every configuration: device names such as "0" alone need 0.5.0, with or without a hostPath.
+    return CdiSpec({"cdiVersion": minimum_version(spec), **spec}, unavailable)
 
 
 def _whole_devices(gpu: Gpu, host: HostDevices) -> list[tuple[str, list[str], list[str]]]:
@@ -156,11 +155,6 @@ def _device(name: str, host: HostDevices, paths: list[str], mps_client: dict | N
                             "options": ["ro" if mount["read_only"] else "rw", "nosuid", "nodev", "bind"]}
                            for mount in mps_client["mounts"]]
     return {"name": name, "containerEdits": edits}
-
-
-def _all_nodes(spec: dict) -> list[dict]:
-    edits = [device["containerEdits"] for device in spec["devices"]] + [spec.get("containerEdits", {})]
-    return [node for edit in edits for node in edit.get("deviceNodes", [])]
 
 
 def _is_char_device(path: Path) -> bool:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
+from gpud.cdi.driver_files import find_driver_files, host_ldconfig
 from gpud.cdi.spec import KIND, SPEC_FILE, build_spec, read_host_devices
 from gpud.events import CLOSED, EventBus
 from gpud.inventory import InventoryService
@@ -25,9 +26,13 @@ DEBOUNCE_S = 0.15  # changes arrive in bursts (a MIG apply: mig, inventory, shar
 
 class CdiWriter:
     def __init__(self, spec_dir: Path, dev_root: Path, mig_minors_path: Path, inventory: InventoryService,
-                 sharing: SharingView, mps_clients: Callable[[], Mapping[str, dict]], bus: EventBus):
+                 sharing: SharingView, mps_clients: Callable[[], Mapping[str, dict]], bus: EventBus,
+                 driver_root: Path | None = None):
         self.path = spec_dir / SPEC_FILE
         self._dev_root = dev_root
+        self._driver_root = driver_root  # None: the driver's files are left to something else
+        self._ldconfig = host_ldconfig()
+        self._missing_drivers: set[str] = set()
         self._mig_minors_path = mig_minors_path
         self._inventory = inventory
         self._sharing = sharing
@@ -84,7 +89,8 @@ class CdiWriter:
         if inventory is None:
             return
         host = read_host_devices(self._dev_root, self._mig_minors_path)
-        built = build_spec(inventory, self._sharing.document, self._mps_clients(), host)
+        driver = self._driver_edits(inventory.driver_version)
+        built = build_spec(inventory, self._sharing.document, self._mps_clients(), host, driver)
         self.unavailable = built.unavailable
         if built.spec == self.spec and self.error is None:
             return
@@ -97,7 +103,19 @@ class CdiWriter:
             return
         self.spec, self.error, self.written_at = built.spec, None, time.time()
         log.info("cdi_spec_written", path=str(self.path), devices=len(built.spec["devices"]), reason=reason,
-                 unavailable=len(built.unavailable), cdi_version=built.spec["cdiVersion"])
+                 unavailable=len(built.unavailable), cdi_version=built.spec["cdiVersion"],
+                 driver_files=len(driver.get("mounts", [])), driver_version=inventory.driver_version)
+
+    def _driver_edits(self, version: str) -> dict:
+        if self._driver_root is None:
+            return {}
+        edits = find_driver_files(self._driver_root, version).edits(self._ldconfig)
+        if not edits and version not in self._missing_drivers:
+            self._missing_drivers.add(version)  # said once per version: the refresh runs every 30 s
+            log.warning("cdi_driver_files_not_found", driver_version=version, driver_root=str(self._driver_root),
+                        looked_in=str(self._driver_root / "etc" / "ld.so.cache"),
+                        consequence="containers get device nodes only, no driver libraries")
+        return edits
 
     def _write(self, spec: dict) -> None:
         if not spec["devices"]:

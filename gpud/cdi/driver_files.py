@@ -1,0 +1,176 @@
+"""The host driver's user-space files a container needs to run CUDA and NVML, found as NVIDIA's
+`nvidia-ctk cdi generate` finds them for the running driver version (nvidia-container-toolkit
+pkg/nvcdi/driver-nvml.go, newDriverVersionDiscoverer), and the container edits that carry them:
+
+- libraries: every 64-bit library of the host's ld.so.cache whose file, links resolved, is named
+  *.so.<driver version> (getVersionLibs: Locate("*.so." + version) on the ld.so.cache);
+- binaries nvidia-smi, nvidia-debugdump, nvidia-persistenced, nvidia-cuda-mps-control,
+  nvidia-cuda-mps-server, nvidia-imex, nvidia-imex-ctl (newDriverBinariesDiscoverer), first found on
+  the usual PATH;
+- GSP firmware nvidia/<version>/gsp*.bin under the kernel's firmware search path
+  (newDriverFirmwareDiscoverer, getFirmwareSearchPaths);
+- the persistenced and Fabric Manager sockets under /run or /var/run (discover/ipc.go);
+- createContainer hooks, run by gpud's own hook (gpud/cdi/hook.py), that make each library's soname
+  link (and libcuda.so, libnvidia-opticalflow.so: discover/symlinks.go getLinksForMount) and the
+  container's linker cache (update-ldcache).
+
+Where gpud differs, deliberately: /tmp/nvidia-mps is not mounted (gpud's MPS replicas mount the pipe
+directory of the daemon gpud runs for them); no enable-cuda-compat hook (CUDA forward compatibility is
+the image's choice), no disable-device-node-modification hook, no graphics extras (GBM, GLX links)."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import platform
+import shutil
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpud.cdi import hook
+
+# glibc sysdeps/generic/dl-cache.h: the file (since glibc 2.32 only the new format; before, the old
+# one first) and the flags of a 64-bit library of this machine (FLAG_ELF_LIBC6 | FLAG_<arch>_LIB64).
+_OLD_MAGIC, _NEW_MAGIC = b"ld.so-1.7.0", b"glibc-ld.so.cache1.1"
+_NEW_HEADER = struct.Struct("<20sII")  # magic+version, nlibs, len_strings; 48 bytes in all
+_NEW_ENTRY = struct.Struct("<iIIIQ")  # flags, key, value, osversion, hwcap
+_LIB64_FLAGS = {"x86_64": 0x0303, "aarch64": 0x0a03}
+BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
+            "nvidia-cuda-mps-server", "nvidia-imex", "nvidia-imex-ctl")
+BINARY_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+SOCKETS = ("nvidia-persistenced/socket", "nvidia-fabricmanager/socket")
+SOCKET_DIRS = ("/run", "/var/run")
+# nvidia-ctk's mount options: read-only files; sockets need write access to connect (ipcMountOptions)
+FILE_OPTIONS = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
+SOCKET_OPTIONS = ["nosuid", "nodev", "rbind", "rprivate", "noexec"]
+# getLinksForMount: development links applications wrongly dlopen
+EXTRA_LINKS = {"libcuda.so": "libcuda.so.1", "libnvidia-opticalflow.so": "libnvidia-opticalflow.so.1"}
+
+
+@dataclass(frozen=True)
+class DriverFiles:
+    """Paths as a container sees them (the driver root taken off); `links`: (target, link) pairs."""
+
+    root: Path
+    libraries: tuple[str, ...] = ()
+    links: tuple[tuple[str, str], ...] = ()
+    binaries: tuple[str, ...] = ()
+    firmware: tuple[str, ...] = ()
+    sockets: tuple[str, ...] = ()
+
+    def edits(self, ldconfig: str) -> dict:
+        """The CDI container edits; none without libraries (a driver of another version, or none)."""
+        if not self.libraries:
+            return {}
+        mounts = [self._mount(path, FILE_OPTIONS) for path in (*self.binaries, *self.libraries, *self.firmware)]
+        mounts += [self._mount(path, SOCKET_OPTIONS) for path in self.sockets]
+        links = [arg for target, link in self.links for arg in ("--link", f"{target}::{link}")]
+        folders = [arg for folder in dict.fromkeys(os.path.dirname(p) for p in self.libraries)
+                   for arg in ("--folder", folder)]
+        return {"mounts": mounts, "hooks": [_hook("create-symlinks", *links),
+                                            _hook("update-ldcache", "--ldconfig", ldconfig, *folders)]}
+
+    def _mount(self, path: str, options: list[str]) -> dict:
+        return {"hostPath": str(self.root / path.lstrip("/")), "containerPath": path, "options": options}
+
+
+def find_driver_files(root: Path, version: str) -> DriverFiles:
+    cache = root / "etc" / "ld.so.cache"
+    try:
+        status = cache.stat()
+    except OSError:
+        status = None
+    stamp = (status.st_mtime_ns, status.st_size) if status else None
+    libraries, links = _libraries(root, version, stamp)
+    binaries = [found for name in BINARIES
+                if (found := _first(root, [f"{d}/{name}" for d in BINARY_DIRS], _is_executable))]
+    sockets = [found for name in SOCKETS if (found := _first(root, [f"{d}/{name}" for d in SOCKET_DIRS], os.path.exists))]
+    firmware = []
+    for directory in _firmware_dirs():
+        folder = root / directory.lstrip("/") / "nvidia" / version
+        if folder.is_dir():
+            firmware = sorted(f"{directory}/nvidia/{version}/{p.name}" for p in folder.glob("gsp*.bin"))
+            break
+    return DriverFiles(root, tuple(sorted(libraries)), tuple(sorted(links, key=lambda l: l[1])), tuple(binaries),
+                       tuple(firmware), tuple(sockets))
+
+
+@functools.lru_cache(maxsize=4)
+def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The driver's libraries and their links, from the ld.so.cache (as of cache_stamp: resolving each
+    entry costs tens of milliseconds, and the cache changes only when libraries are installed)."""
+    libraries, links = [], []
+    for soname, path in _ld_cache(root / "etc" / "ld.so.cache") if cache_stamp else []:
+        resolved = hook.resolve_in(str(root), path)  # within the driver root, as nvidia-ctk resolves
+        name = os.path.basename(resolved)
+        if resolved in libraries or not fnmatch.fnmatch(name, f"*.so.{version}"):
+            continue
+        libraries.append(resolved)
+        folder = os.path.dirname(resolved)
+        if soname != name:
+            links.append((name, f"{folder}/{soname}"))
+        links += [(target, f"{folder}/{link}") for link, target in EXTRA_LINKS.items() if name == f"{link}.{version}"]
+    return tuple(libraries), tuple(links)
+
+
+def host_ldconfig() -> str:
+    """The host's ldconfig, which the hook runs on the container's root (-r), as nvidia-ctk's
+    default "@/sbin/ldconfig" does."""
+    return shutil.which("ldconfig", path="/sbin:/usr/sbin:/bin:/usr/bin") or "/sbin/ldconfig"
+
+
+def _hook(*args: str) -> dict:
+    # Python in isolated mode runs the hook file itself: nothing of gpud is imported, no environment read
+    return {"hookName": "createContainer", "path": sys.executable,
+            "args": [os.path.basename(sys.executable), "-I", hook.__file__, *args]}
+
+
+def _ld_cache(path: Path) -> list[tuple[str, str]]:
+    """(soname, path) of each 64-bit library of this machine in an ld.so.cache; [] if unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    start = 0
+    if data.startswith(_OLD_MAGIC):  # the old table first: 16-byte header, 12-byte entries, then aligned
+        (old_count,) = struct.unpack_from("<I", data, 12)
+        start = (16 + old_count * 12 + 7) & ~7
+    if data[start:start + len(_NEW_MAGIC)] != _NEW_MAGIC:
+        return []
+    wanted = _LIB64_FLAGS.get(platform.machine())
+    entries = []
+    try:
+        _, count, _ = _NEW_HEADER.unpack_from(data, start)
+        for index in range(count):
+            flags, key, value, _, _ = _NEW_ENTRY.unpack_from(data, start + 48 + index * _NEW_ENTRY.size)
+            if flags == wanted:  # string offsets count from the new header
+                entries.append((_string(data, start + key), _string(data, start + value)))
+    except (struct.error, ValueError):  # cut short or corrupt: ld.so ignores such a cache too
+        return []
+    return entries
+
+
+def _string(data: bytes, offset: int) -> str:
+    return data[offset:data.index(b"\0", offset)].decode("utf-8", "replace")
+
+
+def _first(root: Path, candidates: list[str], present) -> str | None:
+    return next((path for path in candidates if present(root / path.lstrip("/"))), None)
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _firmware_dirs() -> list[str]:
+    """getFirmwareSearchPaths: the kernel's custom firmware path, then the standard ones."""
+    release = platform.release()
+    dirs = [f"/lib/firmware/updates/{release}", "/lib/firmware/updates", f"/lib/firmware/{release}", "/lib/firmware"]
+    try:
+        custom = Path("/sys/module/firmware_class/parameters/path").read_text().strip()
+    except OSError:
+        custom = ""
+    return [custom, *dirs] if custom else dirs
