@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, GpudProcess, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon, until_async
+from helpers import (REPO, GpudProcess, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon,
+                     until_async)
 from openapi_check import assert_matches_openapi
 
 from gpud.cli import build_parser
