@@ -16,8 +16,15 @@ UNKNOWN_NODE = -1
 
 
 def write_numa_nodes(root: Path, buses: list[int], numa_nodes: tuple[int, ...] | None) -> None:
+    """Writes only what differs: a node staged by one user (root) is opened by another (a reader), who
+    may not write there, as nobody may write the real sysfs."""
     for index, bus in enumerate(buses):
-        device = root / "bus" / "pci" / "devices" / pci_bus_id_legacy(bus).lower()
-        device.mkdir(parents=True, exist_ok=True)
-        node = numa_nodes[index] if numa_nodes is not None else UNKNOWN_NODE
-        (device / "numa_node").write_text(f"{node}\n")
+        path = root / "bus" / "pci" / "devices" / pci_bus_id_legacy(bus).lower() / "numa_node"
+        text = f"{numa_nodes[index] if numa_nodes is not None else UNKNOWN_NODE}\n"
+        try:
+            if path.read_text() == text:
+                continue
+        except OSError:  # not there yet
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
