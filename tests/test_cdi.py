@@ -27,6 +27,8 @@ from openapi_check import assert_matches_openapi
 from gpud.cdi.spec import CONTROL_NODES, parse_mig_minors
 from gpud.client import Client, DaemonUnreachable
 from gpud.cdi.version import minimum_version
+from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, library_dir
+from gpud.nvml.sim.drivers import parse_driver
 from gpud.nvml.sim.mig_minors import mig_minors_text
 
 SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
@@ -449,7 +451,9 @@ def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
 @pytest.mark.slow
 def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
     """`gpud serve --simulate dgx-a100` without root: the simulator makes its device nodes (links to
-    /dev/null, no mknod), so `gpud cdi` lists every GPU and the CDI library takes the spec."""
+    /dev/null, no mknod) and its driver's file tree, so `gpud cdi` lists every GPU, the spec carries the
+    simulated driver version's libraries, binaries and firmware as on a real node, and the CDI library
+    takes it."""
     as_user = []
     if os.geteuid() == 0:  # be an ordinary user, nobody, for gpud and for its client
         if shutil.which("setpriv") is None:
@@ -486,6 +490,16 @@ def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
         assert {path.name for path in (dev / "nvidia-caps").iterdir()} == wanted
         for node in [n for device in spec["devices"] for n in device["containerEdits"]["deviceNodes"]]:
             assert node["hostPath"] == "/dev/null", node  # what the link resolves to: the CDI library lstats hostPath
+        # the simulated driver's files, from its tree beside the state, made by the same ordinary user
+        version, tree = parse_driver(None).version, short_tmp / "sim.json.driver"
+        mounts = {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"]["mounts"]}
+        assert set(mounts) == {f"/{library_dir()}/{stem}.so.{version}" for stem in LIBRARIES} | \
+            {f"/usr/bin/{name}" for name in BINARIES} | {f"/lib/firmware/nvidia/{version}/gsp_{family}.bin"
+                                                         for family in ("ga10x", "tu10x")}
+        assert all(host == f"{tree}{container}" for container, host in mounts.items())
+        assert (tree / "etc" / "ld.so.cache").stat().st_uid == os.stat(short_tmp).st_uid
+        assert f"libnvidia-ml.so.{version}::/{library_dir()}/libnvidia-ml.so.1" in \
+            [arg for hook in spec["containerEdits"]["hooks"] for arg in hook["args"]]
     finally:
         stop_served(gpud)
 

@@ -44,7 +44,7 @@ BINARY_DIR = "usr/bin"
 FIRMWARE_DIR = "lib/firmware/nvidia"
 # e_machine (System V gABI; glibc elf.h EM_X86_64, EM_AARCH64)
 _ELF_MACHINES = {"x86_64": 62, "aarch64": 183}
-_STAND_IN_BINARY = "#!/bin/sh\necho '{name}: a stand-in of gpud'\"'\"'s NVIDIA driver simulator, not the driver's tool' >&2\nexit 1\n"
+_STAND_IN_BINARY = "#!/bin/sh\necho '{name}: a stand-in made by the NVIDIA driver simulator of gpud, not the tool' >&2\nexit 1\n"
 _STAND_IN_FIRMWARE = b"a stand-in of gpud's NVIDIA driver simulator, not NVIDIA's GSP firmware\n"
 
 
