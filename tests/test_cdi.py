@@ -530,7 +530,8 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
     (tmp / "sharing.yaml").write_text("version: v1\nsharing:\n  mps:\n    resources:\n"
                                       "    - name: nvidia.com/gpu\n      replicas: 2\n")
     (tmp / "gpud.yaml").write_text(
-        f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\nsharing:\n  file: {tmp / 'sharing.yaml'}\n"
+        f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\n  driver_files: false\n"  # see run_in_container
+        f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
         f"mps:\n  enabled: true\n  pipe_root: {tmp / 'mps'}\n  log_root: {tmp / 'mpslog'}\n"
         f"mig:\n  layouts_file: {tmp / 'absent.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
@@ -575,7 +576,7 @@ def test_podman_takes_a_simulated_nodes_devices(run_gpud, short_tmp):
     whose nodes are the character devices the links resolve to."""
     need_podman_as_root()
     rootfs = minimal_rootfs(short_tmp / "rootfs", "busybox")
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n"
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_files: false\n"  # see run_in_container
                                          f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -613,6 +614,9 @@ def assert_unresolvable(rootfs: Path, device: str) -> None:
 
 
 def run_in_container(rootfs: Path, device: str, script: str):
+    """The container's root is read-only: these tests are about device nodes, so their gpud leaves the
+    driver's files out, whose hooks write links and the linker cache into it
+    (test_cdi_driver.py runs containers with them)."""
     return podman(*PODMAN_RUN, "--rm", "--read-only", "--device", f"gpud/gpu={device}", "--rootfs", str(rootfs),
                   "/bin/busybox", "sh", "-c", script)
 
