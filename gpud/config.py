@@ -217,7 +217,8 @@ class CdiConfig:
     # files left to whatever gives them to containers (NVIDIA's runtime hook, nvidia-ctk's spec).
     driver_files: bool = True
     # The root the driver's files are found under (its etc/ld.so.cache, usr/bin, lib/firmware, run).
-    driver_root: str = "/"
+    # Unset: /; on a simulated node the simulated driver's file tree beside its state file.
+    driver_root: str | None = None
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,15 @@ class Config:
         if self.simulate:
             state = self.sim_state_path
             return state.with_name(state.name + ".dev")
+        return Path("/")
+
+    @property
+    def cdi_driver_root(self) -> Path:
+        if self.cdi.driver_root:
+            return Path(self.cdi.driver_root)
+        if self.simulate:
+            state = self.sim_state_path
+            return state.with_name(state.name + ".driver")
         return Path("/")
 
     @property

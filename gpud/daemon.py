@@ -201,9 +201,12 @@ class Daemon:
             if not config.cdi.dev_root:  # the simulator's device nodes, which it makes as the driver would
                 from gpud.nvml.sim.device_nodes import write_device_nodes
                 write_device_nodes(config.cdi_dev_root, config.simulate)
+            if config.cdi.driver_files and not config.cdi.driver_root:  # and its driver's files
+                from gpud.nvml.sim.driver_tree import write_driver_tree
+                write_driver_tree(config.cdi_driver_root, config.sim_driver)
         return CdiWriter(config.cdi_spec_path, config.cdi_dev_root, config.mig_minors_path, self.inventory,
                          self.sharing, self._mps_clients, self.bus,
-                         Path(config.cdi.driver_root) if config.cdi.driver_files else None)
+                         config.cdi_driver_root if config.cdi.driver_files else None)
 
     def _mps_clients(self) -> dict[str, dict]:
         """Device UUID -> the client environment of the MPS daemon serving it, for the CDI spec's MPS replicas."""

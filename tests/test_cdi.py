@@ -27,6 +27,8 @@ from openapi_check import assert_matches_openapi
 from gpud.cdi.spec import CONTROL_NODES, parse_mig_minors
 from gpud.client import Client, DaemonUnreachable
 from gpud.cdi.version import minimum_version
+from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, library_dir
+from gpud.nvml.sim.drivers import parse_driver
 from gpud.nvml.sim.mig_minors import mig_minors_text
 
 SCHEMA_DIR = REPO / "tests" / "fixtures" / "cdi"
@@ -449,7 +451,9 @@ def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
 @pytest.mark.slow
 def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
     """`gpud serve --simulate dgx-a100` without root: the simulator makes its device nodes (links to
-    /dev/null, no mknod), so `gpud cdi` lists every GPU and the CDI library takes the spec."""
+    /dev/null, no mknod) and its driver's file tree, so `gpud cdi` lists every GPU, the spec carries the
+    simulated driver version's libraries, binaries and firmware as on a real node, and the CDI library
+    takes it."""
     as_user = []
     if os.geteuid() == 0:  # be an ordinary user, nobody, for gpud and for its client
         if shutil.which("setpriv") is None:
@@ -486,6 +490,16 @@ def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
         assert {path.name for path in (dev / "nvidia-caps").iterdir()} == wanted
         for node in [n for device in spec["devices"] for n in device["containerEdits"]["deviceNodes"]]:
             assert node["hostPath"] == "/dev/null", node  # what the link resolves to: the CDI library lstats hostPath
+        # the simulated driver's files, from its tree beside the state, made by the same ordinary user
+        version, tree = parse_driver(None).version, short_tmp / "sim.json.driver"
+        mounts = {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"]["mounts"]}
+        assert set(mounts) == {f"/{library_dir()}/{stem}.so.{version}" for stem in LIBRARIES} | \
+            {f"/usr/bin/{name}" for name in BINARIES} | {f"/lib/firmware/nvidia/{version}/gsp_{family}.bin"
+                                                         for family in ("ga10x", "tu10x")}
+        assert all(host == f"{tree}{container}" for container, host in mounts.items())
+        assert (tree / "etc" / "ld.so.cache").stat().st_uid == os.stat(short_tmp).st_uid
+        assert f"libnvidia-ml.so.{version}::/{library_dir()}/libnvidia-ml.so.1" in \
+            [arg for hook in spec["containerEdits"]["hooks"] for arg in hook["args"]]
     finally:
         stop_served(gpud)
 
@@ -516,7 +530,8 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
     (tmp / "sharing.yaml").write_text("version: v1\nsharing:\n  mps:\n    resources:\n"
                                       "    - name: nvidia.com/gpu\n      replicas: 2\n")
     (tmp / "gpud.yaml").write_text(
-        f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\nsharing:\n  file: {tmp / 'sharing.yaml'}\n"
+        f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\n  driver_files: false\n"  # see run_in_container
+        f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
         f"mps:\n  enabled: true\n  pipe_root: {tmp / 'mps'}\n  log_root: {tmp / 'mpslog'}\n"
         f"mig:\n  layouts_file: {tmp / 'absent.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
@@ -561,7 +576,7 @@ def test_podman_takes_a_simulated_nodes_devices(run_gpud, short_tmp):
     whose nodes are the character devices the links resolve to."""
     need_podman_as_root()
     rootfs = minimal_rootfs(short_tmp / "rootfs", "busybox")
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n"
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_files: false\n"  # see run_in_container
                                          f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -599,6 +614,9 @@ def assert_unresolvable(rootfs: Path, device: str) -> None:
 
 
 def run_in_container(rootfs: Path, device: str, script: str):
+    """The container's root is read-only: these tests are about device nodes, so their gpud leaves the
+    driver's files out, whose hooks write links and the linker cache into it
+    (test_cdi_driver.py runs containers with them)."""
     return podman(*PODMAN_RUN, "--rm", "--read-only", "--device", f"gpud/gpu={device}", "--rootfs", str(rootfs),
                   "/bin/busybox", "sh", "-c", script)
 

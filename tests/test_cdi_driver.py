@@ -22,19 +22,14 @@ from helpers import (IN_CI, PODMAN_RUN, minimal_rootfs, need_podman_as_root, pod
 
 from gpud.cdi import hook
 from gpud.cdi.driver_files import find_driver_files
+from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, firmware_names
 
 VERSION = "550.163.01"  # the driver_version of NVIDIA's mock NVML config for a DGX A100
 MOCK_NVML_CONFIG = SHARED / "nvidia-mock-nvml" / "src" / "pkg" / "gpu" / "mocknvml" / "configs" / "mock-nvml-config-a100.yaml"
 MOCK_NVML_DIR = Path("/tmp/gpud-tests-mock-nvml")  # built once (the build script keeps what it built)
-# A driver's compute, utility and video libraries (NVIDIA/libnvidia-container src/nvc_info.c:
-# utility_libs, compute_libs, video_libs) with their sonames, as the driver's .run installs them.
-LIBRARIES = {"libcuda": "libcuda.so.1", "libcudadebugger": "libcudadebugger.so.1", "libnvidia-ml": "libnvidia-ml.so.1",
-             "libnvidia-ptxjitcompiler": "libnvidia-ptxjitcompiler.so.1", "libnvidia-nvvm": "libnvidia-nvvm.so.4",
-             "libnvidia-cfg": "libnvidia-cfg.so.1", "libnvidia-opencl": "libnvidia-opencl.so.1",
-             "libnvidia-allocator": "libnvidia-allocator.so.1", "libnvidia-encode": "libnvidia-encode.so.1",
-             "libnvcuvid": "libnvcuvid.so.1", "libnvidia-opticalflow": "libnvidia-opticalflow.so.1"}
-BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
-FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")  # the R550 .run's firmware/ directory
+# The driver's compute, utility and video libraries with their sonames, binaries and GSP firmware, as
+# the driver's .run installs them (the simulator's driver tree cites the sources)
+FIRMWARE = firmware_names(VERSION)
 LIB_DIR = "usr/lib/x86_64-linux-gnu"
 NODES = """set -e
 mount -t tmpfs -o mode=755 gpud-test-dev /dev
@@ -311,7 +306,9 @@ def test_a_container_with_only_a_gpud_device_loads_the_hosts_nvml(run_gpud, shor
         target = rootfs / needed.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(Path(needed).resolve(), target)
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    # the host's driver files, not the simulator's own tree
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_root: /\n"
+                                         f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
     with PODMAN_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-driver", version, "--sim-state",
@@ -328,6 +325,49 @@ def test_a_container_with_only_a_gpud_device_loads_the_hosts_nvml(run_gpud, shor
             # the host's library, by its soname through the container's linker cache; no driver: NVML says so
             assert inside.stdout.splitlines() == [f"loaded {os.path.dirname(library)}/libnvidia-ml.so.1",
                                                   "nvmlInit_v2: Driver Not Loaded"], inside.stdout
+        finally:
+            gpud.stop()
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+
+
+STAND_IN_PROBE = r"""
+#define _GNU_SOURCE /* dlinfo */
+#include <dlfcn.h>
+#include <link.h>
+#include <stdio.h>
+int main(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!cuda) { printf("dlopen: %s\n", dlerror()); return 2; }
+    struct link_map *map;
+    dlinfo(cuda, RTLD_DI_LINKMAP, &map);
+    printf("loaded %s\ncuInit: %s\n", map->l_name, dlsym(cuda, "cuInit") ? "found" : "absent");
+    return 0;
+}
+"""
+
+
+@pytest.mark.slow
+def test_a_container_given_a_simulated_gpu_loads_the_simulated_drivers_stand_in(run_gpud, short_tmp, monkeypatch):
+    """The simulator's driver tree through the spec: the container's linker finds libcuda.so.1 by its
+    soname (the hooks' links and linker cache), and it is the stand-in, exporting no CUDA call."""
+    need_podman_as_root()
+    need(shutil.which("gcc") is not None, "gcc is not installed")
+    (short_tmp / "bin").mkdir()
+    (short_tmp / "probe.c").write_text(STAND_IN_PROBE)
+    subprocess.run(["gcc", "-o", short_tmp / "bin" / "cuda-probe", short_tmp / "probe.c", "-ldl"], check=True, timeout=120)
+    monkeypatch.setenv("PATH", f"{short_tmp / 'bin'}:{os.environ['PATH']}")
+    rootfs = minimal_rootfs(short_tmp / "rootfs", "cuda-probe")
+    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    with PODMAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
+                        "--config", str(short_tmp / "gpud.yaml"))
+        try:
+            gpud.wait_healthy()
+            assert_cdi_library_accepts(gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], 10, "the spec"))
+            inside = podman(*PODMAN_RUN, "--rm", "--device", "gpud/gpu=0", "--rootfs", str(rootfs), "/bin/cuda-probe")
+            assert inside.returncode == 0, inside.stdout + inside.stderr
+            assert inside.stdout.splitlines() == [f"loaded /{LIB_DIR}/libcuda.so.1", "cuInit: absent"], inside.stdout
         finally:
             gpud.stop()
             (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)

@@ -25,19 +25,13 @@ import functools
 import os
 import platform
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpud.cdi import hook
+from gpud.cdi.ld_cache import read_ld_cache
 
-# glibc sysdeps/generic/dl-cache.h: the file (since glibc 2.32 only the new format; before, the old
-# one first) and the flags of a 64-bit library of this machine (FLAG_ELF_LIBC6 | FLAG_<arch>_LIB64).
-_OLD_MAGIC, _NEW_MAGIC = b"ld.so-1.7.0", b"glibc-ld.so.cache1.1"
-_NEW_HEADER = struct.Struct("<20sII")  # magic+version, nlibs, len_strings; 48 bytes in all
-_NEW_ENTRY = struct.Struct("<iIIIQ")  # flags, key, value, osversion, hwcap
-_LIB64_FLAGS = {"x86_64": 0x0303, "aarch64": 0x0a03}
 BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
             "nvidia-cuda-mps-server", "nvidia-imex", "nvidia-imex-ctl")
 BINARY_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -103,7 +97,7 @@ def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[tup
     """The driver's libraries and their links, from the ld.so.cache (as of cache_stamp: resolving each
     entry costs tens of milliseconds, and the cache changes only when libraries are installed)."""
     libraries, links = [], []
-    for soname, path in _ld_cache(root / "etc" / "ld.so.cache") if cache_stamp else []:
+    for soname, path in read_ld_cache(root / "etc" / "ld.so.cache") if cache_stamp else []:
         resolved = hook.resolve_in(str(root), path)  # within the driver root, as nvidia-ctk resolves
         name = os.path.basename(resolved)
         if resolved in libraries or not fnmatch.fnmatch(name, f"*.so.{version}"):
@@ -126,35 +120,6 @@ def _hook(*args: str) -> dict:
     # Python in isolated mode runs the hook file itself: nothing of gpud is imported, no environment read
     return {"hookName": "createContainer", "path": sys.executable,
             "args": [os.path.basename(sys.executable), "-I", hook.__file__, *args]}
-
-
-def _ld_cache(path: Path) -> list[tuple[str, str]]:
-    """(soname, path) of each 64-bit library of this machine in an ld.so.cache; [] if unreadable."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
-    start = 0
-    if data.startswith(_OLD_MAGIC):  # the old table first: 16-byte header, 12-byte entries, then aligned
-        (old_count,) = struct.unpack_from("<I", data, 12)
-        start = (16 + old_count * 12 + 7) & ~7
-    if data[start:start + len(_NEW_MAGIC)] != _NEW_MAGIC:
-        return []
-    wanted = _LIB64_FLAGS.get(platform.machine())
-    entries = []
-    try:
-        _, count, _ = _NEW_HEADER.unpack_from(data, start)
-        for index in range(count):
-            flags, key, value, _, _ = _NEW_ENTRY.unpack_from(data, start + 48 + index * _NEW_ENTRY.size)
-            if flags == wanted:  # string offsets count from the new header
-                entries.append((_string(data, start + key), _string(data, start + value)))
-    except (struct.error, ValueError):  # cut short or corrupt: ld.so ignores such a cache too
-        return []
-    return entries
-
-
-def _string(data: bytes, offset: int) -> str:
-    return data[offset:data.index(b"\0", offset)].decode("utf-8", "replace")
 
 
 def _first(root: Path, candidates: list[str], present) -> str | None:
