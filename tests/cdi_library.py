@@ -13,9 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from helpers import IN_CI, REPO
+from helpers import IN_CI, SHARED
 
-SHARED = REPO.parent / "shared"
 NVIDIA_CTK = SHARED / "nvidia-container-toolkit" / "bin" / "nvidia-ctk"
 REGISTRY_ERRORS = "The following registry errors were reported"
 # The container runtimes' spec directory podman 4.3 reads (it has no setting for another one), shared

@@ -29,6 +29,8 @@ from gpud.mps.control import MpsControl, MpsDirectories
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
+SHARED = REPO.parent / "shared"  # NVIDIA's real components and the reference notes; CI always has it
+MOCK_NVML_CONFIGS = SHARED / "nvidia-mock-nvml" / "src" / "pkg" / "gpu" / "mocknvml" / "configs"
 SYSTEM_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # useradd, nsenter… live in the sbin directories
 MPS_CONTROL = shutil.which("nvidia-cuda-mps-control")
 # Tests run in parallel processes (pytest-xdist): user and group changes take turns, because
@@ -137,6 +139,30 @@ class Lines:
         while (line := self._take(deadline, "end of the stream")) is not None:
             lines.append(line)
         return self._empty.join(lines)
+
+
+def need(condition: bool, why: str) -> None:
+    """Skips the test where what it needs is missing (a clone without ../shared, no root); under
+    CI=true, which always has it, fails it instead."""
+    import pytest
+    if not condition:
+        if IN_CI:
+            pytest.fail(f"CI has it, but: {why}")
+        pytest.skip(why)
+
+
+def mock_nvml_library() -> Path:
+    """NVIDIA's mock libnvidia-ml (../shared/nvidia-mock-nvml), built once for every test that loads it
+    (about 2 minutes the first time; the build script keeps what it built). Parallel test processes take
+    turns: two builds into one folder would race."""
+    build = SHARED / "nvidia-mock-nvml" / "build"
+    need(build.exists(), f"{build} is absent")
+    out = Path("/tmp/gpud-tests-mock-nvml")
+    with open(f"{out}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = subprocess.run([str(build), str(out)], capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out
 
 
 def real_nvml_library_present() -> bool:

@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 import structlog
-from cdi_library import NVIDIA_CTK, PODMAN_LOCK, RUNTIME_SPEC_DIR, SHARED, assert_cdi_library_accepts
-from helpers import (IN_CI, PODMAN_RUN, minimal_rootfs, need_podman_as_root, podman, sim_config, stand_in_nodes,
-                     start_daemon, stop_daemon, until_async)
+from cdi_library import NVIDIA_CTK, PODMAN_LOCK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts
+from helpers import (MOCK_NVML_CONFIGS, PODMAN_RUN, minimal_rootfs, mock_nvml_library, need, need_podman_as_root, podman,
+                     sim_config, stand_in_nodes, start_daemon, stop_daemon, until_async)
 
 from gpud.cdi import hook
 from gpud.cdi.driver_files import find_driver_files
 from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, firmware_names
 
 VERSION = "550.163.01"  # the driver_version of NVIDIA's mock NVML config for a DGX A100
-MOCK_NVML_CONFIG = SHARED / "nvidia-mock-nvml" / "src" / "pkg" / "gpu" / "mocknvml" / "configs" / "mock-nvml-config-a100.yaml"
-MOCK_NVML_DIR = Path("/tmp/gpud-tests-mock-nvml")  # built once (the build script keeps what it built)
+MOCK_NVML_CONFIG = MOCK_NVML_CONFIGS / "mock-nvml-config-a100.yaml"
 # The driver's compute, utility and video libraries with their sonames, binaries and GSP firmware, as
 # the driver's .run installs them (the simulator's driver tree cites the sources)
 FIRMWARE = firmware_names(VERSION)
@@ -39,22 +38,6 @@ for name in nvidia0 nvidia1 nvidia2 nvidia3 nvidia4 nvidia5 nvidia6 nvidia7 nvid
 done
 exec "$@"
 """
-
-
-def need(condition: bool, why: str) -> None:
-    if not condition:
-        if IN_CI:
-            pytest.fail(f"CI has it: {why}")
-        pytest.skip(why)
-
-
-def mock_nvml() -> Path:
-    """NVIDIA's mock libnvidia-ml (../shared/nvidia-mock-nvml), built once."""
-    build = SHARED / "nvidia-mock-nvml" / "build"
-    need(build.exists(), f"{build} is absent")
-    built = subprocess.run([build, MOCK_NVML_DIR], capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stdout + built.stderr
-    return MOCK_NVML_DIR
 
 
 def driver_tree(root: Path, nvml: Path | None = None) -> Path:
@@ -99,7 +82,7 @@ def nvidia_spec(tree: Path, out: Path) -> dict:
         ["unshare", "--mount", "sh", "-c", NODES, "sh", NVIDIA_CTK, "cdi", "generate", "--driver-root", tree,
          "--dev-root", "/", "--format", "json", "--output", out],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "LD_LIBRARY_PATH": str(mock_nvml()), "MOCK_NVML_CONFIG": str(MOCK_NVML_CONFIG)})
+        env={**os.environ, "LD_LIBRARY_PATH": str(mock_nvml_library()), "MOCK_NVML_CONFIG": str(MOCK_NVML_CONFIG)})
     assert generated.returncode == 0, generated.stderr
     return json.loads(out.read_text())
 
@@ -127,7 +110,7 @@ async def written(node) -> dict:
 
 @pytest.mark.slow
 async def test_gpuds_driver_files_are_nvidia_ctks(short_tmp):
-    tree = driver_tree(short_tmp / "driver", mock_nvml())
+    tree = driver_tree(short_tmp / "driver", mock_nvml_library())
     nvidia = nvidia_spec(tree, short_tmp / "nvidia.json")["containerEdits"]
     config = sim_config(short_tmp, "A100-SXM4-40GB:1").with_overrides(**{
         "sim_driver": VERSION, "cdi.driver_root": str(tree), "cdi.dev_root": str(stand_in_nodes(short_tmp / "dev", 1))})

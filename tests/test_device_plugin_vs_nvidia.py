@@ -13,17 +13,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI, REPO, GpudProcess
+from helpers import MOCK_NVML_CONFIGS, REPO, SHARED, GpudProcess, mock_nvml_library, need
 from kubelet_stand_in import Kubelet
 
-SHARED = REPO.parent / "shared"
 NVIDIA_PLUGIN = SHARED / "nvidia-device-plugin" / "bin" / "nvidia-device-plugin"
-MOCK_BUILD = SHARED / "nvidia-mock-nvml" / "build"
-MOCK_CONFIG = SHARED / "nvidia-mock-nvml" / "src/pkg/gpu/mocknvml/configs/mock-nvml-config-a100.yaml"
+MOCK_CONFIG = MOCK_NVML_CONFIGS / "mock-nvml-config-a100.yaml"
 SHARING = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
 # The namespace NVIDIA's plugin runs in: its own /dev with the nodes it opens, and the test's directory
 # as the kubelet's.
@@ -43,16 +40,9 @@ exec "$@"
 
 @pytest.fixture(scope="module")
 def mock_nvml() -> Path:
-    missing = [str(p) for p in (NVIDIA_PLUGIN, MOCK_BUILD, MOCK_CONFIG) if not p.exists()]
-    if missing or os.geteuid() != 0:
-        why = f"{', '.join(missing)} absent" if missing else "NVIDIA's plugin needs root here (a mount namespace)"
-        if IN_CI:
-            pytest.fail(f"CI has ../shared and runs as root, but: {why}")
-        pytest.skip(why)
-    out = Path(tempfile.gettempdir()) / f"gpud-mock-nvml-{os.getuid()}"
-    built = subprocess.run([str(MOCK_BUILD), str(out)], capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stdout + built.stderr
-    return out
+    need(NVIDIA_PLUGIN.exists(), f"{NVIDIA_PLUGIN} is absent")
+    need(os.geteuid() == 0, "NVIDIA's plugin needs root here (a mount namespace)")
+    return mock_nvml_library()
 
 
 def _env(mock: Path) -> dict[str, str]:

@@ -9,7 +9,6 @@ names with its reason (docs/kubernetes.md lists the same)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -19,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import (IN_CI, REPO, GpudProcess, mig_settled, put_layout, sharing_config, stand_in_nodes, start_daemon,
-                     stop_daemon, until_async)
+from helpers import (IN_CI, MOCK_NVML_CONFIGS, REPO, SHARED, GpudProcess, mig_settled, mock_nvml_library, put_layout,
+                     sharing_config, stand_in_nodes, start_daemon, stop_daemon, until_async)
 from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
 from test_sharing import gpu, node
 
@@ -29,13 +28,9 @@ from gpud.nfd.labels import OWN_LABELS, gfd_node_labels, gpu_mode
 from gpud.nvml.sim.presets import PRESETS
 from gpud.sharing.resources import compute_sharing
 
-SHARED = REPO.parent / "shared"
 GFD = SHARED / "nvidia-device-plugin" / "bin" / "gpu-feature-discovery"
 MOCK_SOURCE = SHARED / "nvidia-mock-nvml"
-MOCK_CONFIGS = MOCK_SOURCE / "src" / "pkg" / "gpu" / "mocknvml" / "configs"
-# Built once per machine (the build script does nothing when it is there), under a lock: tests run in
-# parallel processes.
-MOCK_BUILD = Path("/tmp/gpud-tests-mock-nvml")
+MOCK_CONFIGS = MOCK_NVML_CONFIGS
 
 # GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
 GFD_LABELS_NOT_WRITTEN = {
@@ -309,12 +304,7 @@ def need_the_reference() -> None:
 @pytest.fixture(scope="module")
 def mock_nvml() -> Path:
     need_the_reference()
-    with open("/tmp/gpud-tests-mock-nvml.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        built = subprocess.run([str(MOCK_SOURCE / "build"), str(MOCK_BUILD)], capture_output=True, text=True,
-                               timeout=900)
-    assert built.returncode == 0, built.stdout + built.stderr
-    return MOCK_BUILD
+    return mock_nvml_library()
 
 
 def mock_env(mock: Path, config: str) -> dict[str, str]:

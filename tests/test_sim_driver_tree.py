@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI
+from helpers import need
 
 from gpud.cdi.driver_files import find_driver_files
 from gpud.cdi.ld_cache import read_ld_cache, write_ld_cache
@@ -19,13 +19,6 @@ from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, driver_tree_paths, fi
 
 VERSION = "550.90.07"  # the simulator's default driver
 LDCONFIG = "/sbin/ldconfig"
-
-
-def need(condition: bool, why: str) -> None:
-    if not condition:
-        if IN_CI:
-            pytest.fail(f"CI has it: {why}")
-        pytest.skip(why)
 
 
 def ldconfig_listing(cache: Path) -> list[str]:
