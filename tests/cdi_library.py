@@ -8,6 +8,8 @@ check, and so does Debian 12's golang-github-container-orchestrated-devices-cont
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import subprocess
 import tempfile
@@ -49,3 +51,20 @@ def assert_cdi_library_accepts(spec: dict) -> None:
     devices, errors = cdi_library_verdict(spec)
     assert not errors, f"the CDI library refuses the spec: {errors.strip()}"
     assert sorted(devices) == sorted(f"{spec['kind']}={device['name']}" for device in spec["devices"]), devices
+
+
+@contextlib.contextmanager
+def gpud_on_the_runtimes_spec_dir(run_gpud, tmp: Path, config: str, *args: str):
+    """A simulated gpud (args: --simulate ...) whose config (its text) has it write its spec where podman
+    4.3 reads specs, alone there while it runs: tests in parallel processes take turns. Its spec is
+    removed after."""
+    (tmp / "gpud.yaml").write_text(config)
+    with PODMAN_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gpud = run_gpud(*args, "--sim-state", str(tmp / "sim.json"), "--config", str(tmp / "gpud.yaml"))
+        try:
+            gpud.wait_healthy()
+            yield gpud
+        finally:
+            gpud.stop()
+            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)

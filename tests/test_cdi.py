@@ -4,7 +4,6 @@ second and is never seen half-written, and that a real runtime (Debian's podman)
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import jsonschema
 import pytest
 import referencing
 from referencing.jsonschema import DRAFT7
-from cdi_library import PODMAN_LOCK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts, cdi_library_verdict
+from cdi_library import RUNTIME_SPEC_DIR, assert_cdi_library_accepts, cdi_library_verdict, gpud_on_the_runtimes_spec_dir
 from helpers import (IN_CI, PODMAN_RUN, REPO, cli, mig_config, mig_settled, minimal_rootfs, need_podman_as_root,
                      podman, put_layout, sharing_config, stand_in_nodes, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
@@ -529,45 +528,37 @@ def test_podman_runs_containers_with_mps_replicas_and_mig_devices(run_gpud, mps_
     rootfs = minimal_rootfs(tmp / "rootfs", "busybox")
     (tmp / "sharing.yaml").write_text("version: v1\nsharing:\n  mps:\n    resources:\n"
                                       "    - name: nvidia.com/gpu\n      replicas: 2\n")
-    (tmp / "gpud.yaml").write_text(
+    config = (
         f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  dev_root: {root}\n  driver_files: false\n"  # see run_in_container
         f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
         f"mps:\n  enabled: true\n  pipe_root: {tmp / 'mps'}\n  log_root: {tmp / 'mpslog'}\n"
         f"mig:\n  layouts_file: {tmp / 'absent.yaml'}\n")
-    with PODMAN_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(tmp / "sim.json"),
-                        "--config", str(tmp / "gpud.yaml"))
-        try:
-            gpud.wait_healthy()
-            replica = f"{gpud.client.get('/v1/gpus/0')['uuid']}::0"
-            gpud.wait_for(lambda: replica in gpud.client.get("/v1/cdi")["devices"], 20, "the MPS replicas")
-            spec = gpud.client.get("/v1/cdi")["spec"]
-            validate(spec)
-            inside = run_in_container(rootfs, replica, "env; ls /dev; cat /proc/mounts")
-            assert inside.returncode == 0, inside.stderr
-            lines = inside.stdout.splitlines()
-            assert edits(spec, replica)["env"] and all(variable in lines for variable in edits(spec, replica)["env"])
-            pipe = str(tmp / "mps" / "gpu0" / "pipe")
-            assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in lines and f" {pipe} " in inside.stdout
-            assert {"nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"} <= set(lines)
+    with gpud_on_the_runtimes_spec_dir(run_gpud, tmp, config, "--simulate", "A100-SXM4-40GB:1") as gpud:
+        replica = f"{gpud.client.get('/v1/gpus/0')['uuid']}::0"
+        gpud.wait_for(lambda: replica in gpud.client.get("/v1/cdi")["devices"], 20, "the MPS replicas")
+        spec = gpud.client.get("/v1/cdi")["spec"]
+        validate(spec)
+        inside = run_in_container(rootfs, replica, "env; ls /dev; cat /proc/mounts")
+        assert inside.returncode == 0, inside.stderr
+        lines = inside.stdout.splitlines()
+        assert edits(spec, replica)["env"] and all(variable in lines for variable in edits(spec, replica)["env"])
+        pipe = str(tmp / "mps" / "gpu0" / "pipe")
+        assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}" in lines and f" {pipe} " in inside.stdout
+        assert {"nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"} <= set(lines)
 
-            assert cli("mig", "apply", "all-3g.20gb", socket=gpud.socket).returncode == 0
-            old = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
-            gpud.wait_for(lambda: set(old) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the MIG devices")
-            assert_runs_with_its_nodes(gpud, rootfs, old[0])
-            assert_unresolvable(rootfs, replica)  # the GPU's replicas went with its MIG mode
+        assert cli("mig", "apply", "all-3g.20gb", socket=gpud.socket).returncode == 0
+        old = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
+        gpud.wait_for(lambda: set(old) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the MIG devices")
+        assert_runs_with_its_nodes(gpud, rootfs, old[0])
+        assert_unresolvable(rootfs, replica)  # the GPU's replicas went with its MIG mode
 
-            assert cli("mig", "apply", "all-1g.5gb", socket=gpud.socket).returncode == 0
-            new = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
-            gpud.wait_for(lambda: set(new) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the new MIG devices")
-            assert set(old) - set(new)
-            for name in set(old) - set(new):
-                assert_unresolvable(rootfs, name)
-            assert_runs_with_its_nodes(gpud, rootfs, new[-1])
-        finally:
-            gpud.stop()
-            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+        assert cli("mig", "apply", "all-1g.5gb", socket=gpud.socket).returncode == 0
+        new = [d["uuid"] for d in gpud.client.get("/v1/gpus/0")["mig"]["devices"]]
+        gpud.wait_for(lambda: set(new) <= set(gpud.client.get("/v1/cdi")["devices"]), 5, "the new MIG devices")
+        assert set(old) - set(new)
+        for name in set(old) - set(new):
+            assert_unresolvable(rootfs, name)
+        assert_runs_with_its_nodes(gpud, rootfs, new[-1])
 
 
 @pytest.mark.slow
@@ -576,24 +567,16 @@ def test_podman_takes_a_simulated_nodes_devices(run_gpud, short_tmp):
     whose nodes are the character devices the links resolve to."""
     need_podman_as_root()
     rootfs = minimal_rootfs(short_tmp / "rootfs", "busybox")
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_files: false\n"  # see run_in_container
-                                         f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
-    with PODMAN_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
-                        "--config", str(short_tmp / "gpud.yaml"))
-        try:
-            gpud.wait_healthy()
-            gpud.wait_for(lambda: "1" in gpud.client.get("/v1/cdi")["devices"], 10, "the spec")
-            validate(gpud.client.get("/v1/cdi")["spec"])
-            inside = run_in_container(rootfs, "1", "ls -l /dev")
-            assert inside.returncode == 0, inside.stderr
-            nodes = {line.split()[-1]: line for line in inside.stdout.splitlines() if " nvidia" in line}
-            assert sorted(nodes) == ["nvidia-uvm", "nvidia-uvm-tools", "nvidia1", "nvidiactl"]
-            assert all(line.startswith("c") and " 1,   3 " in line for line in nodes.values()), nodes
-        finally:
-            gpud.stop()
-            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+    config = (f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_files: false\n"  # see run_in_container
+              f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
+    with gpud_on_the_runtimes_spec_dir(run_gpud, short_tmp, config, "--simulate", "A100-SXM4-40GB:2") as gpud:
+        gpud.wait_for(lambda: "1" in gpud.client.get("/v1/cdi")["devices"], 10, "the spec")
+        validate(gpud.client.get("/v1/cdi")["spec"])
+        inside = run_in_container(rootfs, "1", "ls -l /dev")
+        assert inside.returncode == 0, inside.stderr
+        nodes = {line.split()[-1]: line for line in inside.stdout.splitlines() if " nvidia" in line}
+        assert sorted(nodes) == ["nvidia-uvm", "nvidia-uvm-tools", "nvidia1", "nvidiactl"]
+        assert all(line.startswith("c") and " 1,   3 " in line for line in nodes.values()), nodes
 
 
 def assert_runs_with_its_nodes(gpud, rootfs: Path, device: str) -> None:

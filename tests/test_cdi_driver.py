@@ -5,7 +5,6 @@ spec, with no NVIDIA tool anywhere."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from cdi_library import NVIDIA_CTK, PODMAN_LOCK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts
+from cdi_library import NVIDIA_CTK, RUNTIME_SPEC_DIR, assert_cdi_library_accepts, gpud_on_the_runtimes_spec_dir
 from helpers import (MOCK_NVML_CONFIGS, PODMAN_RUN, minimal_rootfs, mock_nvml_library, need, need_podman_as_root, podman,
                      sim_config, stand_in_nodes, start_daemon, stop_daemon, until_async)
 
@@ -290,27 +289,20 @@ def test_a_container_with_only_a_gpud_device_loads_the_hosts_nvml(run_gpud, shor
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(Path(needed).resolve(), target)
     # the host's driver files, not the simulator's own tree
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_root: /\n"
-                                         f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
-    with PODMAN_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-driver", version, "--sim-state",
-                        str(short_tmp / "sim.json"), "--config", str(short_tmp / "gpud.yaml"))
-        try:
-            gpud.wait_healthy()
-            spec = gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], 10, "the spec")
-            assert_cdi_library_accepts(spec)
-            assert library in [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
-            without = podman(*PODMAN_RUN, "--rm", "--rootfs", str(rootfs), "/bin/nvml-probe")
-            assert without.returncode == 2 and "libnvidia-ml.so.1: cannot open shared object file" in without.stdout
-            inside = podman(*PODMAN_RUN, "--rm", "--device", "gpud/gpu=0", "--rootfs", str(rootfs), "/bin/nvml-probe")
-            assert inside.returncode == 0, inside.stdout + inside.stderr
-            # the host's library, by its soname through the container's linker cache; no driver: NVML says so
-            assert inside.stdout.splitlines() == [f"loaded {os.path.dirname(library)}/libnvidia-ml.so.1",
-                                                  "nvmlInit_v2: Driver Not Loaded"], inside.stdout
-        finally:
-            gpud.stop()
-            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+    config = (f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\n  driver_root: /\n"
+              f"mig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    with gpud_on_the_runtimes_spec_dir(run_gpud, short_tmp, config, "--simulate", "A100-SXM4-40GB:1",
+                                       "--sim-driver", version) as gpud:
+        spec = gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], 10, "the spec")
+        assert_cdi_library_accepts(spec)
+        assert library in [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
+        without = podman(*PODMAN_RUN, "--rm", "--rootfs", str(rootfs), "/bin/nvml-probe")
+        assert without.returncode == 2 and "libnvidia-ml.so.1: cannot open shared object file" in without.stdout
+        inside = podman(*PODMAN_RUN, "--rm", "--device", "gpud/gpu=0", "--rootfs", str(rootfs), "/bin/nvml-probe")
+        assert inside.returncode == 0, inside.stdout + inside.stderr
+        # the host's library, by its soname through the container's linker cache; no driver: NVML says so
+        assert inside.stdout.splitlines() == [f"loaded {os.path.dirname(library)}/libnvidia-ml.so.1",
+                                              "nvmlInit_v2: Driver Not Loaded"], inside.stdout
 
 
 STAND_IN_PROBE = r"""
@@ -340,17 +332,9 @@ def test_a_container_given_a_simulated_gpu_loads_the_simulated_drivers_stand_in(
     subprocess.run(["gcc", "-o", short_tmp / "bin" / "cuda-probe", short_tmp / "probe.c", "-ldl"], check=True, timeout=120)
     monkeypatch.setenv("PATH", f"{short_tmp / 'bin'}:{os.environ['PATH']}")
     rootfs = minimal_rootfs(short_tmp / "rootfs", "cuda-probe")
-    (short_tmp / "gpud.yaml").write_text(f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
-    with PODMAN_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
-                        "--config", str(short_tmp / "gpud.yaml"))
-        try:
-            gpud.wait_healthy()
-            assert_cdi_library_accepts(gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], 10, "the spec"))
-            inside = podman(*PODMAN_RUN, "--rm", "--device", "gpud/gpu=0", "--rootfs", str(rootfs), "/bin/cuda-probe")
-            assert inside.returncode == 0, inside.stdout + inside.stderr
-            assert inside.stdout.splitlines() == [f"loaded /{LIB_DIR}/libcuda.so.1", "cuInit: absent"], inside.stdout
-        finally:
-            gpud.stop()
-            (RUNTIME_SPEC_DIR / "gpud-gpu.json").unlink(missing_ok=True)
+    config = (f"cdi:\n  spec_dir: {RUNTIME_SPEC_DIR}\nmig:\n  layouts_file: {short_tmp / 'none.yaml'}\n")
+    with gpud_on_the_runtimes_spec_dir(run_gpud, short_tmp, config, "--simulate", "A100-SXM4-40GB:1") as gpud:
+        assert_cdi_library_accepts(gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], 10, "the spec"))
+        inside = podman(*PODMAN_RUN, "--rm", "--device", "gpud/gpu=0", "--rootfs", str(rootfs), "/bin/cuda-probe")
+        assert inside.returncode == 0, inside.stdout + inside.stderr
+        assert inside.stdout.splitlines() == [f"loaded /{LIB_DIR}/libcuda.so.1", "cuInit: absent"], inside.stdout
