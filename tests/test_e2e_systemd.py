@@ -210,6 +210,16 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
 
     status, text = box.curl("/v1/gpus")
     assert status == 200 and len(json.loads(text)["gpus"]) == 8
+    # The CDI spec's createContainer hooks are gpud's own, run from the package: the interpreter and the
+    # hook file the spec names are those of the installed system, and the hook runs there (refusing a
+    # command it does not have, as in test_cdi_driver, so that no container is touched).
+    box.wait_for(lambda: json.loads(box.curl("/v1/cdi")[1])["spec"], "the CDI spec")
+    spec = json.loads(box.curl("/v1/cdi")[1])["spec"]
+    hooks = [hook for edits in [spec.get("containerEdits", {}), *(d["containerEdits"] for d in spec["devices"])]
+             for hook in edits.get("hooks", [])]
+    assert hooks and {tuple(hook["args"][1:3]) for hook in hooks} == {("-I", "/usr/lib/gpud/common/gpud/cdi/hook.py")}
+    refused = box.run(hooks[0]["path"], *hooks[0]["args"][1:3], "enable-cuda-compat")
+    assert refused.returncode == 2 and "invalid choice" in refused.stderr, refused.stdout + refused.stderr
     box.wait_for(lambda: '"state":"running"' in box.curl("/v1/mps")[1], "the MPS daemon")
     mps_pid = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"]
     main_pid = box.show("MainPID")
