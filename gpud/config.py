@@ -312,32 +312,27 @@ class Config:
             return Path(self.cdi.spec_dir)
         return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
 
-    @property
-    def cdi_dev_root(self) -> Path:
-        if self.cdi.dev_root:
-            return Path(self.cdi.dev_root)
+    def _driver_path(self, setting: str | None, simulated_suffix: str, real: str) -> Path:
+        """A path of the driver's: as set; unset, on a simulated node the simulator's own beside its state
+        (<sim state><simulated_suffix>), on a real one the driver's."""
+        if setting:
+            return Path(setting)
         if self.simulate:
             state = self.sim_state_path
-            return state.with_name(state.name + ".dev")
-        return Path("/")
+            return state.with_name(state.name + simulated_suffix)
+        return Path(real)
+
+    @property
+    def cdi_dev_root(self) -> Path:
+        return self._driver_path(self.cdi.dev_root, ".dev", "/")
 
     @property
     def cdi_driver_root(self) -> Path:
-        if self.cdi.driver_root:
-            return Path(self.cdi.driver_root)
-        if self.simulate:
-            state = self.sim_state_path
-            return state.with_name(state.name + ".driver")
-        return Path("/")
+        return self._driver_path(self.cdi.driver_root, ".driver", "/")
 
     @property
     def mig_minors_path(self) -> Path:
-        if self.cdi.mig_minors:
-            return Path(self.cdi.mig_minors)
-        if self.simulate:
-            state = self.sim_state_path
-            return state.with_name(state.name + ".mig-minors")
-        return Path("/proc/driver/nvidia-caps/mig-minors")
+        return self._driver_path(self.cdi.mig_minors, ".mig-minors", "/proc/driver/nvidia-caps/mig-minors")
 
     @property
     def nfd_features_path(self) -> Path:
