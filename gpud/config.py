@@ -232,10 +232,6 @@ class NfdConfig:
     # Seconds NFD keeps the labels after gpud's last write (the file's `# +expiry-time`). gpud rewrites
     # the file every half of it, so only a gpud that stopped lets its labels expire.
     expiry_s: float = field(default=600.0, metadata=_bounded(10, 86400))
-    # Where sysfs is mounted (node_exporter's --path.sysfs): nvidia.com/gpu.machine is the DMI product
-    # name, <sysfs>/class/dmi/id/product_name, and nvidia.com/gpu.mode the GPUs' PCI class, as GPU
-    # feature discovery reads them.
-    sysfs: str = "/sys"
 
 
 @dataclass(frozen=True)
@@ -259,6 +255,9 @@ class Config:
     # The NVIDIA driver version the simulated node behaves as ("535.183.01", "550.90.07", "580.65.06"):
     # driver branches differ in what NVML answers. None = the simulator's default.
     sim_driver: str | None = None
+    # Where sysfs is mounted (node_exporter's --path.sysfs): each GPU's NUMA node, and NFD's machine
+    # (DMI product name) and GPU mode (PCI class). None = /sys; on a simulated node the simulator's.
+    sysfs: str | None = None
 
     def with_overrides(self, **changes: Any) -> "Config":
         """Returns a copy with the non-None top-level or dotted ("api.socket") values applied."""
@@ -312,9 +311,9 @@ class Config:
             return Path(self.cdi.spec_dir)
         return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
 
-    def _driver_path(self, setting: str | None, simulated_suffix: str, real: str) -> Path:
-        """A path of the driver's: as set; unset, on a simulated node the simulator's own beside its state
-        (<sim state><simulated_suffix>), on a real one the driver's."""
+    def _node_path(self, setting: str | None, simulated_suffix: str, real: str) -> Path:
+        """A path of the node's (the driver's files, device nodes, sysfs): as set; unset, on a simulated
+        node the simulator's own beside its state (<sim state><simulated_suffix>), on a real one the host's."""
         if setting:
             return Path(setting)
         if self.simulate:
@@ -324,15 +323,19 @@ class Config:
 
     @property
     def cdi_dev_root(self) -> Path:
-        return self._driver_path(self.cdi.dev_root, ".dev", "/")
+        return self._node_path(self.cdi.dev_root, ".dev", "/")
 
     @property
     def cdi_driver_root(self) -> Path:
-        return self._driver_path(self.cdi.driver_root, ".driver", "/")
+        return self._node_path(self.cdi.driver_root, ".driver", "/")
+
+    @property
+    def sysfs_path(self) -> Path:
+        return self._node_path(self.sysfs, ".sysfs", "/sys")
 
     @property
     def mig_minors_path(self) -> Path:
-        return self._driver_path(self.cdi.mig_minors, ".mig-minors", "/proc/driver/nvidia-caps/mig-minors")
+        return self._node_path(self.cdi.mig_minors, ".mig-minors", "/proc/driver/nvidia-caps/mig-minors")
 
     @property
     def nfd_features_path(self) -> Path:

@@ -68,7 +68,7 @@ class Daemon:
         nvml, simulated = load_backend(config.simulate, config.sim_state_path, config.sim_driver)
         self.session = NvmlSession(nvml, simulated=simulated, retry_initial_s=config.nvml.init_retry_initial_s,
                                    retry_max_s=config.nvml.init_retry_max_s)
-        reader = NodeReader(profiles_path=config.state_path / "mig-profiles.json")
+        reader = NodeReader(profiles_path=config.state_path / "mig-profiles.json", sysfs=config.sysfs_path)
         self.inventory = InventoryService(lambda known: self.session.call(reader.read, known),
                                           config.inventory.refresh_interval_s,
                                           config.state_path / "known-gpus.json")
@@ -114,7 +114,7 @@ class Daemon:
         self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
                              create_directory=bool(config.nfd.features_file or config.simulate),
                              expiry_s=config.nfd.expiry_s)
-        self._sysfs = Path(config.nfd.sysfs)
+        self._sysfs = config.sysfs_path
         self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,

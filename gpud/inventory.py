@@ -119,6 +119,13 @@ def normal_bus_id(bus_id: str) -> str | None:
     return f"{domain:08x}:{':'.join(parts[-2:])}"
 
 
+def sysfs_pci_device(sysfs: Path, bus_id: str) -> Path | None:
+    """The kernel's directory of a PCI device, <sysfs>/bus/pci/devices/<dddd:bb:dd.f>: sysfs names it with
+    a 4-digit domain, NVML with 8. None if bus_id is not a bus id."""
+    normal = normal_bus_id(bus_id)
+    return None if normal is None else sysfs / "bus" / "pci" / "devices" / normal[4:]
+
+
 IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_mib", "architecture",
                    "cuda_compute_capability", "serial", "minor_number")
 

@@ -17,6 +17,7 @@ import pytest
 from helpers import REPO, GpudProcess, cli, running_daemons, stand_in_nodes
 from kubelet_stand_in import Kubelet
 
+from gpud.config import Config
 from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate, preferred
 from gpud.device_plugin.api import pb, rpc
 from gpud.device_plugin.state import MpsClient, NodeState, PluginDevice, Resource
@@ -460,8 +461,10 @@ def test_preferred_whole_gpus_are_nvlink_peers_on_one_numa_node():
 def test_the_numa_node_is_read_from_sysfs(short_tmp):
     simulated = SimulatedNvml("dgx-a100", short_tmp / "sim.json")
     simulated.nvmlInit()
+    sysfs = Config().with_overrides(simulate="dgx-a100", sim_state=str(short_tmp / "sim.json")).sysfs_path
+    assert sysfs == simulated.sysfs_root  # where gpud looks on a simulated node is where the simulator writes
     try:
-        gpus = NodeReader().read(simulated, {}).gpus
+        gpus = NodeReader(sysfs=sysfs).read(simulated, {}).gpus
     finally:
         simulated.nvmlShutdown()
     assert [g.numa_node for g in gpus] == list(DGX_A100_NUMA_NODES)

@@ -106,7 +106,7 @@ def dmi_sysfs(root: Path, product_name: bytes) -> Path:
 async def dgx(short_tmp):
     sysfs = dmi_sysfs(short_tmp / "sys", b"DGXA100 920-23687-2530-000 (rev. 1)\n")
     node = await start_daemon(sharing_config(short_tmp, "dgx-a100", MIXED).with_overrides(
-        **{"nfd.sysfs": str(sysfs)}))
+        **{"sysfs": str(sysfs)}))
     await mig_settled(node)
     yield node, short_tmp / "nfd" / "gpud"
     await stop_daemon(node)
@@ -517,16 +517,19 @@ def test_a_killed_gpud_leaves_labels_that_expire(short_tmp):
     assert parse_feature_text(text, now=killed_at + timedelta(seconds=11)) == {}  # and gone 10 s on
 
 
-def test_the_expiry_setting():
-    assert parse_config("").nfd.expiry_s == 600 and parse_config("").nfd.sysfs == "/sys"
-    assert parse_config("nfd:\n  expiry_s: 30\n  sysfs: /host/sys\n").nfd.expiry_s == 30
+def test_the_expiry_and_sysfs_settings():
+    assert parse_config("").nfd.expiry_s == 600 and parse_config("nfd:\n  expiry_s: 30\n").nfd.expiry_s == 30
+    assert parse_config("").sysfs_path == Path("/sys") and parse_config("sysfs: /host/sys\n").sysfs_path == Path("/host/sys")
+    # a simulated node reads the simulator's sysfs, never the host's PCI devices at its simulated bus ids
+    simulated = parse_config("").with_overrides(simulate="t4", sim_state="/tmp/node.json")
+    assert simulated.sysfs_path == Path("/tmp/node.json.sysfs")
 
 
 @pytest.mark.parametrize("text, key", [
     ("nfd:\n  expiry_s: 5\n", "nfd.expiry_s"),  # shorter than 10 s: a rewrite every few seconds for nothing
     ("nfd:\n  expiry_s: 100000\n", "nfd.expiry_s"),
     ("nfd:\n  expiry_s: soon\n", "nfd.expiry_s"),
-    ("nfd:\n  sysfs: 3\n", "nfd.sysfs"),
+    ("sysfs: 3\n", "sysfs"),
 ])
 def test_a_bad_expiry_or_sysfs_is_refused(text, key):
     with pytest.raises(ConfigError) as raised:

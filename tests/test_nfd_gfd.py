@@ -198,7 +198,7 @@ async def test_every_label_of_every_preset_is_valid_for_kubernetes(short_tmp, pr
     """MIG off, then (on MIG-capable GPUs) a layout of several profiles under the mixed strategy: every
     label, the per-profile ones included, passes Kubernetes' rules, and none is left out as invalid."""
     sysfs = dmi_sysfs(short_tmp / "sys", b"ProLiant DL380a Gen11 (P57871-B21)\n")
-    node = await start_daemon(sharing_config(short_tmp, preset, MIXED).with_overrides(**{"nfd.sysfs": str(sysfs)}))
+    node = await start_daemon(sharing_config(short_tmp, preset, MIXED).with_overrides(**{"sysfs": str(sysfs)}))
     try:
         await mig_settled(node)
         seen = [await file_labels(node)]
@@ -332,7 +332,7 @@ def run_gpud(tmp: Path, mock: Path, config: str, strategy: str, sysfs: Path) -> 
     path = tmp / "features.d" / "gpud"
     (tmp / "sharing.yaml").write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
     (tmp / "gpud.yaml").write_text(f"sharing:\n  file: {tmp / 'sharing.yaml'}\n"
-                                   f"nfd:\n  features_file: {path}\n  sysfs: {sysfs}\n"
+                                   f"nfd:\n  features_file: {path}\nsysfs: {sysfs}\n"
                                    f"cdi:\n  spec_dir: {tmp / 'cdi'}\n")  # not the host's /var/run/cdi
     gpud = GpudProcess(tmp, "--config", str(tmp / "gpud.yaml"), env=mock_env(mock, config))
     try:

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
-from gpud.inventory import Gpu, Inventory, normal_bus_id
+from gpud.inventory import Gpu, Inventory, sysfs_pci_device
 from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.
@@ -94,11 +94,11 @@ def gpu_mode(sysfs: Path, pci_bus_ids: tuple[str, ...]) -> str:
     classes, or one that cannot be read."""
     classes = set()
     for bus_id in pci_bus_ids:
-        address = normal_bus_id(bus_id)  # "00000000:07:00.0"; sysfs names it with a 4-digit domain
-        if address is None:
+        device = sysfs_pci_device(sysfs, bus_id)
+        if device is None:
             return GPU_MODE_UNKNOWN
         try:
-            classes.add(int((sysfs / "bus" / "pci" / "devices" / address[4:] / "class").read_text().strip(), 0))
+            classes.add(int((device / "class").read_text().strip(), 0))
         except (OSError, ValueError):
             return GPU_MODE_UNKNOWN
     if len(classes) != 1:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpud.inventory import Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, unknown_gpu
+from gpud.inventory import Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, sysfs_pci_device, unknown_gpu
 from gpud.logs import get_logger
 from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
 from gpud.mig.model import MigCapabilities
@@ -85,7 +85,8 @@ class NodeReader:
     the last table read from NVML on each GPU in `profiles_path` for when the driver stops
     answering it."""
 
-    def __init__(self, profiles_path: Path | None = None) -> None:
+    def __init__(self, profiles_path: Path | None = None, sysfs: Path = SYSFS) -> None:
+        self._sysfs = sysfs  # the node's (Config.sysfs_path: a simulated node's is the simulator's)
         self._tables: dict[str, _Table] = {}  # by GPU UUID
         # Where each GPU sits, by GPU UUID: its active NVLinks and its NUMA node are the board's, read
         # once (about 300 NVML calls on a DGX A100) rather than on every refresh; a link that fails
@@ -159,7 +160,7 @@ class NodeReader:
 
     def _numa_node(self, nvml: Any, uuid: str, bus_id: str) -> int | None:
         if uuid not in self._numa_nodes:
-            self._numa_nodes[uuid] = pci_numa_node(getattr(nvml, "sysfs_root", None) or SYSFS, bus_id)
+            self._numa_nodes[uuid] = pci_numa_node(self._sysfs, bus_id)
         return self._numa_nodes[uuid]
 
     def _with_nvlink_peers(self, nvml: Any, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
@@ -323,14 +324,12 @@ def _mig_devices(instances: tuple, handles: dict[tuple[int, int], dict], capabil
 
 def pci_numa_node(sysfs: Path, bus_id: str) -> int | None:
     """The NUMA node the kernel says a PCI device is attached to (Documentation/ABI/testing/sysfs-bus-pci,
-    numa_node: "or -1 if the node is unknown", from ACPI _PXM); None when unknown or unreadable. sysfs
-    names the device with a 4-digit domain, NVML with 8 ("00000000:07:00.0")."""
-    normal = normal_bus_id(bus_id)
-    if normal is None:
+    numa_node: "or -1 if the node is unknown", from ACPI _PXM); None when unknown or unreadable."""
+    device = sysfs_pci_device(sysfs, bus_id)
+    if device is None:
         return None
-    domain, rest = normal.split(":", 1)
     try:
-        node = int((sysfs / "bus" / "pci" / "devices" / f"{int(domain, 16):04x}:{rest}" / "numa_node").read_text())
+        node = int((device / "numa_node").read_text())
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None

@@ -100,7 +100,7 @@ class SimCore:
         self._models = parse_preset(preset)
         self._driver = parse_driver(driver)
         self._state_path = Path(state_path)
-        # Where the simulated node's sysfs is (the real one is /sys): gpud's reader looks here.
+        # The simulated node's sysfs (the real one is /sys), where Config.sysfs_path points on a simulated node.
         self.sysfs_root = self._state_path.with_name(self._state_path.name + ".sysfs")
         # One lock for everything; event waits release it through the condition.
         self._lock = threading.RLock()
