@@ -41,6 +41,7 @@ from gpud.nfd.writer import NfdWriter
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
+from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.monitor import ProcessMonitor
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfig, SharingConfigError
@@ -110,7 +111,9 @@ class Daemon:
         body_timeout_s = config.api.body_timeout_s
         sim_routes = SimRoutes(self.session, self.inventory, body_timeout_s).register if self.session.simulated \
             else register_not_simulated
-        self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s)
+        # the processes are the host's even on a simulated node: their cgroups too, unless sysfs is set
+        cgroupfs = Path(config.sysfs) / "fs" / "cgroup" if config.sysfs else CGROUPFS
+        self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s, cgroupfs=cgroupfs)
         self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
                              create_directory=bool(config.nfd.features_file or config.simulate),
                              expiry_s=config.nfd.expiry_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -15,19 +16,22 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers import (IN_CI, PODMAN_RUN, curl_as, gpud_for_users, mig_config, minimal_rootfs, need_podman_as_root,
+from helpers import (IN_CI, PODMAN_RUN, curl_as, gpud_for_users, mig_config, minimal_rootfs, need, need_podman_as_root,
                      podman, put_layout, sim_config, start_daemon, stop_daemon, until)
 from openapi_check import assert_matches_openapi
 
 from gpud.nvml.processes import read_processes
 from gpud.nvml.sim import SimError
 from gpud.nvml.sim.scenarios import enable_mig, started
-from gpud.processes.cgroup import UNKNOWN, Owner, owner_of
+from gpud.processes.cgroup import CGROUPFS, UNKNOWN, Owner, owner_of
 from gpud.processes.host import describe
 
 MIB = 1 << 20
 ID = "01f3c60cfaadbb51e4d5947dd2ef0480d53551cbcee8f3ada8c3723b2bf03bf4"
 ID2 = "89e89703fbd1e88b72d279d951ce389d3742874205196d73f96e0dcbc0da0659"
+POD = "0f0a4b3c-8d2e-4a55-9b1c-2d7e6f3a9c11"
+POD_ = POD.replace("-", "_")
+USER_1000 = Owner("systemd", systemd_unit="user@1000.service", systemd_slice="user-1000.slice")
 
 # -- /proc/<pid>/cgroup as hosts write it --------------------------------------------------------
 # Lines in the shapes public sources show (podman's, docker's, kubelet's and systemd's layouts, as
@@ -37,9 +41,6 @@ ID2 = "89e89703fbd1e88b72d279d951ce389d3742874205196d73f96e0dcbc0da0659"
 CGROUP_LINES = {
     "podman, systemd manager, rootful": (
         f"0::/machine.slice/libpod-{ID}.scope/container\n", Owner("container", "podman", ID)),
-    "podman, systemd manager, rootless": (
-        f"0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope/container\n",
-        Owner("container", "podman", ID)),
     "podman, cgroupfs manager, v2": (f"0::/libpod_parent/libpod-{ID}\n", Owner("container", "podman", ID)),
     "podman, cgroupfs manager, v1": (
         "".join(f"{n}:{c}:/libpod_parent/libpod-{ID}\n" for n, c in ((9, "name=systemd"), (4, "memory"), (1, "cpu")))
@@ -84,8 +85,49 @@ CGROUP_LINES = {
                          Owner("systemd", systemd_unit="nvidia-persistenced.service", systemd_slice="system.slice")),
     "a login session": ("0::/user.slice/user-1000.slice/session-3.scope\n",
                         Owner("systemd", systemd_unit="session-3.scope", systemd_slice="user-1000.slice")),
-    "a user's own service": ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/jupyter.service\n",
-                             Owner("systemd", systemd_unit="jupyter.service", systemd_slice="app.slice")),
+    "a user's own service: the user's, as their service manager": (
+        "0::/user.slice/user-1000.slice/user@1000.service/app.slice/jupyter.service\n", USER_1000),
+    "rootless podman: the user's, as their service manager": (
+        f"0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope/container\n", USER_1000),
+    "podman, a pod's container": (
+        f"0::/machine.slice/machine-libpod_pod_{ID2}.slice/libpod-{ID}.scope/container\n",
+        Owner("container", "podman", ID)),
+    "podman, cgroupfs manager, a pod's container": (
+        f"0::/libpod_parent/{ID2}/libpod-{ID}\n", Owner("container", "podman", ID)),
+    "docker under Kubernetes (dockershim), systemd driver": (
+        f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD_}.slice/docker-{ID}.scope\n",
+        Owner("container", "docker", ID, POD)),
+    "CRI-O under Kubernetes, cgroupfs driver": (
+        f"0::/kubepods/burstable/pod{POD}/crio-{ID}\n", Owner("container", "cri-o", ID, POD)),
+    "containerd, guaranteed pod, cgroupfs driver": (
+        f"0::/kubepods/pod{POD}/{ID}\n", Owner("container", "containerd", ID, POD)),
+    "kind: a node's pod under kubelet's --cgroup-root=/kubelet, systemd driver, in a docker container": (
+        f"0::/system.slice/docker-{ID2}.scope/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+        f"kubelet-kubepods-besteffort-pod{POD_}.slice/cri-containerd-{ID}.scope\n",
+        Owner("container", "containerd", ID, POD)),
+    "podman with the cgroupfs manager inside a rootful podman container": (
+        f"0::/machine.slice/libpod-{ID2}.scope/container/libpod_parent/libpod-{ID}\n",
+        Owner("container", "podman", ID)),
+    "docker with the cgroupfs driver inside a docker container": (
+        f"0::/docker/{ID2}/docker/{ID}\n", Owner("container", "docker", ID)),
+    # Root made these, but not where the runtime puts containers: a unit, or nothing.
+    "a docker-named scope inside a service": (
+        f"0::/system.slice/gpu-job.service/docker-{ID}.scope\n",
+        Owner("systemd", systemd_unit=f"docker-{ID}.scope", systemd_slice="system.slice")),
+    "a docker-named scope in machine.slice": (
+        f"0::/machine.slice/docker-{ID}.scope\n",
+        Owner("systemd", systemd_unit=f"docker-{ID}.scope", systemd_slice="machine.slice")),
+    "a libpod scope in system.slice": (
+        f"0::/system.slice/libpod-{ID}.scope\n",
+        Owner("systemd", systemd_unit=f"libpod-{ID}.scope", systemd_slice="system.slice")),
+    "a containerd scope in no pod": (
+        f"0::/kubepods.slice/kubepods-besteffort.slice/cri-containerd-{ID}.scope\n",
+        Owner("systemd", systemd_unit=f"cri-containerd-{ID}.scope", systemd_slice="kubepods-besteffort.slice")),
+    "a pod slice in the wrong QoS slice": (
+        f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-besteffort-pod{POD_}.slice/crio-{ID}.scope\n",
+        Owner("systemd", systemd_unit=f"crio-{ID}.scope", systemd_slice=f"kubepods-besteffort-pod{POD_}.slice")),
+    "a bare ID in no pod": (f"0::/kubepods/besteffort/{ID}\n", Owner("other")),
+    "a cgroupfs podman name outside libpod_parent": (f"0::/libpod-{ID}\n", Owner("other")),
     "a transient scope (systemd-run --scope)": (
         "0::/system.slice/run-r3c1d.scope\n", Owner("systemd", systemd_unit="run-r3c1d.scope",
                                                     systemd_slice="system.slice")),
@@ -99,25 +141,37 @@ CGROUP_LINES = {
 }
 
 
+def cgroup_tree(root: Path, text: str) -> Path:
+    """A cgroup filesystem as a hybrid host mounts it (v2 at "unified", v1 hierarchies at their
+    controllers' names), with a root-made directory for each line of a /proc/<pid>/cgroup text."""
+    for line in text.splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        mount = "unified" if hierarchy == "0" else controllers.removeprefix("name=")
+        (root / mount / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    return root
+
+
 @pytest.mark.parametrize("case", CGROUP_LINES)
-def test_the_owner_is_read_from_real_world_cgroup_lines(case):
+def test_the_owner_is_read_from_real_world_cgroup_lines(case, tmp_path):
+    need(os.geteuid() == 0, "the directories of a root-made cgroup tree are root's")
     text, expected = CGROUP_LINES[case]
-    owner = owner_of(text)
+    owner = owner_of(text, cgroup_tree(tmp_path, text))
     assert {**owner.as_dict(), "cgroup": None} == {**expected.as_dict(), "cgroup": None}
     assert owner.cgroup is not None and owner.cgroup in text
 
 
 @pytest.mark.parametrize("garbage", ["", "\n", "garbage", "0::relative/path", "x:y:/z", "::::", "\x00\xff" * 50,
                                      "0::/" + "a/" * 5000, "1:memory\n"])
-def test_garbage_is_an_unknown_or_plain_owner_never_an_error(garbage):
-    owner = owner_of(garbage)
+def test_garbage_is_an_unknown_or_plain_owner_never_an_error(garbage, tmp_path):
+    owner = owner_of(garbage, tmp_path)
     assert owner.kind in ("unknown", "other") and owner.container_id is None
 
 
-def test_a_container_id_is_64_hex_digits_exactly():
-    assert owner_of(f"0::/system.slice/docker-{ID[:12]}.scope\n").kind == "systemd"
-    assert owner_of(f"0::/docker/{ID}0\n").kind == "other"
-    assert owner_of(f"0::/libpod_parent/libpod-{ID.upper()}\n").kind == "other"
+def test_a_container_id_is_64_hex_digits_exactly(tmp_path):
+    need(os.geteuid() == 0, "the directories of a root-made cgroup tree are root's")
+    for text, kind in ((f"0::/system.slice/docker-{ID[:12]}.scope\n", "systemd"), (f"0::/docker/{ID}0\n", "other"),
+                       (f"0::/libpod_parent/libpod-{ID.upper()}\n", "other")):
+        assert owner_of(text, cgroup_tree(tmp_path, text)).kind == kind
 
 
 def test_a_process_that_exited_or_cannot_be_read_has_an_unknown_owner(tmp_path):
@@ -131,6 +185,96 @@ def test_a_process_that_exited_or_cannot_be_read_has_an_unknown_owner(tmp_path):
     me = describe(os.getpid())
     assert me.uid == os.getuid() and me.comm == Path("/proc/self/comm").read_text().strip()
     assert me.owner.kind != "unknown" and me.owner.cgroup in Path("/proc/self/cgroup").read_text()
+
+
+# -- cgroups a user made: delegated subtrees --------------------------------------------------------
+# systemd hands a subtree to a user by chowning its top (user@<uid>.service always; a service with
+# Delegate= and User=); below it the user names cgroups as they like. Each fake below is made by the
+# real user gpudt-other in its delegated directory, as that user.
+
+FAKES = {  # a cgroup the user names, below their delegated directory, and what it imitates
+    "docker, systemd driver": f"system.slice/docker-{ID}.scope",
+    "a bare docker-named scope": f"docker-{ID}.scope",
+    "rootful podman": f"machine.slice/libpod-{ID}.scope/container",
+    "podman, cgroupfs": f"libpod_parent/libpod-{ID}",
+    "containerd in a pod, systemd driver": (
+        f"kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD_}.slice/cri-containerd-{ID}.scope"),
+    "containerd in a pod, cgroupfs driver": f"kubepods/besteffort/pod{POD}/{ID}",
+    "a system unit": "system.slice/nvidia-persistenced.service",
+}
+
+
+def delegated_to(tree: Path, top: str, uid: int, gid: int) -> Path:
+    """Root makes `top` in the v2 hierarchy and gives it to the user, as systemd's Delegate= does (the
+    directory and its cgroup.procs, cgroup.threads and cgroup.subtree_control)."""
+    delegated = tree / "unified" / top
+    delegated.mkdir(parents=True)
+    for path in (delegated, *(delegated / name for name in ("cgroup.procs", "cgroup.threads",
+                                                            "cgroup.subtree_control"))):
+        path.touch()
+        os.chown(path, uid, gid)
+    return delegated
+
+
+def made_as(user: str, directory: Path) -> None:
+    made = subprocess.run(["runuser", "-u", user, "--", "mkdir", "-p", str(directory)], capture_output=True,
+                          text=True, cwd="/", timeout=30)
+    assert made.returncode == 0, made.stderr
+
+
+@pytest.mark.parametrize("fake", FAKES)
+@pytest.mark.parametrize("top, expected", [
+    ("user.slice/user-{uid}.slice/user@{uid}.service",
+     lambda uid: Owner("systemd", systemd_unit=f"user@{uid}.service", systemd_slice=f"user-{uid}.slice")),
+    ("system.slice/gpu-batch.service",  # a system service with Delegate=yes and User=
+     lambda uid: Owner("systemd", systemd_unit="gpu-batch.service", systemd_slice="system.slice")),
+], ids=["user manager", "delegated service"])
+def test_a_cgroup_a_user_made_is_that_users_never_a_container(fake, top, expected, short_tmp, users):
+    tmp_path = short_tmp
+    tmp_path.chmod(0o755)  # the user reaches their directory as in /sys/fs/cgroup
+    other = pwd.getpwnam("gpudt-other")
+    top = top.format(uid=other.pw_uid)
+    delegated = delegated_to(tmp_path, top, other.pw_uid, other.pw_gid)
+    made_as("gpudt-other", delegated / FAKES[fake])
+    text = f"0::/{top}/{FAKES[fake]}\n"
+    assert owner_of(text, tmp_path) == Owner(**{**expected(other.pw_uid).as_dict(), "cgroup": f"/{top}/{FAKES[fake]}"})
+
+
+def test_a_user_managers_subtree_is_the_users_even_where_root_made_it(tmp_path):
+    need(os.geteuid() == 0, "the directories of a root-made cgroup tree are root's")
+    text = f"0::/user.slice/user-1000.slice/user@1000.service/system.slice/docker-{ID}.scope\n"
+    assert owner_of(text, cgroup_tree(tmp_path, text)) == Owner(
+        "systemd", systemd_unit="user@1000.service", systemd_slice="user-1000.slice", cgroup=text[3:-1])
+
+
+def test_a_cgroup_others_can_write_names_nothing_below_it(tmp_path):
+    need(os.geteuid() == 0, "the directories of a root-made cgroup tree are root's")
+    text = f"0::/system.slice/shared.service/kubepods/besteffort/pod{POD}/{ID}\n"
+    cgroup_tree(tmp_path, text)
+    (tmp_path / "unified/system.slice/shared.service").chmod(0o777)
+    assert owner_of(text, tmp_path) == Owner("systemd", systemd_unit="shared.service", systemd_slice="system.slice",
+                                             cgroup=text[3:-1])
+    (tmp_path / "unified/system.slice/shared.service").chmod(0o755)
+    assert owner_of(text, tmp_path).container_id == ID
+
+
+def test_a_user_namespaced_container_is_itself_whatever_its_root_makes_inside(tmp_path):
+    """crun gives a container run in a user namespace its cgroup (owned by the container's root, a
+    subordinate uid): the container is the one root named, never one its root names inside."""
+    need(os.geteuid() == 0, "the directories of a root-made cgroup tree are root's")
+    outer = f"machine.slice/libpod-{ID2}.scope"
+    text = f"0::/{outer}/container/system.slice/docker-{ID}.scope\n"
+    cgroup_tree(tmp_path, text)
+    for directory in (tmp_path / "unified" / outer, *(tmp_path / "unified" / outer).rglob("*")):
+        os.chown(directory, 100000, 100000)
+    owner = owner_of(text, tmp_path)
+    assert (owner.kind, owner.container_runtime, owner.container_id) == ("container", "podman", ID2)
+
+
+def test_a_cgroup_that_cannot_be_looked_at_names_no_container(tmp_path):
+    """No tree: the process left (its cgroup with it), or the hierarchy is not mounted there."""
+    assert owner_of(f"0::/system.slice/docker-{ID}.scope\n", tmp_path) == Owner(
+        "other", cgroup=f"/system.slice/docker-{ID}.scope")
 
 
 # -- the simulator's process table -----------------------------------------------------------------
@@ -405,6 +549,90 @@ def test_a_reader_who_is_not_admin_sees_every_process(run_gpud, short_tmp, users
     gpud.wait_for(seen, timeout=15, what="the reader seeing the process")
     status, _ = curl_as("gpudt-reader", gpud.socket, "POST", "/v1/sim/processes", {"gpu": 0, "pids": []})
     assert status == 403
+
+
+# -- real cgroups: a user's fake container scope and a root-made one ------------------------------
+
+
+def writable_v2_hierarchy() -> Path:
+    v2 = CGROUPFS if (CGROUPFS / "cgroup.controllers").exists() else CGROUPFS / "unified"
+    need(os.geteuid() == 0 and (v2 / "cgroup.procs").exists(), "needs root and a cgroup v2 hierarchy")
+    return v2
+
+
+@pytest.fixture
+def real_cgroups():
+    """Makes cgroups in the host's real v2 hierarchy; at the end ends the processes put in them and
+    removes them, deepest first (a shared parent stays while another test uses it)."""
+    made: list[Path] = []
+    processes: list[subprocess.Popen] = []
+
+    def make(path: Path) -> Path:
+        for directory in reversed([path, *path.parents]):
+            if not directory.exists():
+                directory.mkdir()
+                made.append(directory)
+        return path
+    yield make, processes
+    for process in processes:
+        process.kill()
+        process.wait(10)
+    for top in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        for directory in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            directory.rmdir()  # those the user made below
+        top.rmdir()
+
+
+@pytest.mark.slow
+async def test_a_users_fake_docker_scope_is_reported_as_the_users_and_a_root_made_one_as_docker(
+        short_tmp, users, real_cgroups):
+    """The failure reported: a user with a delegated cgroup (rootless podman's user@UID.service) names
+    a scope docker-<id>.scope, and gpud reported that user's GPU memory as that docker container's."""
+    v2, (make, processes) = writable_v2_hierarchy(), real_cgroups
+    other = pwd.getpwnam("gpudt-other")
+    manager = make(v2 / f"user.slice/user-{other.pw_uid}.slice/user@{other.pw_uid}.service")
+    for path in (manager, manager / "cgroup.procs", manager / "cgroup.threads", manager / "cgroup.subtree_control"):
+        os.chown(path, other.pw_uid, other.pw_gid)  # as systemd delegates it (user@.service: Delegate=yes)
+    fake = manager / f"docker-{ID}.scope"
+    # Root puts the process in the user's manager cgroup, as systemd starts the user's manager; as the
+    # user it makes the fake scope and moves itself there.
+    processes.append(subprocess.Popen([
+        "sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec setpriv --reuid="$2" --regid="$3" --clear-groups '
+        'sh -c \'mkdir "$1" && echo $$ > "$1/cgroup.procs" && exec sleep 60\' sh "$4"',
+        "sh", str(manager), str(other.pw_uid), str(other.pw_gid), str(fake)], cwd="/"))
+    user_pid = processes[-1].pid
+    until(lambda: f"/docker-{ID}.scope" in Path(f"/proc/{user_pid}/cgroup").read_text(), timeout=10,
+          what="the user's process in its fake docker scope")
+    assert fake.stat().st_uid == other.pw_uid
+    # docker's own place, made by root, with a root process in it
+    scope = make(v2 / f"system.slice/docker-{ID2}.scope")
+    processes.append(subprocess.Popen(["sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec sleep 60', "sh", str(scope)]))
+    root_pid = processes[-1].pid
+    until(lambda: f"/docker-{ID2}.scope" in Path(f"/proc/{root_pid}/cgroup").read_text(), timeout=10,
+          what="the root process in docker's scope")
+
+    node = await start_daemon(fast(sim_config(short_tmp, "H100-SXM5-80GB:1")))
+    try:
+        status, body = await node.post("/v1/sim/processes", {"gpu": 0, "processes": [
+            {"pid": user_pid, "used_memory_mib": 4096}, {"pid": root_pid, "used_memory_mib": 1024}]})
+        assert status == 200, body
+        body = await processes_until(node, "0", lambda b: {user_pid, root_pid} <= set(listed(b)))
+        assert_matches_openapi("GET", "/v1/gpus/{id}/processes", 200, body)
+        users_entry, roots_entry = listed(body)[user_pid], listed(body)[root_pid]
+        assert users_entry["uid"] == other.pw_uid
+        assert {**users_entry["owner"], "cgroup": None} == {
+            **Owner("systemd", systemd_unit=f"user@{other.pw_uid}.service",
+                    systemd_slice=f"user-{other.pw_uid}.slice").as_dict(), "cgroup": None}, users_entry
+        assert (roots_entry["owner"]["kind"], roots_entry["owner"]["container_runtime"],
+                roots_entry["owner"]["container_id"]) == ("container", "docker", ID2), roots_entry
+        text = await metrics(node)
+        memory = {int(re.search(r'pid="(\d+)"', line).group(1)): line for line in text.splitlines()
+                  if line.startswith("gpud_process_gpu_memory_used_bytes{")}
+        assert ID not in memory[user_pid] and 'owner="systemd"' in memory[user_pid]
+        assert f'systemd_unit="user@{other.pw_uid}.service"' in memory[user_pid]
+        assert f'container_runtime="docker",container_id="{ID2}"' in memory[root_pid]
+    finally:
+        await stop_daemon(node)
 
 
 # -- real containers -------------------------------------------------------------------------------

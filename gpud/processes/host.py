@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.processes.cgroup import UNKNOWN, Owner, owner_of
+from gpud.processes.cgroup import CGROUPFS, UNKNOWN, Owner, owner_of
 
 PROC = Path("/proc")
 
@@ -18,13 +18,14 @@ class HostProcess:
     owner: Owner
 
 
-def describe(pid: int, proc: Path = PROC) -> HostProcess:
-    """A process that exited, or whose files cannot be read: all unknown, never an error."""
+def describe(pid: int, proc: Path = PROC, cgroupfs: Path = CGROUPFS) -> HostProcess:
+    """A process that exited, or whose files cannot be read: all unknown, never an error. Its owner is
+    read from its cgroup path and the owners of those cgroups' directories under `cgroupfs`."""
     base = proc / str(pid)
     try:
         comm = (base / "comm").read_text(errors="replace").rstrip("\n")
         uid = base.stat().st_uid
-        owner = owner_of((base / "cgroup").read_text(errors="replace"))
+        owner = owner_of((base / "cgroup").read_text(errors="replace"), cgroupfs)
     except OSError:
         return HostProcess(None, None, UNKNOWN)
     return HostProcess(comm, uid, owner)

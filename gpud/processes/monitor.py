@@ -15,6 +15,7 @@ from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.processes import DeviceProcesses, read_processes
 from gpud.nvml.session import NvmlSession
+from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC, HostProcess, describe
 from gpud.samples import Family
 
@@ -67,11 +68,13 @@ class ProcessSnapshot:
 
 
 class ProcessMonitor:
-    def __init__(self, session: NvmlSession, inventory: InventoryService, interval_s: float, proc: Path = PROC):
+    def __init__(self, session: NvmlSession, inventory: InventoryService, interval_s: float, proc: Path = PROC,
+                 cgroupfs: Path = CGROUPFS):
         self.session = session
         self.inventory = inventory
         self.interval_s = interval_s
         self.proc = proc
+        self.cgroupfs = cgroupfs
         self.current: ProcessSnapshot | None = None
         self._seen: set[tuple[str, int]] = set()  # (device UUID, PID) in the last snapshot, for the log
 
@@ -106,7 +109,7 @@ class ProcessMonitor:
             gpu = gpus.get(device.gpu_uuid)
             if gpu is None:
                 continue  # gone from the inventory since
-            processes = tuple(ProcessView(p.pid, p.used_memory_bytes, p.sm_percent, describe(p.pid, self.proc))
+            processes = tuple(ProcessView(p.pid, p.used_memory_bytes, p.sm_percent, describe(p.pid, self.proc, self.cgroupfs))
                               for p in device.processes)
             views.append(DeviceView(gpu, device, profiles.get(device.uuid), processes))
         return views
