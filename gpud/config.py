@@ -179,6 +179,11 @@ class MetricsConfig:
     # host:port ("[::1]:9400" for IPv6) of a read-only TCP listener serving only GET /metrics, for
     # Prometheus, which cannot scrape a Unix socket. Unset: /metrics is served on the socket only.
     listen: str | None = field(default=None, metadata={"check": listen_address})
+    # Serve the per-process series (gpud_process_*) on metrics.listen too. They name every local
+    # user's GPU processes: pid, command name, container runtime and ID, pod UID, systemd unit; and
+    # the TCP listener has no authentication, so anyone who reaches it would learn them. false: they
+    # are served only on the socket's /metrics, to api.group.
+    listen_process_series: bool = False
 
 
 @dataclass(frozen=True)

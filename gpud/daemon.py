@@ -121,10 +121,13 @@ class Daemon:
         self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
-                                     "latency": self.latency, "processes": self.processes})
+                                     "latency": self.latency, "processes": self.processes},
+                                    # what makes a cached render stale before its max age
+                                    changes=lambda: (self.bus.sequence, self.health.readings, self.processes.current))
         # metrics.listen: the same /metrics on TCP, for Prometheus; nothing else is reachable there
         self.metrics_listener = MetricsListener(self.metrics, self.latency, idle_timeout_s=config.api.idle_timeout_s,
-                                                shutdown_timeout_s=config.api.shutdown_timeout_s)
+                                                shutdown_timeout_s=config.api.shutdown_timeout_s,
+                                                with_processes=config.metrics.listen_process_series)
         self.api = Api(self.session, self.inventory, node_base, more_routes=(
             sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s,
                                                        self.processes).register,
@@ -306,6 +309,7 @@ class Daemon:
         once; other keys take effect at the next start."""
         log.info("reloading")
         await self._move_metrics_listener(config.metrics.listen)  # first: when it fails, nothing changed
+        self.metrics_listener.with_processes = config.metrics.listen_process_series
         configure_log_level(config.log.level)
         self.sharing.set_config(sharing, self.inventory.current)
         await self.sharing.apply_time_slice(self.inventory.current)

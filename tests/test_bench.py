@@ -53,3 +53,17 @@ def test_device_plugin_benchmark_runs():
     lines = result.stdout.splitlines()
     assert lines[1].startswith("idle: n=3 ") and lines[2].startswith("with nvidia.com/gpu.shared's Register hanging: n=3 ")
     assert lines[3].startswith("ratio hanging/idle (p50): ")
+
+
+@pytest.mark.slow  # gpud's start with 56 MIG devices and four 1 s floods: about 15 s
+def test_read_flood_benchmark_runs_and_prints_every_route(users):
+    # Issue 20 item 4: root's /healthz while a reader floods each read route, beside the unloaded
+    # baseline (figures read by people: CI's 2 cores are shared with the flooder).
+    result = subprocess.run([sys.executable, "bench/read_flood.py", "--seconds", "1", "--baseline-seconds", "1"],
+                            capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "56 MIG devices, 64 connections" in lines[0] and lines[1].startswith("unloaded ")
+    assert [line.split()[2] for line in lines[2:6]] == ["/metrics", "/v1/gpus", "/v1/health", "/v1/mig"]
+    assert all(" p50 " in line and " max " in line and " req/s)" in line for line in lines[2:6])
+    assert lines[6].startswith("worst p50 ") and lines[6].endswith(("PASS", "FAIL"))

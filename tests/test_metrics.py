@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
 from gpud.api.metrics import MetricsRoute
 from gpud.samples import Family
 
@@ -39,3 +44,43 @@ def test_the_text_format():
                            "# TYPE gpud_mig_in_sync gauge\n"
                            'gpud_mig_in_sync{hostname="node-1"} 1\n')
     assert text.endswith("\n") and not text.endswith("\n\n")
+
+
+class Counting:
+    """A collector that counts how often it is read."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def collect(self):
+        self.reads += 1
+        family = Family("gpud_mig_in_sync", "1 when every GPU has the desired MIG layout.", "gauge")
+        family.add({"hostname": "node-1"}, self.reads)
+        yield family
+
+
+# Guards issue 20 item 4: /metrics was rendered again for every request (3-5 ms with 56 MIG devices),
+# so 64 readers held gpud's core. Now 50 concurrent requests over a real socket read the collectors
+# once; a change the daemon reports, or the max age, makes the next request render again.
+async def test_concurrent_scrapes_share_one_render_until_the_data_changes(short_tmp):
+    collector, generation = Counting(), [0]
+    route = MetricsRoute({"mig": collector}, changes=lambda: generation[0], max_age_s=3600)
+    app = web.Application()
+    route.register(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, str(short_tmp / "m.sock")).start()
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(short_tmp / "m.sock"))) as http:
+            async def scrape() -> str:
+                async with http.get("http://localhost/metrics") as response:
+                    return await response.text()
+            texts = await asyncio.gather(*(scrape() for _ in range(50)))
+            assert collector.reads == 1 and route.renders == 1 and len(set(texts)) == 1
+            generation[0] += 1  # the collectors' data changed
+            assert 'gpud_mig_in_sync{hostname="node-1"} 2\n' in await scrape()
+            route.max_age_s = 0.0  # too old at once
+            await scrape()
+            assert collector.reads == 3
+    finally:
+        await runner.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import signal
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from helpers import IN_CI, Running, answer_until, sim_config, start_daemon, stop_daemon, until_async
+from helpers import IN_CI, Running, answer_until, need, sim_config, start_daemon, stop_daemon, until_async
 
-from gpud.api.metrics_listener import MAX_CONNECTIONS_PER_ADDRESS
+from gpud.api.metrics_listener import HEAD_TIMEOUT_S, MAX_CONNECTIONS_PER_ADDRESS, MAX_HEADERS
 from gpud.config import ConfigError, listen_address, load_config, parse_config
 from gpud.daemon import Daemon
 
@@ -137,26 +138,174 @@ async def test_malformed_requests_get_a_json_error(node):
     assert status == 200  # and it still serves
 
 
+# Guards the per-address share: a ninth connection from one address takes the place of that
+# address's oldest (all eight completed a scrape: none is kept before another); another address's
+# connection is untouched.
 async def test_one_address_cannot_hold_every_connection(node):
     host, port = listen_address(node.address)
+    other = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
     held = [await asyncio.open_connection(host, port) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
-    for _, writer in held:  # each is served: every connection was admitted
+    for reader, writer in [other, *held]:  # each is served: every connection was admitted
         writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-    for reader, _ in held:
         assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
-    reader, writer = await asyncio.open_connection(host, port)
-    assert await asyncio.wait_for(reader.read(), 5) == b""  # one more is closed unanswered
-    writer.close()
-    held.pop()[1].close()
-
-    async def scraped() -> bool:  # a connection closed leaves room for another, once gpud has seen it close
-        try:
-            return (await scrape(node.address))[0] == 200
-        except aiohttp.ClientError:  # still full: closed unanswered
-            return False
-    assert await until_async(scraped, timeout=10, what="a scrape answered after a connection closed")
-    for _, writer in held:
+    assert (await scrape(node.address))[0] == 200  # one more from the same address is served
+    assert await asyncio.wait_for(held[0][0].read(), 5) == b""  # in the place of its oldest
+    for reader, writer in [other, *held[1:]]:  # and the others are still served
+        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    for _, writer in [other, *held]:
         writer.close()
+
+
+# A local user's process (a uid without an account, in no group): holds `per_address` connections
+# from each of 127.0.0.2-127.0.0.10 to the listener, trickles a byte of a request head on each every
+# 0.2 s, and connects again whenever one is closed, until its stdin closes; then says how often it
+# connected and how often gpud closed one of its connections.
+TRICKLER = r"""
+import json, selectors, socket, sys, threading, time
+port, per_address = int(sys.argv[1]), int(sys.argv[2])
+HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Trickle: " + b"a" * 4000
+selector = selectors.DefaultSelector()
+sent, stats = {}, {"connects": 0, "closed": 0}
+def connect(address):
+    sock = socket.socket()
+    sock.bind((address, 0))
+    sock.setblocking(False)
+    sock.connect_ex(("127.0.0.1", port))
+    selector.register(sock, selectors.EVENT_READ, address)
+    sent[sock] = 0
+    stats["connects"] += 1
+for n in range(2, 11):
+    for _ in range(per_address):
+        connect(f"127.0.0.{n}")
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("started", flush=True)
+next_byte = time.monotonic()
+while not done.is_set():
+    gone = []
+    for key, _ in selector.select(0.05):
+        try:
+            if key.fileobj.recv(4096) == b"":
+                gone.append(key)
+        except OSError:
+            gone.append(key)
+    if time.monotonic() >= next_byte:
+        next_byte += 0.2
+        for key in list(selector.get_map().values()):
+            sock = key.fileobj
+            try:
+                sock.send(HEAD[sent[sock]:sent[sock] + 1])
+                sent[sock] += 1
+            except (BlockingIOError, InterruptedError):
+                pass  # still connecting
+            except OSError:
+                gone.append(key)
+    for key in {key.fileobj: key for key in gone}.values():
+        if key.fileobj in sent:
+            selector.unregister(key.fileobj)
+            del sent[key.fileobj]
+            key.fileobj.close()
+            stats["closed"] += 1
+            connect(key.data)
+print(json.dumps(stats), flush=True)
+"""
+
+
+async def scraped_once(host: str, port: int) -> bool:
+    """A scrape as Prometheus's first one: a new connection, the request in one write, the whole answer."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        return answer.startswith(b"HTTP/1.1 200") and b"gpud_collector_errors_total" in answer
+    except (OSError, asyncio.TimeoutError):
+        return False
+
+
+# Guards issue 20 item 2: 8 trickling connections from each of 127.0.0.2-10, reconnecting when
+# closed, took all 64 slots and 28-30 of 30 scrapes were refused. Now the trickler (a real local user
+# with no group) holds 270, and Prometheus's scrapes from 127.0.0.1 on a new connection each are all
+# answered: a scrape completes its request, the trickler's connections never do, and theirs make room.
+@pytest.mark.parametrize("seconds", [6.0, pytest.param(30.0, marks=pytest.mark.slow)])
+async def test_trickling_connections_from_many_loopback_addresses_do_not_lock_out_scrapes(node, seconds):
+    need(os.geteuid() == 0, "runs the trickler as another user")
+    host, port = listen_address(node.address)
+    trickler = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3", "-c", TRICKLER, str(port), "30", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, user=60051, group=60051, extra_groups=[])
+    try:
+        assert await asyncio.wait_for(trickler.stdout.readline(), 20) == b"started\n"
+        await asyncio.sleep(1.0)  # fixed time: the trickler's connections fill every slot first
+        answered, deadline = [], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            answered.append(await scraped_once(host, port))
+            await asyncio.sleep(0.1)
+    finally:
+        trickler.stdin.close()
+        stats = json.loads(await asyncio.wait_for(trickler.stdout.readline(), 20))
+        await asyncio.wait_for(trickler.wait(), 20)
+    assert stats["connects"] >= 270 and stats["closed"] > 0, stats  # it did hold (and lose) connections
+    assert sum(answered) >= 0.99 * len(answered), f"{answered.count(False)} of {len(answered)} scrapes failed"
+
+
+# Guards the whole-head deadline: a head trickled a byte at a time used to hold its slot for
+# api.idle_timeout_s (15 s by default), every byte welcome; now the head must be whole within
+# HEAD_TIMEOUT_S of the connection, however steadily it trickles.
+async def test_a_trickled_head_is_cut_at_the_head_deadline(node):
+    host, port = listen_address(node.address)
+    reader, writer = await asyncio.open_connection(host, port)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError):
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Trickle: " + b"a" * 400:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            assert time.monotonic() - started < HEAD_TIMEOUT_S + 3, "the trickled head was never cut"
+            await asyncio.sleep(0.1)  # (polling) a byte every 0.1 s: within any per-byte timeout
+            if reader.at_eof():
+                raise ConnectionError("closed")
+    assert HEAD_TIMEOUT_S - 0.5 < time.monotonic() - started < HEAD_TIMEOUT_S + 3
+    writer.close()
+
+
+# Guards the memory a head may take: aiohttp's default of 128 header lines of 8 KiB each let one
+# connection make gpud hold a megabyte; more than MAX_HEADERS lines are refused.
+async def test_a_head_with_too_many_header_lines_is_refused(node):
+    headers = {f"X-Filler-{n}": "a" * 100 for n in range(MAX_HEADERS + 8)}
+    status, _, body = await scrape(node.address, headers=headers)
+    assert status == 400 and json.loads(body)["error"]["code"] == "bad-request"
+    assert (await scrape(node.address, headers=dict(list(headers.items())[:MAX_HEADERS - 8])))[0] == 200
+
+
+# Guards issue 20 item 3: the TCP listener showed every local user's GPU processes (pid, comm,
+# container) to whoever reached it. Now it leaves out every series with a pid label unless
+# metrics.listen_process_series is set; the socket's /metrics keeps them for api.group.
+@pytest.mark.parametrize("shown", [False, True])
+async def test_per_process_series_stay_off_tcp_unless_turned_on(short_tmp, shown):
+    address = f"127.0.0.1:{free_port()}"
+    config = listening(short_tmp, address).with_overrides(**{"metrics.listen_process_series": shown,
+                                                             "health.check_interval_s": 0.5})
+    running = await start_daemon(config)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        status, body = await running.post("/v1/sim/processes", {"gpu": 0, "processes": [
+            {"pid": sleeper.pid, "used_memory_mib": 512, "sm_percent": 10}]})
+        assert status == 200, body
+
+        async def over_socket() -> str | None:
+            async with running.http.get("http://localhost/metrics") as response:
+                text = await response.text()
+            return text if f'pid="{sleeper.pid}"' in text else None
+        await until_async(over_socket, timeout=10, what="the process in the socket's /metrics")
+        _, _, text = await scrape(address)
+        assert ('pid="' in text) is shown and ('comm="sleep"' in text) is shown
+        assert "# TYPE gpud_process_gpu_memory_used_bytes gauge" in text  # the family is there, its series not
+        assert re.search(r'gpud_device_compute_processes{[^}]*gpu="0"[^}]*} 1$', text, re.M)  # counts stay
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+        await stop_daemon(running)
 
 
 async def test_a_silent_connection_is_closed_after_the_idle_timeout(short_tmp):

@@ -6,15 +6,19 @@ any other peer only those left after admin_reserved_connections, and at most
 max_connections_per_peer of them per uid. A connection beyond its share is not dropped unanswered:
 /healthz is still served on it, any other request gets a JSON 429 (its peer's cap) or 503 (gpud is
 full), and the connection is closed after that answer, or after EXCESS_GRACE_S if it sends nothing.
+
+Requests are admitted fairly (FairTurns): one request per uid that is not an admin runs at a time,
+the others of that uid wait for their turn, so a reader flooding gpud from 64 connections queues
+behind itself while admins and other readers are served between its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable, Hashable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -27,6 +31,9 @@ log = get_logger("api")
 EXCESS_GRACE_S = 1.0  # how long a connection beyond its share has to send its one request
 RETRY_AFTER_S = 1
 REFUSALS_LOGGED_EVERY_S = 10.0  # a peer that keeps knocking gets one log line per this many seconds
+# A request that holds its peer's turn this long is waiting on something (a watch stream, a slow
+# body, an apply): the turn goes to the peer's next request. The CPU a handler uses it uses at once.
+TURN_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -64,14 +71,19 @@ class ConnectionLimits:
         self._refusal_logged_at: dict[int | None, float] = {}
 
     def attach(self, server: web.Server) -> None:
-        """Weighs every connection server accepts and answers those beyond their share."""
+        """Weighs every connection server accepts and answers those beyond their share; the requests
+        of each non-admin uid take turns (FairTurns)."""
         follow_connections(server, self._admit, self._release)
         handle = server.request_handler
+        turns = FairTurns()
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             refusal = self._excess.get(request.protocol)
             if refusal is None:
-                return await handle(request)
+                admitted = self._admitted.get(request.protocol)
+                if admitted is None or admitted.admin:
+                    return await handle(request)
+                return await turns.take(admitted.uid, handle, request)
             if request.path != "/healthz":
                 return refusal.response()
             response = await handle(request)
@@ -148,3 +160,51 @@ def follow_connections(server: web.Server, admit: Callable[[RequestHandler, asyn
         release(handler)
 
     server.connection_made, server.connection_lost = connection_made, connection_lost
+
+
+class FairTurns:
+    """One request at a time per peer (a uid, an address); the peer's other requests wait in line.
+    A peer that floods gpud with requests thus gets one handler's worth of the event loop at a time,
+    and whatever other peers sent is served between two of its requests (the loop runs ready
+    callbacks in order). A request that keeps its turn over TURN_S passes it on without ending."""
+
+    def __init__(self, turn_s: float = TURN_S):
+        self.turn_s = turn_s
+        self._waiting: dict[Hashable, deque[asyncio.Future]] = {}  # peer -> its requests in line; present: one runs
+
+    async def take(self, peer: Hashable, handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+                   request: web.BaseRequest) -> web.StreamResponse:
+        line = self._waiting.get(peer)
+        if line is None:
+            self._waiting[peer] = deque()
+        else:
+            turn = asyncio.get_running_loop().create_future()
+            line.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:  # its connection closed while it waited (_pass skips it in line)
+                if not turn.cancelled():  # the turn had been given to it: pass it on
+                    self._pass(peer)
+                raise
+        passed = [False]
+
+        def pass_once() -> None:
+            if not passed[0]:
+                passed[0] = True
+                self._pass(peer)
+
+        timer = asyncio.get_running_loop().call_later(self.turn_s, pass_once)
+        try:
+            return await handle(request)
+        finally:
+            timer.cancel()
+            pass_once()
+
+    def _pass(self, peer: Hashable) -> None:
+        line = self._waiting[peer]
+        while line:
+            turn = line.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        del self._waiting[peer]

@@ -4,7 +4,15 @@ It is an aiohttp app of its own. It serves GET (and HEAD) /metrics, from the soc
 MetricsRoute, and nothing else: no other route is registered on it, so no route of the socket API
 can be reached through it; any other path is a 404, and any other method on /metrics a 405.
 TCP carries no peer credentials, so nothing here is authenticated: whoever reaches the address
-reads the metrics. Hence the advice to bind it to loopback or a private interface.
+reads the metrics. Hence the advice to bind it to loopback or a private interface, and the
+per-process series (a pid label: every local user's GPU processes) are left out here unless
+metrics.listen_process_series is set.
+
+Any local user can connect, from any of 127.0.0.0/8's addresses, so its slots are kept for those
+who scrape (Slots): a new connection must send its whole request head within HEAD_TIMEOUT_S; when
+every slot is taken, or its address holds its share, the connection that has done least is closed
+to make room (one still to complete a request before one that completed a scrape; among those,
+one of the address holding most; then the oldest); and each address's requests take turns.
 """
 
 from __future__ import annotations
@@ -12,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gpud.api.connections import follow_connections
+from gpud.api.connections import FairTurns, follow_connections
 from gpud.api.errors import REQUEST_ERROR_LOG, answer_malformed_requests_with_json, error_response
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
@@ -25,10 +34,16 @@ from gpud.logs import get_logger
 
 log = get_logger("metrics")
 # A Prometheus server keeps one connection open per target; a few servers (an HA pair) and a
-# curl leave room under these. Beyond either cap a new connection is closed at once.
+# curl leave room under these. Beyond either cap a connection makes room or is closed (Slots).
 MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_ADDRESS = 8
-REFUSALS_LOGGED_EVERY_S = 10.0
+# Prometheus sends its request head in one write as soon as it connects; a peer that has not sent
+# a whole head by then is holding a slot. (Later heads on a kept-alive connection: idle_timeout_s.)
+HEAD_TIMEOUT_S = 2.0
+# What one connection may make gpud hold: Prometheus sends about 6 header lines, each bounded at
+# aiohttp's 8190 bytes, so a head is at most ~256 KiB, and all the slots together ~16 MiB.
+MAX_HEADERS = 32
+SHED_LOGGED_EVERY_S = 10.0
 NO_BODY_BYTES = 1024  # no route here reads a body
 
 
@@ -42,8 +57,9 @@ class MetricsListenError(Exception):
 
 class MetricsListener:
     def __init__(self, route: MetricsRoute, latency: RequestLatency, *, idle_timeout_s: float,
-                 shutdown_timeout_s: float):
+                 shutdown_timeout_s: float, with_processes: bool = False):
         self.route = route
+        self.with_processes = with_processes  # metrics.listen_process_series: read per request, so a reload applies
         self.latency = latency  # scrapes over TCP are API requests too: counted and timed with the others
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -52,7 +68,7 @@ class MetricsListener:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=NO_BODY_BYTES)
-        app.router.add_get("/metrics", self.route.get)  # HEAD too (aiohttp's allow_head)
+        app.router.add_get("/metrics", self.metrics)  # HEAD too (aiohttp's allow_head)
         app.router.add_route("*", "/{path:.*}", _nothing_else)
         return app
 
@@ -67,11 +83,11 @@ class MetricsListener:
         runner = web.AppRunner(self.app(), handle_signals=False, access_log=RequestLatency.logger(),
                                access_log_class=self.latency.access_logger_class(),
                                logger=REQUEST_ERROR_LOG,  # no request bytes, rate-limited
-                               keepalive_timeout=self.idle_timeout_s,  # also closes a silent new connection
+                               keepalive_timeout=self.idle_timeout_s, max_headers=MAX_HEADERS,
                                lingering_time=1.0, shutdown_timeout=self.shutdown_timeout_s)
         await runner.setup()
         answer_malformed_requests_with_json(runner.server)
-        AddressCaps(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS).attach(runner.server)
+        Slots(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, HEAD_TIMEOUT_S).attach(runner.server)
         site = web.TCPSite(runner, host, port)
         try:
             await site.start()
@@ -82,6 +98,9 @@ class MetricsListener:
         bound = [_host_port(sockname) for sockname in runner.addresses]  # a host name may be several
         log.info("metrics_listening", address=address, bound=bound, url=f"http://{address}/metrics",
                  authentication="none: bind to loopback or a private interface")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return self.route.response(self.route.text(with_processes=self.with_processes))
 
     async def stop(self) -> None:
         """Stops listening; a scrape in flight gets shutdown_timeout_s to finish."""
@@ -124,44 +143,105 @@ def _host_port(sockname: tuple) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class AddressCaps:
-    """Connections open at once, in all and per peer IP address. TCP peers have no credentials to
-    weigh (connections.py weighs the socket's), so a host holding many connections cannot crowd
-    out Prometheus; a connection beyond a cap is closed as soon as it is accepted."""
+@dataclass(eq=False)
+class Slot:
+    """One accepted connection, as Slots weighs it."""
 
-    def __init__(self, max_connections: int, per_address: int):
-        self.max_connections, self.per_address = max_connections, per_address
-        self._admitted: dict[RequestHandler, str] = {}  # connection -> its peer's address
+    address: str
+    transport: asyncio.Transport
+    since: float  # accepted, or its last request answered
+    head_timer: asyncio.TimerHandle | None
+    served: bool = False  # it completed a request: kept before those that have not
+    handling: bool = False  # a request of it is being answered: never closed for room
+
+
+class Slots:
+    """Connections open at once, in all and per peer IP address. TCP peers have no credentials to
+    weigh (connections.py weighs the socket's), and one local user can connect from every address
+    of 127.0.0.0/8; so a connection beyond a cap is not simply refused: it takes the slot of the
+    connection that has done least (see shed_for), and only when every slot is answering a request
+    is it closed as soon as it is accepted. A connection that has not sent its first request head
+    within head_timeout_s is closed. Each address's requests take turns (FairTurns)."""
+
+    def __init__(self, max_connections: int, per_address: int, head_timeout_s: float):
+        self.max_connections, self.per_address, self.head_timeout_s = max_connections, per_address, head_timeout_s
+        self._slots: dict[RequestHandler, Slot] = {}
         self._by_address: Counter[str] = Counter()
-        self._refused_unlogged = 0
-        self._refusal_logged_at = -REFUSALS_LOGGED_EVERY_S
+        self._shed_unlogged: Counter[str] = Counter()  # why -> connections closed since the last log line
+        self._shed_logged_at = -SHED_LOGGED_EVERY_S
 
     def attach(self, server: web.Server) -> None:
         follow_connections(server, self._admit, self._release)
+        handle, turns = server.request_handler, FairTurns()
+
+        async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+            slot = self._slots.get(request.protocol)
+            if slot is None:  # closed for room while its head was parsed: its answer goes nowhere
+                return await handle(request)
+            slot.handling = True
+            if slot.head_timer is not None:
+                slot.head_timer.cancel()
+                slot.head_timer = None
+            try:
+                return await turns.take(slot.address, handle, request)
+            finally:
+                slot.handling, slot.served, slot.since = False, True, time.monotonic()
+
+        server.request_handler = request_handler
 
     def _admit(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "unknown"
-        if len(self._admitted) >= self.max_connections or self._by_address[address] >= self.per_address:
-            transport.close()
-            self._log_refusal(address)
-            return
-        self._admitted[handler] = address
+        if len(self._slots) >= self.max_connections or self._by_address[address] >= self.per_address:
+            victim = self.shed_for(address)
+            if victim is None:
+                transport.close()
+                self._log_shed("refused", address)
+                return
+            self._close(victim, "closed_for_room")
+        timer = asyncio.get_running_loop().call_later(self.head_timeout_s, self._head_overdue, handler)
+        self._slots[handler] = Slot(address, transport, time.monotonic(), timer)
         self._by_address[address] += 1
 
-    def _release(self, handler: RequestHandler) -> None:
-        address = self._admitted.pop(handler, None)
-        if address is None:
-            return
-        self._by_address[address] -= 1
-        if not self._by_address[address]:
-            del self._by_address[address]
+    def shed_for(self, address: str) -> RequestHandler | None:
+        """The connection to close for a new one from address: among its own address's when that
+        address holds its share, else among all; never one being answered. First one that has not
+        completed a request (a scraper completes its at once), then one of the address holding the
+        most connections, then the oldest."""
+        own = self._by_address[address] >= self.per_address
+        candidates = [(slot.served, -self._by_address[slot.address], slot.since, handler)
+                      for handler, slot in self._slots.items()
+                      if not slot.handling and (not own or slot.address == address)]
+        return min(candidates, key=lambda candidate: candidate[:3])[3] if candidates else None
 
-    def _log_refusal(self, address: str) -> None:
-        self._refused_unlogged += 1
+    def _head_overdue(self, handler: RequestHandler) -> None:
+        slot = self._slots.get(handler)
+        if slot is not None and not slot.handling:
+            self._close(handler, "head_overdue")
+
+    def _close(self, handler: RequestHandler, why: str) -> None:
+        slot = self._slots[handler]
+        self._release(handler)
+        slot.transport.abort()  # at once: the slot is another's now
+        self._log_shed(why, slot.address)
+
+    def _release(self, handler: RequestHandler) -> None:
+        slot = self._slots.pop(handler, None)
+        if slot is None:
+            return
+        if slot.head_timer is not None:
+            slot.head_timer.cancel()
+        self._by_address[slot.address] -= 1
+        if not self._by_address[slot.address]:
+            del self._by_address[slot.address]
+
+    def _log_shed(self, why: str, address: str) -> None:
+        self._shed_unlogged[why] += 1
         now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSALS_LOGGED_EVERY_S:
-            log.warning("metrics_connections_refused", last_peer=address, refused=self._refused_unlogged,
-                        open=len(self._admitted), max_connections=self.max_connections,
-                        max_per_address=self.per_address, logged_every_s=REFUSALS_LOGGED_EVERY_S)
-            self._refused_unlogged, self._refusal_logged_at = 0, now
+        if now - self._shed_logged_at >= SHED_LOGGED_EVERY_S:
+            log.warning("metrics_connections_shed", last_peer=address, **dict(self._shed_unlogged),
+                        open=len(self._slots), max_connections=self.max_connections,
+                        max_per_address=self.per_address, head_timeout_s=self.head_timeout_s,
+                        logged_every_s=SHED_LOGGED_EVERY_S)
+            self._shed_unlogged.clear()
+            self._shed_logged_at = now
