@@ -157,6 +157,22 @@ async def test_one_address_cannot_hold_every_connection(node):
         writer.close()
 
 
+# Guards the churn a reconnecting trickler caused: when every connection of an address still waits
+# for its head, a newcomer from that address is refused at once instead of pushing one of them out
+# (which the trickler then replaces, in a loop that cost the event loop); the waiting ones stay.
+async def test_an_address_waiting_for_its_heads_gets_no_more_room(node):
+    host, port = listen_address(node.address)
+    waiting = [await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
+               for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
+    reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # refused: closed unanswered
+    writer.close()
+    for reader, writer in waiting:  # the first eight are still there, and answered
+        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
 # A local user's process (a uid without an account, in no group): holds `per_address` connections
 # from each of 127.0.0.2-127.0.0.10 to the listener, trickles a byte of a request head on each every
 # 0.2 s, and connects again whenever one is closed, until its stdin closes; then says how often it

@@ -10,9 +10,10 @@ metrics.listen_process_series is set.
 
 Any local user can connect, from any of 127.0.0.0/8's addresses, so its slots are kept for those
 who scrape (Slots): a new connection must send its whole request head within HEAD_TIMEOUT_S; when
-every slot is taken, or its address holds its share, the connection that has done least is closed
-to make room (one still to complete a request before one that completed a scrape; among those,
-one of the address holding most; then the oldest); and each address's requests take turns.
+every slot is taken, or its address holds its share, a connection from an address that still waits
+for a head of its own is refused, and any other's takes the place of the connection that has done
+least (one still to complete a request before one that completed a scrape; among those, one of the
+address holding most; then the oldest); and each address's requests take turns.
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ class Slots:
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "unknown"
         if len(self._slots) >= self.max_connections or self._by_address[address] >= self.per_address:
-            victim = self.shed_for(address)
+            # An address still waiting for a head of its own gets no other's slot: a peer that
+            # reconnects whatever is closed would otherwise push its own connections out in a loop.
+            victim = None if self._waits_for_head(address) else self.shed_for(address)
             if victim is None:
                 transport.close()
                 self._log_shed("refused", address)
@@ -213,6 +216,9 @@ class Slots:
                       for handler, slot in self._slots.items()
                       if not slot.handling and (not own or slot.address == address)]
         return min(candidates, key=lambda candidate: candidate[:3])[3] if candidates else None
+
+    def _waits_for_head(self, address: str) -> bool:
+        return any(slot.address == address and not slot.served and not slot.handling for slot in self._slots.values())
 
     def _head_overdue(self, handler: RequestHandler) -> None:
         slot = self._slots.get(handler)
