@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from gpud import __version__, cli_client, doctor
-from gpud.cli_output import (EXIT_CODES, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, SOCKET_ORDER, CliError,
-                             exit_for_status, print_json, report_error, warn)
+from gpud.cli_output import (EXIT_CODES, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, SOCKET_ORDER,
+                             CliError, exit_for_status, print_json, report_error, warn)
 from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
 
 SIM_PRESETS = "dgx-a100, dgx-a100-80gb, hgx-h100, hgx-h200, a30, t4, rtx-2080ti, or MODEL:COUNT[,MODEL:COUNT…]"
@@ -260,6 +260,10 @@ def _add_mps(commands: Any) -> None:
     env.add_argument("name")
     env.add_argument("--memory-mib", type=int, help="pinned device memory limit per device")
     env.add_argument("--threads-percent", type=float, help="active thread percentage")
+    quit_all = _local_command(mps.add_parser("quit-all", help="end every MPS control daemon gpud left running "
+                                                              "(the packages' preremove runs it as root)"),
+                              _mps_quit_all)
+    quit_all.add_argument("--config", type=Path, help="config file (default /etc/gpud/gpud.yaml, if present)")
 
 
 def _add_sharing(commands: Any) -> None:
@@ -341,6 +345,27 @@ def _device_list_strategies(text: str) -> tuple:
         raise CliError(EXIT_USAGE, "usage", f"device-plugin: --device-list-strategy {text!r}: each of "
                                             f"{', '.join(valid)} at most once, comma-separated")
     return tuple(DeviceListStrategy(name) for name in names)
+
+
+def _mps_quit_all(args: argparse.Namespace) -> int:
+    """Where the config cannot be read, its defaults: only root's pipe directories are acted on then."""
+    from gpud.mps.removal import quit_all
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        warn(f"{exc}: acting on the default MPS pipe root, and on root's daemons only")
+        config = Config()
+    outcomes = asyncio.run(quit_all(config.mps_pipe_root, config.mps_log_root, config.mps.control_binary,
+                                    config.mps.user))
+    if args.json:
+        print_json([{"name": outcome.name, "refused": outcome.refused} for outcome in outcomes])
+    for outcome in outcomes:
+        if outcome.refused is not None:
+            warn(f"left running: {outcome.name}: {outcome.refused}")
+        elif not args.json:
+            print(f"quit: {outcome.name}")
+    return EXIT_OK if all(outcome.refused is None for outcome in outcomes) else EXIT_PROBLEM
 
 
 def _config_validate(args: argparse.Namespace) -> int:

@@ -24,16 +24,21 @@ class InUse(OSError):
     """Another gpud holds the lock."""
 
 
-def secure_directory(path: Path, mode: int, owner: tuple[int, int] | None = None) -> None:
+def secure_directory(path: Path, mode: int, owner: tuple[int, int] | None = None, *,
+                     own_existing: bool = True) -> bool:
     """Makes `path` a directory that only gpud (or root) controls, creating what is missing with
-    `mode`. Every directory on the way must be owned by root or gpud's user and be writable by no
-    one else, except sticky directories such as /tmp, where no one can rename another's entries.
-    The last directory must be writable by its owner only; `owner` (uid, gid), where given, is
-    given to it through its descriptor (an existing one is already owned by that uid, or by us).
+    `mode`; returns whether it created the last directory. Every directory on the way must be owned
+    by root or gpud's user and be writable by no one else, except sticky directories such as /tmp,
+    where no one can rename another's entries. The last directory must be writable by its owner
+    only; `owner` (uid, gid), where given, is given to it through its descriptor (an existing one is
+    already owned by that uid, or by us). With own_existing=False an existing last directory keeps
+    its owner and mode: one that systemd manages (RuntimeDirectory=) is put back, recursively, by
+    systemd whenever its owner differs from the unit's.
     A symlink on the way is followed only when root or gpud's user made it in a directory no one
     else can write (the operator's /var/run -> /run), never one that another user could plant."""
     names = list((Path.cwd() / path).parts[1:])  # ".." kept: it is resolved on the way, not by spelling
     where, fd, symlinks = Path("/"), os.open("/", _DIRECTORY_FLAGS), 0
+    created = False
     try:
         while names:
             name = names.pop(0)
@@ -64,8 +69,9 @@ def secure_directory(path: Path, mode: int, owner: tuple[int, int] | None = None
             if created:  # the umask may have taken bits the mode (0755 on the way) asked for
                 os.fchmod(fd, mode if last else 0o755)
             _check_directory(os.fstat(fd), where, last, owner[0] if owner else None)
-        if owner is not None:
+        if owner is not None and (created or own_existing):
             os.fchown(fd, *owner)
+        return created
     finally:
         os.close(fd)
 

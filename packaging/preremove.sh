@@ -19,9 +19,7 @@ if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
         systemctl disable gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     fi
     # gpud leaves its MPS control daemons running across its own restarts and upgrades
-    # (KillMode=process); when gpud itself goes away, they go too.
-    for pipe in /run/gpud/mps/*/pipe; do
-        [ -S "$pipe/control" ] || continue
-        echo quit | CUDA_MPS_PIPE_DIRECTORY="$pipe" timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1 || true
-    done
+    # (KillMode=process); when gpud itself goes away, they go too. Not a loop over the pipes here:
+    # they are mps.user's, and gpud checks each path and runs the MPS client as its owner, not as root.
+    gpud mps quit-all || true
 fi

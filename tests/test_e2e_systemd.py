@@ -25,7 +25,8 @@ from gpud import __version__
 # Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
 # after the other.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
-PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,procps,passwd,nvidia-cuda-mps"
+# No procps: the unit must not need /bin/kill (issue 20, item 2); the tests signal with sh's own kill.
+PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,passwd,nvidia-cuda-mps"
 # Debian 12 (python3 3.11) and Debian 13 (python3 3.13): the same .deb boots on each, one after the other.
 DISTRIBUTIONS = ("bookworm", "trixie")
 
@@ -65,6 +66,10 @@ class Container:
             command += ["-d", json.dumps(body)]
         text, _, code = self.run(*command, user=user).stdout.rpartition("\n")
         return int(code or 0), text
+
+    def kill(self, signal_name: str, pid: str | int) -> subprocess.CompletedProcess:
+        """The shell's own kill: the minimal root has no /bin/kill (procps)."""
+        return self.run("sh", "-c", f"kill -{signal_name} {pid}")
 
     def show(self, prop: str) -> str:
         return self.run("systemctl", "show", "-p", prop, "--value", "gpud").stdout.strip()
@@ -202,7 +207,11 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     abi = box.run("python3", "-c", "import sys; print('%d%d' % sys.version_info[:2])", check=True).stdout.strip()
     assert (box.root / f"usr/lib/gpud/common/gpud/__pycache__/cli.cpython-{abi}.pyc").is_file()
     assert list((box.root / f"usr/lib/gpud/cp{abi}").glob("aiohttp/__pycache__/web.cpython-*.pyc"))
-    (box.root / "etc/gpud/gpud.yaml").write_text("simulate: dgx-a100\nmps:\n  enabled: true\n  devices: [0]\n")
+    # A real member of gpud's group, and an MPS daemon of its own user, as on a node with Kubernetes.
+    box.run("useradd", "-M", "-G", "gpud", "gpud-reader", check=True)
+    box.run("sh", "-c", "id gpud-mps >/dev/null 2>&1 || useradd -r -M gpud-mps", check=True)
+    config = "simulate: dgx-a100\nmps:\n  enabled: true\n  devices: [0]\n  user: gpud-mps\n"
+    (box.root / "etc/gpud/gpud.yaml").write_text(config)
     box.run("systemctl", "restart", "gpud", check=True)
     box.wait_for(lambda: box.show("ActiveState") == "active" and "GPUs" in box.show("StatusText"), "READY")
     assert box.show("StatusText").startswith("8 GPUs")
@@ -224,21 +233,40 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     mps_pid = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"]
     main_pid = box.show("MainPID")
 
+    pipe = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pipe_directory"]
+    owners = lambda: box.run("stat", "-c", "%U:%G %a %n", "/run/gpud", "/run/gpud/gpud.sock",  # noqa: E731
+                             pipe, check=True).stdout.split("\n")[:3]
+    as_packaged = ["root:root 755 /run/gpud", "root:gpud 660 /run/gpud/gpud.sock", f"gpud-mps:gpud-mps 755 {pipe}"]
+    assert owners() == as_packaged
+    # The unit reloads without procps (issue 20, item 2): no kill(1) in this root.
+    assert not any((box.root / path).exists() for path in ("bin/kill", "usr/bin/kill"))
+    # Each reload is one ExecReload= run, for which systemd sets up RuntimeDirectory= again (and chowns
+    # it recursively where its owner differs from the unit's): the group keeps the socket, mps.user its pipes.
+    for attempt in range(3):
+        box.run("systemctl", "reload", "gpud", check=True)
+        assert box.show("ActiveState") == "active"  # `systemctl reload` returned once the reload was done
+        assert box.show("MainPID") == main_pid  # reload keeps the process and its connections
+        assert owners() == as_packaged, attempt
+        assert box.curl("/v1/gpus", user="gpud-reader")[0] == 200, attempt
+        daemon = json.loads(box.curl("/v1/mps")[1])["daemons"][0]
+        assert (daemon["pid"], daemon["state"]) == (mps_pid, "running"), attempt
+    # A config gpud refuses fails the reload, and the running gpud goes on with the config it has.
+    (box.root / "etc/gpud/gpud.yaml").write_text(config + "mps_typo: 1\n")
+    refused = box.run("systemctl", "reload", "gpud")
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert box.show("ActiveState") == "active" and box.show("MainPID") == main_pid
+    (box.root / "etc/gpud/gpud.yaml").write_text(config)
     box.run("systemctl", "reload", "gpud", check=True)
-    box.wait_for(lambda: box.show("ActiveState") == "active", "reloaded")
-    assert box.show("MainPID") == main_pid  # reload keeps the process and its connections
-    assert json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"] == mps_pid
     box.run("systemctl", "restart", "gpud", check=True)
     box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud after restart")
     assert box.show("MainPID") != main_pid
     assert json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"] == mps_pid  # MPS survived, adopted
 
-    box.run("useradd", "-M", "-G", "gpud", "gpud-reader", check=True)
     assert box.curl("/v1/gpus", user="gpud-reader")[0] == 200
     assert box.curl("/v1/mig", "PUT", {"layout": "all-balanced"}, user="gpud-reader")[0] == 403
 
     stalled = box.show("MainPID")
-    box.run("kill", "-STOP", stalled, check=True)  # a hung event loop: no more WATCHDOG=1
+    box.kill("STOP", stalled).check_returncode()  # a hung event loop: no more WATCHDOG=1
     box.wait_for(lambda: box.show("MainPID") not in (stalled, "0") and box.show("ActiveState") == "active",
                  "systemd to catch the stalled watchdog and restart gpud", timeout=60)
     assert "watchdog" in box.run("journalctl", "-u", "gpud", "--no-pager").stdout.lower()
@@ -246,7 +274,7 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     mps_pid = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"]
     box.run("apt-get", "remove", "-y", "gpud", check=True)
     assert not (box.root / "usr/bin/gpud").exists() and (box.root / "etc/gpud/gpud.yaml").exists()
-    assert box.run("kill", "-0", str(mps_pid)).returncode != 0  # its MPS daemon went with it
+    assert box.kill("0", mps_pid).returncode != 0  # its MPS daemon went with it
     box.run("apt-get", "purge", "-y", "gpud", check=True)
     for leftover in ("etc/gpud", "var/lib/gpud", "var/log/gpud", "usr/lib/gpud", "opt/gpud", "run/gpud",
                      "usr/lib/systemd/system/gpud.service", "etc/systemd/system/multi-user.target.wants/gpud.service"):
@@ -489,7 +517,7 @@ def test_upgrade_downgrade_and_reinstall_keep_the_config_mig_layout_and_mps_daem
 
     box.run("apt-get", "remove", "-y", "gpud", check=True)
     for pid in state.mps.values():  # a removal takes the MPS daemons with it
-        assert box.run("kill", "-0", str(pid)).returncode != 0, pid
+        assert box.kill("0", pid).returncode != 0, pid
     assert box.run("systemctl", "is-enabled", "gpud").stdout.strip() != "enabled"
     # Installed again after the removal (its configuration kept): enabled and running, as before it.
     install = box.run("dpkg", "-i", "/root/gpud.deb")

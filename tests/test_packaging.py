@@ -12,12 +12,13 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI, REPO
+from helpers import IN_CI, REPO, kill_mps_under
 
 from gpud import __version__
 from gpud.client import ApiFailure, Client, DaemonUnreachable
@@ -353,3 +354,70 @@ def test_gpud_version_overrides_the_version_without_touching_the_checkout(packag
     finally:
         deb.unlink()
         rpm.unlink()
+
+
+# -- the maintainer scripts and MPS (issue 20, item 8c) -------------------------------------------
+
+# Run in a mount namespace of its own, on a tmpfs over /run: the script's /run/gpud is the test's, and
+# the host's /run is untouched. A root-only socket stands for anything of root's that mps.user would
+# like root to talk to; mps.user plants a link to it where a control socket belongs. A second pipe
+# directory holds a real MPS control daemon of mps.user, which the removal must end.
+PRERM_STAGE = """\
+set -eu
+mount -t tmpfs -o mode=0755 gpudt-prerm /run
+mkdir -p /run/gpud/mps/planted/pipe /run/gpud/mps/real/pipe /run/gpud-logs/real /run/root-only
+chmod 0700 /run/root-only
+chown {user} /run/gpud/mps/planted/pipe /run/gpud/mps/real/pipe /run/gpud-logs/real
+"$PYTHON" -c '
+import socket, sys
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # what the MPS client connects with
+listener.bind("/run/root-only/root.sock")
+listener.listen(1)
+listener.settimeout(15)
+open("/run/root-only/ready", "w").close()
+try:
+    peer, _ = listener.accept()
+except socket.timeout:
+    sys.exit(0)
+open(sys.argv[1], "w").write("connected as root")
+' "$REACHED" &
+while [ ! -e /run/root-only/ready ]; do sleep 0.05; done
+runuser -u {user} -- ln -s /run/root-only/root.sock /run/gpud/mps/planted/pipe/control
+runuser -u {user} -- env CUDA_MPS_PIPE_DIRECTORY=/run/gpud/mps/real/pipe \
+    CUDA_MPS_LOG_DIRECTORY=/run/gpud-logs/real nvidia-cuda-mps-control -d
+while [ ! -S /run/gpud/mps/real/pipe/control ]; do sleep 0.05; done
+PATH="$STUBS:$PATH" sh {script} remove 2>&1 || echo "preremove exited $?"
+for pid in $(pgrep -u {user} -x nvidia-cuda-mps); do
+    if grep -qz '^CUDA_MPS_PIPE_DIRECTORY=/run/gpud/mps/real/pipe$' /proc/$pid/environ; then
+        echo "the real MPS daemon is still running"
+    fi
+done
+kill %1 2>/dev/null || true
+"""
+
+
+def test_preremove_ends_mps_daemons_only_through_paths_that_root_or_mps_user_own(short_tmp, mps_tmp, users):
+    """prerm ran nvidia-cuda-mps-control as root on every /run/gpud/mps/*/pipe, whose contents are
+    mps.user's: a control "socket" planted as a link made root connect to a socket only root may
+    reach. Now the planted one is refused and left alone, and the real daemon of mps.user still quits."""
+    user = "gpudt-other"
+    stubs, reached = short_tmp / "stubs", short_tmp / "reached"
+    stubs.mkdir()
+    (short_tmp / "gpud.yaml").write_text(f"mps:\n  user: {user}\n  log_root: /run/gpud-logs\n")
+    # gpud as the package installs it, on the operator's config; no systemctl of the host's
+    (stubs / "gpud").write_text(f'#!/bin/sh\nexec "{os.environ.get("PYTHON", sys.executable)}" -m gpud "$@" '
+                                f'--config {short_tmp / "gpud.yaml"}\n')
+    (stubs / "systemctl").write_text("#!/bin/sh\nexit 1\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    stage = PRERM_STAGE.format(user=user, script=REPO / "packaging/preremove.sh")
+    try:
+        result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", stage],
+                                env=dict(os.environ, PYTHON=sys.executable, REACHED=str(reached), STUBS=str(stubs)),
+                                capture_output=True, text=True, timeout=90)
+    finally:
+        kill_mps_under(Path("/run/gpud/mps/real/pipe"))  # the daemon lives on in the namespace if it did not quit
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not reached.exists(), result.stdout  # root never connected through the planted link
+    assert "the real MPS daemon is still running" not in result.stdout, result.stdout
+    assert "left running: planted" in result.stdout and "quit: real" in result.stdout, result.stdout

@@ -5,6 +5,7 @@ run a second gpud on the same state. Real users, real sockets, real planted syml
 from __future__ import annotations
 
 import asyncio
+import grp
 import json
 import os
 import shutil
@@ -142,6 +143,28 @@ async def test_gpud_makes_its_runtime_directory_private(short_tmp, users):
         info = (short_tmp / "grouped").stat()  # the group's members traverse it to reach the socket
         assert stat.S_IMODE(info.st_mode) == 0o750 and info.st_uid == 0
         assert info.st_gid == (short_tmp / "grouped" / "g.sock").stat().st_gid != 0
+    finally:
+        await stop_daemon(node)
+
+
+@needs_root
+async def test_an_existing_socket_directory_keeps_its_owner_and_mode(short_tmp, users):
+    # Guards against the reload lock-out (issue 20, item 1): gpud gave the existing /run/gpud (systemd's
+    # RuntimeDirectory=, root:root 0755) to the socket's group; at the next ExecReload= systemd found its
+    # owner changed and chowned the whole tree back to root, the socket and mps.user's pipes with it.
+    run = short_tmp / "run"
+    run.mkdir(mode=0o755)  # as systemd makes it: RuntimeDirectoryMode=0755, root:root
+    short_tmp.chmod(0o755)
+    node = await start_daemon(_config(short_tmp, run).with_overrides(**{"api.group": READERS}))
+    try:
+        info = run.stat()
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, 0, 0o755)
+        sock = (run / "g.sock").stat()
+        assert (sock.st_uid, sock.st_gid, stat.S_IMODE(sock.st_mode)) == (0, grp.getgrnam(READERS).gr_gid, 0o660)
+        assert await asyncio.to_thread(curl_with, "gpudt-reader", READERS, [READERS], run / "g.sock",
+                                       "GET", "/v1/gpus") == 200
+        assert await asyncio.to_thread(curl_with, "gpudt-other", "gpudt-other", [], run / "g.sock",
+                                       "GET", "/v1/gpus") == 0  # not in the group: no connection at all
     finally:
         await stop_daemon(node)
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import IN_CI, MPS_CONTROL, REPO, SYSTEM_PATH, kill_mps_under, real_nvml_library_present
@@ -77,6 +78,12 @@ def test_ready_comes_even_without_a_driver(run_gpud, short_tmp, notify_socket):
     assert any(line.startswith("STATUS=") and "Driver Not Loaded" in line for line in ready)
 
 
+def _packaged_binary(root: Path) -> None:
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+    (root / "usr/bin/gpud").write_text("#!/bin/sh\n")
+    (root / "usr/bin/gpud").chmod(0o755)
+
+
 @pytest.mark.parametrize("unit", ["gpud.service", "gpud-device-plugin.service"])
 def test_the_units_pass_systemd_analyze_verify(tmp_path, unit):
     analyze = shutil.which("systemd-analyze")
@@ -85,12 +92,10 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path, unit):
             pytest.fail("CI must have systemd-analyze (package systemd)")
         pytest.skip("systemd-analyze is not installed")
     # A root holding the OS's units, the packaged units, the binaries they name and the directory the
-    # device plugin's condition wants, as a package installs them on a Kubernetes node.
+    # device plugin's condition wants, as a package installs them on a Kubernetes node: gpud's own
+    # binary only, as in a minimal root without procps's /bin/kill (issue 20, item 2).
     shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
-    for binary in ("usr/bin/gpud", "bin/kill"):
-        (tmp_path / binary).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / binary).write_text("#!/bin/sh\n")
-        (tmp_path / binary).chmod(0o755)
+    _packaged_binary(tmp_path)
     (tmp_path / "var/lib/kubelet/device-plugins").mkdir(parents=True)
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
@@ -143,10 +148,7 @@ def test_the_socket_unit_passes_systemd_analyze_verify(tmp_path):
     unit_dir = tmp_path / "etc/systemd/system"
     shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
     unit_dir.mkdir(parents=True)
-    for binary in ("usr/bin/gpud", "bin/kill"):
-        (tmp_path / binary).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / binary).write_text("#!/bin/sh\n")
-        (tmp_path / binary).chmod(0o755)
+    _packaged_binary(tmp_path)
     for unit in ("gpud.service", "gpud.socket"):
         shutil.copy(REPO / "systemd" / unit, unit_dir)
     result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", "/etc/systemd/system/gpud.socket"],

@@ -165,14 +165,19 @@ class UnixSocketListener:
         self.sock: socket.socket | None = None
 
     def claim(self) -> None:
-        """Makes the socket's directory and takes the lock, before gpud touches anything else: the
+        """Makes the socket's directory and takes the lock, before gpud touches anything else: a new
         directory is 0700, or 0750 root:group when the group's members may use the socket (they
-        must traverse the directory to reach it); no one else can plant anything in it."""
+        must traverse the directory to reach it); no one else can plant anything in it. An existing
+        one keeps its owner and mode: under systemd it is the unit's RuntimeDirectory= (root:root
+        0755), and systemd chowns the whole tree back to root, the socket and the MPS directories
+        included, at the next ExecStart= or ExecReload= that finds its owner changed."""
         if self.inherited is not None:
             return
         self._gid = self._socket_gid()
-        secure_directory(self.path.parent, 0o700 if self._gid is None else 0o750,
-                         None if self._gid is None else (0, self._gid))
+        created = secure_directory(self.path.parent, 0o700 if self._gid is None else 0o750,
+                                   None if self._gid is None else (0, self._gid), own_existing=False)
+        if not created and self._gid is not None:
+            self._warn_if_group_cannot_traverse(os.stat(self.path.parent))
         try:
             self._lock_fd = hold_lock(self.path.with_name(self.path.name + ".lock"), f"is running on {self.path}")
         except InUse as exc:
@@ -197,6 +202,14 @@ class UnixSocketListener:
         sock.setblocking(False)
         self.sock = sock
         return sock
+
+    def _warn_if_group_cannot_traverse(self, directory: os.stat_result) -> None:
+        by_group = directory.st_gid == self._gid and directory.st_mode & stat.S_IXGRP
+        if not (directory.st_mode & stat.S_IXOTH or by_group):
+            log.warning("socket_directory_closed_to_group", directory=str(self.path.parent), group=self.group,
+                        mode=f"{stat.S_IMODE(directory.st_mode):04o}",
+                        why="the group's members cannot reach the socket through its directory, which gpud "
+                            "did not make and leaves as it is")
 
     def _socket_gid(self) -> int | None:
         """The group the socket is given to: only root can give it, and only to a group that exists."""
