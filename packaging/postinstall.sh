@@ -29,5 +29,12 @@ elif [ -d /run/systemd/system ]; then
     # them; a running gpud (and device plugin) restarts on the new code, a stopped one stays stopped.
     # gpud's MPS control daemons keep running (KillMode=process): the new gpud adopts them.
     systemctl daemon-reload
+    # Earlier versions gave /run/gpud to group gpud. systemd, finding the runtime directory not
+    # root:root as the unit says, would chown all of it to root when it starts the new gpud, the MPS
+    # pipe directories of mps.user included: hand back the top directory alone, as systemd made it
+    # (a real directory only, never through a link).
+    if [ -d /run/gpud ] && [ ! -L /run/gpud ]; then
+        chown root:root /run/gpud && chmod 0755 /run/gpud
+    fi
     systemctl try-restart gpud.service gpud-device-plugin.service
 fi
