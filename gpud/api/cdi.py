@@ -19,5 +19,6 @@ class CdiRoutes:
     async def get(self, request: web.Request) -> web.Response:
         if self.writer is None:
             return json_response({"enabled": False, "kind": KIND, "path": None, "written_at": None, "error": None,
-                                  "devices": [], "unavailable": [], "spec": None})
+                                  "devices": [], "unavailable": [], "spec": None,
+                                  "changed_behind_gpud": {"count": 0, "last": None, "at": None}})
         return json_response(self.writer.view())
