@@ -25,6 +25,7 @@ from gpud.inventory import normal_bus_id
 from gpud.nvml import smi
 from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
+from gpud.nvml.privileges import ROOT_ONLY
 from gpud.nvml.session import describe_error, load_backend
 
 SCHEMA = "gpud-doctor/1"
@@ -350,14 +351,19 @@ def _compare_profile(index: int, ours: GiProfile, theirs: smi.SmiGiProfile) -> l
 def _permissions(reading: NodeReading, root: bool, findings: _Findings) -> dict:
     denied = [{"gpu": gpu.index, "read": f.read, "loses": _LOSSES.get(f.read, f.read)}
               for gpu in reading.gpus for f in gpu.failures if f.code == NVML_NO_PERMISSION]
+    # What a gpud running as this user could not do: the driver refuses it to all but root.
+    mig_capable = any(gpu.mig_current is not None for gpu in reading.gpus)
+    changes = [] if root else [{"change": change, "what": what, "source": source}
+                               for change, (what, source) in ROOT_ONLY.items() if change != "mig" or mig_capable]
     if root:
         summary = "running as root"
     else:
         summary = (f"running as uid {os.geteuid()}: " + (f"{len(denied)} reads need root" if denied
-                                                          else "every read answered"))
+                                                          else "every read answered")
+                   + "; " + ", ".join(c["change"] for c in changes) + " need root")
         findings.note("not root: other users' processes holding the GPUs cannot be seen; run doctor as root "
                       "for the full list of reset blockers")
-    return {"root": root, "summary": summary, "denied": denied}
+    return {"root": root, "summary": summary, "denied": denied, "changes_need_root": changes}
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -376,6 +382,7 @@ def render(report: dict) -> str:
     lines += ["", f"nvidia-smi   {smi_part['path'] or '-'}: {smi_part['summary']}",
               f"permissions  {permissions['summary']}"]
     lines += _render_denied(permissions["denied"])
+    lines += [f"  {c['what']} need root, as gpud runs now ({c['source']})" for c in permissions["changes_need_root"]]
     lines += _render_list("Problems", report["problems"]) + _render_list("Notes", report["notes"])
     count = len(report["problems"])
     lines += ["", f"Result: {count} problem{'s' if count != 1 else ''} (exit {EXIT_PROBLEMS})" if count
