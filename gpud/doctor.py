@@ -26,7 +26,7 @@ from gpud.nvml import smi
 from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
 from gpud.nvml.privileges import ROOT_ONLY
-from gpud.nvml.session import describe_error, load_backend
+from gpud.nvml.session import NO_GPU_HINT, describe_error, load_backend
 
 SCHEMA = "gpud-doctor/1"
 EXIT_OK, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2
@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             nvml = _backend(args, stack)
         except Exception as exc:  # no pynvml; PresetError, SimError, a driver the simulator does not know
-            report = cannot_run(f"cannot load {'the simulated node' if args.simulate else 'pynvml'}: {exc}")
+            report = cannot_run(f"cannot load the simulated node: {exc}" if args.simulate
+                                else f"cannot load pynvml: {exc}; {NO_GPU_HINT}")
         else:
             report = examine(nvml, simulated=bool(args.simulate), smi_path=smi.find())
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -123,7 +124,7 @@ def examine(nvml: Any, *, simulated: bool, smi_path: str | None, proc: Path = Pa
         if simulated:
             return cannot_run(f"the simulated node cannot start: {describe_error(exc)}")
         return cannot_run(f"NVML cannot start: {describe_error(exc)}: is the NVIDIA driver installed and loaded "
-                          "(lsmod | grep nvidia; nvidia-smi)?")
+                          f"(lsmod | grep nvidia; nvidia-smi)? {NO_GPU_HINT} (or gpud doctor --simulate dgx-a100)")
     try:
         reading = read_node(nvml)
         holders = _simulated_holders(nvml, reading) if simulated else None

@@ -284,6 +284,7 @@ def test_exit_2_when_the_driver_is_not_loaded():
     assert report["status"] == "cannot-run" and "Driver Not Loaded (NVML error 9)" in report["error"]
     text = _doctor()
     assert text.returncode == 2 and "cannot run: NVML cannot start: Driver Not Loaded" in text.stdout
+    assert "try gpud on a simulated node: gpud serve --simulate dgx-a100" in text.stdout  # no GPU: what to try
 
 
 @pytest.mark.parametrize("args", [["--simulate", "no-such-preset"], ["--simulate", "A100-SXM4-40GB:0"]])
