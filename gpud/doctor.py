@@ -25,7 +25,8 @@ from gpud.inventory import normal_bus_id
 from gpud.nvml import smi
 from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
-from gpud.nvml.session import describe_error, load_backend
+from gpud.nvml.privileges import ROOT_ONLY
+from gpud.nvml.session import NO_GPU_HINT, describe_error, load_backend
 
 SCHEMA = "gpud-doctor/1"
 EXIT_OK, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             nvml = _backend(args, stack)
         except Exception as exc:  # no pynvml; PresetError, SimError, a driver the simulator does not know
-            report = cannot_run(f"cannot load {'the simulated node' if args.simulate else 'pynvml'}: {exc}")
+            report = cannot_run(f"cannot load the simulated node: {exc}" if args.simulate
+                                else f"cannot load pynvml: {exc}; {NO_GPU_HINT}")
         else:
             report = examine(nvml, simulated=bool(args.simulate), smi_path=smi.find())
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -122,7 +124,7 @@ def examine(nvml: Any, *, simulated: bool, smi_path: str | None, proc: Path = Pa
         if simulated:
             return cannot_run(f"the simulated node cannot start: {describe_error(exc)}")
         return cannot_run(f"NVML cannot start: {describe_error(exc)}: is the NVIDIA driver installed and loaded "
-                          "(lsmod | grep nvidia; nvidia-smi)?")
+                          f"(lsmod | grep nvidia; nvidia-smi)? {NO_GPU_HINT} (or gpud doctor --simulate dgx-a100)")
     try:
         reading = read_node(nvml)
         holders = _simulated_holders(nvml, reading) if simulated else None
@@ -350,14 +352,19 @@ def _compare_profile(index: int, ours: GiProfile, theirs: smi.SmiGiProfile) -> l
 def _permissions(reading: NodeReading, root: bool, findings: _Findings) -> dict:
     denied = [{"gpu": gpu.index, "read": f.read, "loses": _LOSSES.get(f.read, f.read)}
               for gpu in reading.gpus for f in gpu.failures if f.code == NVML_NO_PERMISSION]
+    # What a gpud running as this user could not do: the driver refuses it to all but root.
+    mig_capable = any(gpu.mig_current is not None for gpu in reading.gpus)
+    changes = [] if root else [{"change": change, "what": what, "source": source}
+                               for change, (what, source) in ROOT_ONLY.items() if change != "mig" or mig_capable]
     if root:
         summary = "running as root"
     else:
         summary = (f"running as uid {os.geteuid()}: " + (f"{len(denied)} reads need root" if denied
-                                                          else "every read answered"))
+                                                          else "every read answered")
+                   + "; " + ", ".join(c["change"] for c in changes) + " need root")
         findings.note("not root: other users' processes holding the GPUs cannot be seen; run doctor as root "
                       "for the full list of reset blockers")
-    return {"root": root, "summary": summary, "denied": denied}
+    return {"root": root, "summary": summary, "denied": denied, "changes_need_root": changes}
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -376,6 +383,7 @@ def render(report: dict) -> str:
     lines += ["", f"nvidia-smi   {smi_part['path'] or '-'}: {smi_part['summary']}",
               f"permissions  {permissions['summary']}"]
     lines += _render_denied(permissions["denied"])
+    lines += [f"  {c['what']} need root, as gpud runs now ({c['source']})" for c in permissions["changes_need_root"]]
     lines += _render_list("Problems", report["problems"]) + _render_list("Notes", report["notes"])
     count = len(report["problems"])
     lines += ["", f"Result: {count} problem{'s' if count != 1 else ''} (exit {EXIT_PROBLEMS})" if count

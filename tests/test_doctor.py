@@ -284,6 +284,7 @@ def test_exit_2_when_the_driver_is_not_loaded():
     assert report["status"] == "cannot-run" and "Driver Not Loaded (NVML error 9)" in report["error"]
     text = _doctor()
     assert text.returncode == 2 and "cannot run: NVML cannot start: Driver Not Loaded" in text.stdout
+    assert "try gpud on a simulated node: gpud serve --simulate dgx-a100" in text.stdout  # no GPU: what to try
 
 
 @pytest.mark.parametrize("args", [["--simulate", "no-such-preset"], ["--simulate", "A100-SXM4-40GB:0"]])
@@ -397,7 +398,8 @@ def test_as_non_root_the_mig_instance_reads_are_listed_with_what_gpud_loses(shor
     jsonschema.validate(report, SCHEMA)
     assert {(d["gpu"], d["read"]) for d in report["permissions"]["denied"]} == \
         {(gpu, "mig.gpu_instances") for gpu in range(8)}
-    assert report["permissions"]["summary"] == "running as uid 65534: 8 reads need root"
+    assert report["permissions"]["summary"] == "running as uid 65534: 8 reads need root; mig, reset, mps need root"
+    assert [c["change"] for c in report["permissions"]["changes_need_root"]] == ["mig", "reset", "mps"]
     assert report["gpus"][0]["mig"]["gpu_instance_count"] is None
     assert report["running_as_root"] is False
     assert any(n.startswith("not root: other users' processes") for n in report["notes"])
@@ -409,3 +411,18 @@ def test_reports_from_real_h100_runs_match_the_schema(run):
     jsonschema.validate(report, SCHEMA)
     assert report["status"] == "ok" and report["nvidia_smi"]["compared"] and report["nvidia_smi"]["mismatches"] == []
     assert report["gpus"][0]["fabric"]["state"] == "not-supported"  # the query answers, with no fabric, in a VM
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_as_non_root_doctor_names_the_changes_the_driver_keeps_for_root(short_tmp):
+    """Every read answers an ordinary user with MIG off, yet gpud run as that user could not apply a
+    MIG layout, reset a GPU or run MPS: doctor says so, where a text reader looks, with the sources."""
+    short_tmp.chmod(0o777)
+    result = _doctor("--simulate", "dgx-a100", "--sim-state", str(short_tmp / "state.json"),
+                     user=[shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "permissions  running as uid 65534: every read answered; mig, reset, mps need root" in result.stdout
+    for needed in ("MIG changes (gpud mig apply", "GPU resets (gpud gpus reset", "MPS (gpud sets the compute mode"):
+        assert f"  {needed}" in result.stdout and '"Requires root' in result.stdout
+    as_root = _doctor("--simulate", "dgx-a100", "--sim-state", str(short_tmp / "state.json"), "--json")
+    assert json.loads(as_root.stdout)["permissions"]["changes_need_root"] == []

@@ -282,3 +282,30 @@ async def test_default_layout_is_applied_at_start_and_an_api_choice_outlives_res
         assert mig["layout"] == "all-balanced" and mig["in_sync"]
     finally:
         await stop_daemon(node)
+
+
+async def test_a_gpud_that_is_not_root_says_so_before_an_apply_that_needs_root(short_tmp, monkeypatch):
+    """nvml.h, nvmlDeviceSetMigMode: "Requires root user". gpud and the simulated driver both read the
+    uid per call, so with uid 1000 the node behaves as a driver does for an ordinary user's gpud: the
+    dry run and the layouts name what needs root, and the apply itself fails as the driver refuses."""
+    node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
+    try:
+        status, as_root = await put_layout(node, "all-balanced", dry_run=True)
+        assert status == 200 and as_root["needs_root"] is None
+        monkeypatch.setattr("os.geteuid", lambda: 1000)
+        status, dry = await put_layout(node, "all-balanced", dry_run=True)
+        assert status == 200, dry
+        assert_matches_openapi("PUT", "/v1/mig", 200, dry)
+        assert dry["needs_root"].startswith("gpud runs as uid 1000, not root")
+        assert "change GPU 0, 1" in dry["needs_root"] and "Insufficient Permissions" in dry["needs_root"]
+        _, layouts = await node.get("/v1/mig/layouts")
+        assert_matches_openapi("GET", "/v1/mig/layouts", 200, layouts)
+        by_name = {layout["name"]: layout for layout in layouts["layouts"]}
+        assert by_name["all-balanced"]["fits"] is True
+        assert by_name["all-balanced"]["needs_root"] == dry["needs_root"]
+        assert by_name["all-disabled"]["needs_root"] is None  # changes nothing on this node
+        status, body = await put_layout(node, "all-balanced")
+        assert status == 409 and "Insufficient Permissions" in body["error"]["message"], body
+    finally:
+        monkeypatch.undo()
+        await stop_daemon(node)

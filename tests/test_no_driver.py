@@ -23,6 +23,7 @@ def test_gpud_serves_503_and_retries_while_the_driver_is_not_loaded(run_gpud, tm
 
     body = gpud.wait_for(unavailable, what="healthz 503 unavailable")
     assert "Driver Not Loaded" in body["reason"]
+    assert "try gpud on a simulated node: gpud serve --simulate dgx-a100" in body["reason"]  # no GPU: what to try
     assert body["error"]["code"] == "nvml-unavailable"
 
     node = gpud.client.get("/v1/node")
@@ -38,5 +39,6 @@ def test_gpud_serves_503_and_retries_while_the_driver_is_not_loaded(run_gpud, tm
 
     failures = gpud.wait_for(retried, what="a second logged init attempt")
     assert "Driver Not Loaded" in failures[0]["error"] and failures[0]["level"] == "error"
+    assert "gpud serve --simulate dgx-a100" in failures[0]["error"]
     assert failures[1]["attempt"] > failures[0]["attempt"]
     assert gpud.stop() == 0

@@ -629,6 +629,23 @@ def test_non_root_cannot_change_modes_or_instances(state_path, nobody):
     assert nvml.nvmlComputeInstanceDestroy(compute_instance) == pynvml.NVML_SUCCESS
 
 
+def test_non_root_cannot_reset_a_gpu(state_path, nobody):
+    """nvidia-smi manual, -r/--gpu-reset: "Requires root". The refused reset changes nothing: a lost
+    GPU stays lost until root resets it."""
+    nvml = started("hgx-h100", state_path)
+    nvml.sim_set_gpu_lost(0, how="is-lost")
+    nvml.nvmlShutdown()
+    nobody(1000)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        nvml.sim_reset_gpu(0)
+    nobody(0)
+    nvml.nvmlInit()
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(0))
+    reset_released(nvml, [0])
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(0)).startswith("GPU-")
+
+
 def test_non_root_cannot_list_mig_instances_but_sees_mig_devices(state_path, nobody):
     """`nvidia-smi mig -lci`: "Failed to display compute instances: Insufficient Permissions"
     (Project-HAMi/HAMi#1044) without the MIG capabilities; `nvidia-smi -L` still lists MIG devices

@@ -14,7 +14,7 @@ from gpud.inventory import Inventory, InventoryService
 from gpud.mig.layouts import (Layout, LayoutError, LayoutsFile, NodeGpu, check_layouts, export_layout, layout_named,
                               offers)
 from gpud.mig.model import GpuPlan
-from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of, node_gpus
+from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of, node_gpus, root_needed
 
 
 def plan_view(plans: dict[str, GpuPlan]) -> list[dict]:
@@ -78,10 +78,11 @@ class MigRoutes:
             node_warnings += warnings
             try:
                 _desired, plans = self.reconciler.plan(layout, inventory, force=True)
-                fits, reason, changed = True, None, len(plans)
+                fits, reason, changed, needs_root = True, None, len(plans), root_needed(plans)
             except ApplyRefused as exc:
-                fits, reason, changed = False, exc.message, None
+                fits, reason, changed, needs_root = False, exc.message, None, None
             views.append({"name": layout.name, "fits": fits, "reason": reason, "gpus_changed": changed,
+                          "needs_root": needs_root,
                           "matching_gpus": len(layout.selected(gpus)), "active": layout.name == active,
                           "warnings": [w for w in file_warnings if w.startswith(f"mig-configs.{layout.name}[")]
                                       + warnings})
@@ -100,7 +101,8 @@ class MigRoutes:
         force = bool(body.get("force"))
         if body.get("dry_run"):
             _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
-            return json_response({"layout": layout.name, "dry_run": True, "plan": plan_view(plans)})
+            return json_response({"layout": layout.name, "dry_run": True, "needs_root": root_needed(plans),
+                                  "plan": plan_view(plans)})
         plans, applying = await self.reconciler.apply(layout, force=force, origin=origin)
         if wait in ("false", "0"):
             return json_response({"layout": layout.name, "state": "applying", "plan": plan_view(plans)}, status=202)

@@ -26,6 +26,7 @@ from gpud.mig.model import GpuInstanceState, GpuMigState, GpuPlan, PlanError
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import ResetFailed
+from gpud.nvml.privileges import not_root_because, running_as_root
 from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
 from gpud.persist import read_json, write_json_atomic
@@ -56,6 +57,16 @@ class ApplyStatus:
     started_at: float | None = None
     finished_at: float | None = None
     gpus: dict[str, GpuProgress] = field(default_factory=dict)
+
+
+def root_needed(plans: dict[str, GpuPlan]) -> str | None:
+    """Why applying these plans will fail for lack of privilege, said before anything is tried;
+    None when nothing changes or gpud runs as root."""
+    if not plans or running_as_root():
+        return None
+    indexes = ", ".join(str(plan.index) for plan in sorted(plans.values(), key=lambda p: p.index))
+    return (f"{not_root_because('mig')}: applying it would change GPU {indexes} and fail with "
+            "Insufficient Permissions; run gpud as root")
 
 
 def mig_state_of(gpu: Gpu) -> GpuMigState:

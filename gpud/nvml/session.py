@@ -36,6 +36,10 @@ class SessionState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+# Said wherever the real NVML cannot start: the way to try gpud on a machine without a GPU.
+NO_GPU_HINT = "no NVIDIA GPU or driver here? try gpud on a simulated node: gpud serve --simulate dgx-a100"
+
+
 class NvmlUnavailable(RuntimeError):
     """NVML is not initialised (no driver yet, an unsupported driver, or gpud is stopping)."""
 
@@ -110,7 +114,8 @@ class NvmlSession:
                 await asyncio.sleep(self._retry_max_s)
                 continue
             except Exception as exc:  # NVMLError, OSError from ctypes, a bad simulator state file
-                self._unavailable(f"NVML initialisation failed: {describe_error(exc)}", log.error,
+                hint = "" if self.simulated else f" ({NO_GPU_HINT})"
+                self._unavailable(f"NVML initialisation failed: {describe_error(exc)}{hint}", log.error,
                                   "nvml_init_failed", delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pynvml
 from pynvml import NVML_ERROR_IN_USE, NVML_ERROR_NOT_SUPPORTED, NVMLError
 
-from ._core import SimCore, sim_control
+from ._core import SimCore, require_root, sim_control
 from .errors import SimError
 from .events import NOT_ATTRIBUTED, Event
 from .host_processes import start_time
@@ -213,8 +213,13 @@ class SimControls(SimCore):
         Otherwise every GPU given is reset (`Gpu.reset`: MIG instances gone, a pending MIG mode
         applied, a lost GPU back, volatile ECC cleared, pending remaps applied, NVLink retrained).
         Holders stay: they are processes, which a reset does not end.
+
+        Root only, before anything else is looked at: nvidia-smi(1), -r/--gpu-reset, "Requires root";
+        the driver call behind it is not in nvml.h, so the refusal is NVML's for every root-only
+        call, NO_PERMISSION ("Insufficient Permissions"), as for -mig and -c.
         """
         targets = self._reset_targets(gpus)
+        require_root()
         if self._node.passthrough:
             # nvml.h, nvmlDeviceSetMigMode: "On certain platforms like pass-through virtualization,
             # where reset functionality may not be exposed directly, VM reboot is required." No source
