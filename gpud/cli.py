@@ -259,7 +259,8 @@ def _add_health(commands: Any) -> None:
     clear = _add_client(health.add_subparsers(title="health commands", metavar="COMMAND"), "clear",
                         cli_client.health_clear, "clear a device's health reasons (all, or one kind)")
     clear.add_argument("id", help="GPU index, GPU or MIG UUID, or PCI bus id")
-    clear.add_argument("--kind", choices=HEALTH_REASON_KINDS, help="clear only reasons of this kind")
+    clear.add_argument("--kind", choices=HEALTH_REASON_KINDS, metavar="KIND",
+                       help=f"clear only reasons of this kind: {', '.join(HEALTH_REASON_KINDS)}")
 
 
 def _add_mig(commands: Any) -> None:
