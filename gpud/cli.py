@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import os
 import sys
 import textwrap
@@ -16,9 +17,11 @@ from gpud.cli_output import (EXIT_CODES, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE
                              CliError, exit_for_status, print_json, report_error, warn)
 from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
 
-SIM_PRESETS = "dgx-a100, dgx-a100-80gb, hgx-h100, hgx-h200, a30, t4, rtx-2080ti, or MODEL:COUNT[,MODEL:COUNT…]"
 CLIENT_TIMEOUT_S = 30.0
 CHANGE_TIMEOUT_S = 300.0  # a GPU reset ends processes and re-reads the node: it takes longer than a read
+# The kinds of health reason gpud raises (gpud/health: checks, tracker, service); a test reads them there.
+HEALTH_REASON_KINDS = ("ecc", "lost", "mps", "nvlink", "pcie", "power", "remapped-rows", "reset-required",
+                       "retired-pages", "temperature", "throttle", "xid")
 
 
 class UsageError(Exception):
@@ -32,6 +35,35 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(message, self.format_usage(), self.prog)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # Each command refuses what it does not know itself, so the error shows its own usage
+        # (argparse would leave them to `gpud`, which shows the top-level usage).
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(choice) for choice in action.choices]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {', '.join(choices)})"
+                                             + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+class _ServeHelp(argparse.HelpFormatter):
+    """`gpud serve --help` lists the simulator's presets, read when help is asked for: loading the
+    simulator would slow every other command down."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.dest != "simulate":
+            return super()._get_help_string(action)
+        from gpud.nvml.sim.presets import PRESETS
+
+        presets = "; ".join(f"{name} ({preset.description})" for name, preset in PRESETS.items())
+        return f"{action.help}: {presets}; or MODEL:COUNT[,MODEL:COUNT…]".replace("%", "%%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +105,9 @@ def epilog() -> str:
     order = "\n".join(textwrap.fill(place, 78, initial_indent=f"  {n}. ", subsequent_indent="     ")
                       for n, place in enumerate(SOCKET_ORDER, 1))
     return (f"exit status:\n{codes}\n\nthe daemon's socket, first found:\n{order}\n\n"
-            "--json prints the API's JSON; errors are then one JSON object on stderr:\n"
+            "--json prints the API's JSON; metrics and mig export print {\"format\": ..., \"text\": ...},\n"
+            "watch one event a line; serve and device-plugin refuse --json (exit 2).\n"
+            "With --json, an error is one JSON object on stderr:\n"
             '  {"error": {"code": ..., "message": ...}, "exit_code": N}')
 
 
@@ -131,7 +165,7 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
 
 def _local_command(parser: argparse.ArgumentParser, run) -> argparse.ArgumentParser:
     _json_option(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, parser=parser)
     return parser
 
 
@@ -148,7 +182,7 @@ def _client_options(parser: argparse.ArgumentParser, run, timeout: float = CLIEN
     parser.add_argument("--socket", type=Path, default=argparse.SUPPRESS,
                         help="the daemon's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, your own)")
     _json_option(parser)
-    parser.set_defaults(run=lambda args: _client_call(args, run, timeout), **details)
+    parser.set_defaults(run=lambda args: _client_call(args, run, timeout), parser=parser, **details)
 
 
 def _client_call(args: argparse.Namespace, run, timeout: float) -> int:
@@ -168,13 +202,13 @@ def _client_call(args: argparse.Namespace, run, timeout: float) -> int:
 
 
 def _add_serve(commands: Any) -> None:
-    serve = commands.add_parser("serve", help="run the daemon")
+    serve = commands.add_parser("serve", help="run the daemon", formatter_class=_ServeHelp)
     serve.add_argument("--config", type=Path, help="config file (default /etc/gpud/gpud.yaml, if present)")
     serve.add_argument("--socket", help="API socket path (default /run/gpud/gpud.sock as root, "
                                         "$XDG_RUNTIME_DIR/gpud/gpud.sock otherwise)")
     serve.add_argument("--state-dir", help="persisted state (default /var/lib/gpud as root, "
                                            "$XDG_STATE_HOME/gpud otherwise)")
-    serve.add_argument("--simulate", metavar="PRESET", help=f"run on a simulated node: {SIM_PRESETS}")
+    serve.add_argument("--simulate", metavar="PRESET", help="run on a simulated node")
     serve.add_argument("--sim-state", help="file holding the simulated GPUs' state (default: in the runtime dir)")
     serve.add_argument("--sim-driver", metavar="VERSION",
                        help="NVIDIA driver version the simulated node behaves as, e.g. 535.183.01, 550.90.07, "
@@ -193,9 +227,10 @@ def _add_device_plugin(commands: Any) -> None:
                                                     "your own)")
     plugin.add_argument("--kubelet-dir", type=Path, default=DEFAULT_KUBELET_DIR,
                         help=f"where kubelet.sock is and the plugin's sockets go (default {DEFAULT_KUBELET_DIR})")
-    plugin.add_argument("--unhealthy-after", type=float, default=30.0, metavar="SECONDS",
+    plugin.add_argument("--unhealthy-after", type=_seconds, default=30.0, metavar="SECONDS",
                         help="report every device Unhealthy once gpud has been unreachable this long (default 30)")
-    plugin.add_argument("--device-list-strategy", default="cdi-annotations", metavar="STRATEGY[,STRATEGY]",
+    plugin.add_argument("--device-list-strategy", type=_device_list_strategies, default="cdi-annotations",
+                        metavar="STRATEGY[,STRATEGY]",
                         help="how Allocate names devices to the container runtime, as NVIDIA's plugin: envvar "
                              "(NVIDIA_VISIBLE_DEVICES, for NVIDIA's container runtime), cdi-annotations (any "
                              "kubelet; a CDI-enabled runtime), cdi-cri (kubelet 1.29+); default cdi-annotations")
@@ -224,14 +259,17 @@ def _add_health(commands: Any) -> None:
     clear = _add_client(health.add_subparsers(title="health commands", metavar="COMMAND"), "clear",
                         cli_client.health_clear, "clear a device's health reasons (all, or one kind)")
     clear.add_argument("id", help="GPU index, GPU or MIG UUID, or PCI bus id")
-    clear.add_argument("--kind", help="clear only reasons of this kind (e.g. xid, ecc)")
+    clear.add_argument("--kind", choices=HEALTH_REASON_KINDS, metavar="KIND",
+                       help=f"clear only reasons of this kind: {', '.join(HEALTH_REASON_KINDS)}")
 
 
 def _add_mig(commands: Any) -> None:
     mig = _group(commands.add_parser("mig", help="MIG layouts: status, layouts, apply, export, validate"),
                  "mig commands")
     _add_client(mig, "status", cli_client.mig_status, "the desired layout and each GPU's state (exit 1 out of sync)")
-    _add_client(mig, "layouts", cli_client.mig_layouts, "the named layouts and whether each fits this node")
+    layouts = _add_client(mig, "layouts", cli_client.mig_layouts, "the named layouts that fit this node, one line "
+                                                                  "each (* = current)")
+    layouts.add_argument("--all", action="store_true", help="then the layouts that do not fit, with why")
     export = _add_client(mig, "export", cli_client.mig_export, "this node's MIG layout as a mig-parted file")
     export.add_argument("--name", help="the layout's name in the file (default: current)")
     apply = _add_client(mig, "apply", cli_client.mig_apply, "apply a named layout", timeout=CHANGE_TIMEOUT_S)
@@ -307,10 +345,18 @@ def _add_sim(commands: Any) -> None:
 # -- commands that run here ----------------------------------------------------------------------
 
 
+def _refuse_json(args: argparse.Namespace) -> None:
+    """serve and device-plugin run until stopped and print logs, not a document: --json would promise
+    what they do not print."""
+    if args.json:
+        args.parser.error("--json: it prints logs, not a JSON document (JSON logs: --log-format json)")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gpud import daemon
     from gpud.logs import configure_logging
 
+    _refuse_json(args)
     overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
                  "sim_state": args.sim_state, "sim_driver": args.sim_driver, "log.level": args.log_level,
                  "log.format": args.log_format}
@@ -327,12 +373,19 @@ def _device_plugin(args: argparse.Namespace) -> int:
     from gpud.device_plugin.plugin import run
     from gpud.logs import configure_logging
 
-    if args.unhealthy_after < 0:
-        raise CliError(EXIT_USAGE, "usage",
-                       f"device-plugin: --unhealthy-after must be 0 or more, got {args.unhealthy_after:g}")
-    strategies = _device_list_strategies(args.device_list_strategy)
+    _refuse_json(args)
     configure_logging(args.log_level, args.log_format)
-    return run(args.socket, args.kubelet_dir, args.unhealthy_after, strategies)
+    return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return seconds
 
 
 def _device_list_strategies(text: str) -> tuple:
@@ -342,8 +395,7 @@ def _device_list_strategies(text: str) -> tuple:
     valid = [s.value for s in DeviceListStrategy]
     unknown = [name for name in names if name not in valid]
     if unknown or len(set(names)) != len(names):
-        raise CliError(EXIT_USAGE, "usage", f"device-plugin: --device-list-strategy {text!r}: each of "
-                                            f"{', '.join(valid)} at most once, comma-separated")
+        raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(valid)} at most once, comma-separated")
     return tuple(DeviceListStrategy(name) for name in names)
 
 

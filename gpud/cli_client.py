@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import stat
 import sys
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -43,16 +47,25 @@ def status(args: argparse.Namespace, client: Client) -> int:
         return EXIT_PROBLEM if problem else EXIT_OK
     backend = node["backend"] + (f" ({node['simulated_preset']})" if node.get("simulated_preset") else "")
     print(f"gpud {node['gpud_version']} on {node['hostname']}, backend {backend}")
-    print(f"health:  {health['status']}" + (f" — {health['reason']}" if health.get("reason") else ""))
+    print(f"health:  {_verdict(health, gpu_health, len(unhealthy))}")
     if node.get("driver_version"):
         print(f"driver:  {node['driver_version']}  CUDA {node['cuda_version']}  NVML {node['nvml_version']}")
         print(f"GPUs:    {node['gpu_count']}  MIG devices: {node['mig_device_count']}")
-    healthy = len(gpu_health["gpus"]) - len(unhealthy)
-    print(f"GPU health: {gpu_health['status']} ({healthy} of {len(gpu_health['gpus'])} GPUs healthy)")
     for gpu in unhealthy:
         for where, state, reasons in _device_problems(gpu):
             print(f"  {where}: {state}" + (f" — {reasons_text(reasons)}" if reasons else ""))
     return EXIT_PROBLEM if problem else EXIT_OK
+
+
+def _verdict(health: dict, gpu_health: dict, unhealthy: int) -> str:
+    """One line for the daemon's and the GPUs' health together: "ok" exactly when `gpud status` exits 0."""
+    gpus = len(gpu_health["gpus"])
+    counts = f"{gpus - unhealthy} of {gpus} GPUs healthy"
+    daemon = "" if health["status"] == "ok" else \
+        f"gpud {health['status']}" + (f": {health['reason']}" if health.get("reason") else "")
+    if unhealthy:
+        return f"{gpu_health['status']} ({counts})" + (f"; {daemon}" if daemon else "")
+    return f"{daemon} ({counts})" if daemon else f"ok ({counts})"
 
 
 def _device_problems(gpu: dict) -> list[tuple[str, str, list]]:
@@ -184,19 +197,43 @@ def reload(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+class _ReaderGone(Exception):
+    """The reader of stdout closed it (`gpud watch | head -1` once head has its line)."""
+
+
+def _end_when_the_reader_goes() -> None:
+    """Where stdout is a pipe, a thread waits for its reader to close it and then interrupts the
+    main thread with SIGPIPE, which raises _ReaderGone there: the watch ends at once, even while it
+    waits for the next event, rather than at the next write."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            return
+    except (OSError, ValueError):  # stdout closed or not a real file
+        return
+
+    def gone(_signum, _frame):
+        raise _ReaderGone
+
+    def wait_for_the_reader() -> None:
+        if stdout_reader_gone(wait_s=None):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGPIPE)
+
+    signal.signal(signal.SIGPIPE, gone)
+    threading.Thread(target=wait_for_the_reader, name="stdout reader", daemon=True).start()
+
+
 def watch(args: argparse.Namespace, client: Client) -> int:
     query = urllib.parse.urlencode({key: value for key, value in (("since", args.since), ("epoch", args.epoch),
                                                                    ("types", args.types)) if value is not None})
     epoch, seq = args.epoch, args.since
+    _end_when_the_reader_goes()
     try:
-        for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch"):
+        for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch", _said_watching(args, client)):
             if event.get("epoch") != epoch:  # the first line, or gpud restarted since --since
                 epoch = event.get("epoch")
                 print(f"gpud run {epoch}: resume with --since SEQ --epoch {epoch}", file=sys.stderr, flush=True)
             seq = event.get("seq", seq)
             if event.get("type") == "heartbeat":
-                if stdout_reader_gone():  # `gpud watch | head -1` after head has its line: no write to fail
-                    return EXIT_OK
                 continue
             if args.json:
                 print(json.dumps(event), flush=True)
@@ -204,12 +241,21 @@ def watch(args: argparse.Namespace, client: Client) -> int:
                 print(f"#{event['seq']} {event['type']}: {json.dumps(event.get('data', {}))}", flush=True)
             if event.get("type") == "overflow":
                 raise CliError(EXIT_PROBLEM, "watch-overflow", event.get("data", {}).get("message", "too slow"))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _ReaderGone):
         return EXIT_OK
     # The stream only ends when gpud does; a cut-off chunked stream reads as its end in http.client.
     resume = f" (resume with --since {seq} --epoch {epoch})" if epoch is not None and seq is not None else ""
     raise CliError(EXIT_UNREACHABLE, "daemon-gone", f"gpud on {client.socket_path} went away: the event stream "
                                                     f"ended (gpud stopped, restarted or was killed){resume}")
+
+
+def _said_watching(args: argparse.Namespace, client: Client):
+    """What runs once gpud has accepted the watch: in text, a first line at once (events may be minutes
+    apart; `gpud watch | head -1` ends with it); --json prints gpud's events only."""
+    def say() -> None:
+        if not args.json:
+            print(f"# watching gpud on {client.socket_path}: one line per event", flush=True)
+    return say
 
 
 # -- MIG -----------------------------------------------------------------------------------------
@@ -231,23 +277,32 @@ def mig_status(args: argparse.Namespace, client: Client) -> int:
 
 
 def mig_layouts(args: argparse.Namespace, client: Client) -> int:
+    """What fits this node first, one line per layout (the current one, fitting or not, among them);
+    with --all, then the rest with why each does not fit."""
     view = client.get("/v1/mig/layouts")
     if args.json:
         print_json(view)
         return EXIT_OK
-    rows = [("LAYOUT", "FITS", "CHANGES", "WHY NOT / WARNINGS")]
-    for layout in view["layouts"]:
-        notes = ([layout["reason"]] if layout["reason"] else []) + \
-                [f"warning: {text}" for text in layout.get("warnings", [])]
-        rows.append((layout["name"] + (" *" if layout["active"] else ""), _fits_text(layout),
-                     "-" if layout["gpus_changed"] is None else f"{layout['gpus_changed']} GPUs",
-                     "\n".join(notes)))
-    print(f"from {view['source']} (* = current)")
-    print(table(rows, terminal_columns()))
-    shown = {text for layout in view["layouts"] for text in layout.get("warnings", [])}
-    for text in view.get("warnings", []):
-        if text not in shown:  # the node-wide ones; each layout's own are in the table
-            warn(text)
+    first = [layout for layout in view["layouts"] if layout["fits"] or layout["active"]]
+    rest = [layout for layout in view["layouts"] if layout not in first]
+    print(f"from {view['source']}: {sum(layout['fits'] for layout in view['layouts'])} of {len(view['layouts'])} "
+          "layouts fit this node (* = current)")
+    rows = [("  LAYOUT", "FITS", "CHANGES")]
+    for layout in first:
+        rows.append((("* " if layout["active"] else "  ") + layout["name"], _fits_text(layout),
+                     "-" if layout["gpus_changed"] is None else f"{layout['gpus_changed']} GPUs"))
+    print(table(rows))
+    if rest and args.all:
+        print("\ndo not fit this node:")
+        print(table([("  LAYOUT", "FITS", "WHY NOT"),
+                     *((f"  {layout['name']}", _fits_text(layout), layout["reason"] or "") for layout in rest)],
+                    terminal_columns()))
+    elif rest:
+        print(f"{len(rest)} more do not fit this node: gpud mig layouts --all says why")
+    of_layouts = {text for layout in view["layouts"] for text in layout["warnings"]}
+    shown = [text for layout in first + (rest if args.all else []) for text in layout["warnings"]]
+    for text in dict.fromkeys(shown + [text for text in view["warnings"] if text not in of_layouts]):
+        warn(text)
     return EXIT_OK
 
 
@@ -260,8 +315,16 @@ def _fits_text(layout: dict) -> str:
 def mig_export(args: argparse.Namespace, client: Client) -> int:
     path = f"/v1/mig/export?{urllib.parse.urlencode({'name': args.name})}" if args.name else "/v1/mig/export"
     _status, text = client.request_text("GET", path)
-    print(text, end="")
+    _print_text(args, "mig-parted-yaml", text)
     return EXIT_OK
+
+
+def _print_text(args: argparse.Namespace, text_format: str, text: str) -> None:
+    """A route's text (YAML, Prometheus) as it is; with --json, inside a JSON object that says its format."""
+    if args.json:
+        print_json({"format": text_format, "text": text})
+    else:
+        print(text, end="")
 
 
 def mig_apply(args: argparse.Namespace, client: Client) -> int:
@@ -324,14 +387,14 @@ def mps_status(args: argparse.Namespace, client: Client) -> int:
         return EXIT_OK
     if view["error"]:
         print(f"error: {view['error']}")
-    rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", "DEVICES")]
+    rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", "DEVICES", "WHY")]
     for daemon in view["daemons"]:
         threads = daemon["active_thread_percentage"]
         rows.append((daemon["name"], daemon["state"], str(daemon["pid"] or "-"), str(daemon["restarts"]),
                      "-" if threads is None else f"{threads:g}",
                      ",".join("-" if m is None else str(m) for m in daemon["pinned_memory_limit_mib"]),
-                     ",".join(daemon["devices"])))
-    print(table(rows))
+                     ",".join(daemon["devices"]), "" if daemon["state"] == "running" else daemon["last_error"] or ""))
+    print(table(rows, terminal_columns()))
     return EXIT_OK if running else EXIT_PROBLEM
 
 
@@ -349,6 +412,10 @@ def mps_env(args: argparse.Namespace, client: Client) -> int:
               if value is not None}
     query = f"?{urllib.parse.urlencode(limits)}" if limits else ""
     document = client.get(f"/v1/mps/{_quoted(args.name)}/client-env{query}")
+    daemon = next(d for d in client.get("/v1/mps")["daemons"] if d["name"] == args.name)
+    if daemon["state"] != "running":  # a client of it would fail to connect
+        raise CliError(EXIT_PROBLEM, "mps-daemon-not-running", f"MPS daemon {args.name} is {daemon['state']}"
+                                                                + (f": {daemon['last_error']}" if daemon["last_error"] else ""))
     if args.json:
         print_json(document)
         return EXIT_OK
@@ -418,7 +485,7 @@ def cdi(args: argparse.Namespace, client: Client) -> int:
 
 def metrics(args: argparse.Namespace, client: Client) -> int:
     _status, text = client.request_text("GET", "/metrics")
-    print(text, end="")
+    _print_text(args, "prometheus-text", text)
     return EXIT_OK
 
 
@@ -447,7 +514,7 @@ def sim_ecc(args: argparse.Namespace, client: Client) -> int:
 
 def sim_holders(args: argparse.Namespace, client: Client) -> int:
     if args.release == (args.process is not None or args.pid is not None):
-        raise CliError(EXIT_USAGE, "usage", "give either --release, or --process and --pid")
+        args.parser.error("give either --release, or --process and --pid")
     return _inject(args, client, "holders", {"release": True} if args.release else
                    {"process": args.process, "pid": args.pid})
 

@@ -58,17 +58,18 @@ def _walk(parser: argparse.ArgumentParser, words: tuple[str, ...], help_text: st
                 command.subcommands.append(name)
                 children.append((child, words + (name,), helps.get(name, "")))
         elif action.help != argparse.SUPPRESS:
-            (command.options if action.option_strings else command.positionals).append(_option(action))
+            (command.options if action.option_strings else command.positionals).append(_option(action, parser))
     for child, child_words, child_help in children:
         _walk(child, child_words, child_help, found)
 
 
-def _option(action: argparse.Action) -> Option:
+def _option(action: argparse.Action, parser: argparse.ArgumentParser) -> Option:
     metavar = action.metavar or (f"{{{','.join(map(str, action.choices))}}}" if action.choices else None) or \
         (action.dest.upper() if action.option_strings else action.dest)
     is_file = action.type is Path or str(metavar).upper() in FILE_METAVARS
+    help_text = parser._get_formatter()._expand_help(action) if action.help else ""  # as --help says it
     return Option(list(action.option_strings) or [action.dest], action.nargs != 0, str(metavar),
-                  action.help or "", [str(c) for c in action.choices or ()], is_file)
+                  help_text, [str(c) for c in action.choices or ()], is_file)
 
 
 # -- man page ------------------------------------------------------------------------------------
@@ -80,8 +81,9 @@ def man_page(found: list[Command]) -> str:
              f"gpud \\- {_roff(top.help[:1].lower() + top.help[1:].rstrip('.'))}", ".SH SYNOPSIS", ".B gpud",
              "\\fICOMMAND\\fR [\\fIOPTIONS\\fR]", ".SH DESCRIPTION",
              _roff("gpud serve runs the daemon. The other commands are clients of its Unix socket, or check "
-                   "files here. Every command takes --json: its output is then JSON, and so are its errors, "
-                   'on stderr: {"error": {"code": ..., "message": ...}, "exit_code": N}.'),
+                   "files here. Every command takes --json: its output is then JSON (metrics and mig export: "
+                   '{"format": ..., "text": ...}; watch: one event a line; serve and device-plugin refuse it), '
+                   'and so are its errors, on stderr: {"error": {"code": ..., "message": ...}, "exit_code": N}.'),
              ".SH OPTIONS"]
     for option in top.options:
         lines += [".TP", _option_roff(option), _roff(option.help)]

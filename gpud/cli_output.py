@@ -65,13 +65,14 @@ def _item_text(item: Any) -> str:
     return str(item)
 
 
-def stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader has closed it: poll(2) reports POLLERR on such a write
-    end at once, before any write fails."""
+def stdout_reader_gone(wait_s: float | None = 0) -> bool:
+    """Whether stdout is a pipe whose reader has closed it, waiting up to wait_s seconds for that
+    (None: as long as it takes): poll(2) reports POLLERR on such a write end, before any write fails."""
     try:
         poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _fd, events in poller.poll(0))
+        poller.register(sys.stdout.fileno(), 0)  # no events asked: only POLLERR and POLLHUP wake it
+        timeout_ms = None if wait_s is None else int(wait_s * 1000)
+        return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(timeout_ms))
     except (OSError, ValueError):  # stdout closed or not a real file: nothing to tell
         return False
 

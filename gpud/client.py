@@ -7,7 +7,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ def find_socket(env: Mapping[str, str] = os.environ, system_socket: Path = SYSTE
     tried = [f"${SOCKET_ENV} (unset)", str(system_socket)]
     if _is_socket(system_socket):
         return system_socket, tried
-    own = (own_dir or user_runtime_dir()) / "gpud.sock"
+    own = own_dir / "gpud.sock" if own_dir else own_socket()
     if own != system_socket:
         try:
             problem = untrusted_because(os.stat(own.parent))
@@ -56,6 +56,11 @@ def find_socket(env: Mapping[str, str] = os.environ, system_socket: Path = SYSTE
         if problem is None and _is_socket(own):
             return own, tried
     return system_socket, tried
+
+
+def own_socket() -> Path:
+    """Where `gpud serve` run by this user listens unless told otherwise."""
+    return user_runtime_dir() / "gpud.sock"
 
 
 def _is_socket(path: Path) -> bool:
@@ -87,6 +92,7 @@ class _UnixConnection(http.client.HTTPConnection):
         directory = os.open(self._path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            os.stat(self._path.name, dir_fd=directory)  # no socket there: say that, not what the directory is like
             if problem := untrusted_because(os.fstat(directory)):
                 raise DaemonUnreachable(f"not connecting to {self._path}: its directory {problem}, so the "
                                         "socket may not be gpud's")
@@ -140,9 +146,10 @@ class Client:
         finally:
             conn.close()
 
-    def stream(self, path: str) -> Iterator[Any]:
-        """The JSON lines of a streaming route, as they arrive. Returns when gpud ends the stream
-        (it is stopping); DaemonUnreachable when the connection breaks off."""
+    def stream(self, path: str, on_open: Callable[[], None] | None = None) -> Iterator[Any]:
+        """The JSON lines of a streaming route, as they arrive (on_open is called once gpud has accepted
+        the request). Returns when gpud ends the stream (it is stopping); DaemonUnreachable when the
+        connection breaks off."""
         conn = _UnixConnection(self.socket_path, None)
         try:
             try:
@@ -152,6 +159,8 @@ class Client:
                 raise self._unreachable(exc) from None
             if response.status >= 400:
                 raise ApiFailure(response.status, _json_or_none(response.read()))
+            if on_open is not None:
+                on_open()
             try:
                 for line in response:
                     if line.strip():
@@ -168,7 +177,8 @@ class Client:
     def _unreachable(self, exc: OSError) -> DaemonUnreachable:
         where = str(self.socket_path) + (f" (looked at: {', '.join(self.tried)})" if self.tried else "")
         if isinstance(exc, FileNotFoundError):
-            return DaemonUnreachable(f"gpud is not running: no socket at {where}")
+            return DaemonUnreachable(f"gpud is not running: no socket at {where}; gpud serve run by you "
+                                     f"listens at {own_socket()}")
         if isinstance(exc, PermissionError):
             return DaemonUnreachable(f"no permission to connect to {self.socket_path} (join the gpud group, "
                                      "or use sudo)")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 from helpers import REPO, GpudProcess, Lines
 
-from gpud.cli import build_parser, main
+from gpud.cli import HEALTH_REASON_KINDS, build_parser, main
 from gpud.client import SOCKET_ENV, find_socket
+from gpud.nvml.sim.presets import PRESETS
 
 # One simulated gpud serves this module's tests (each leaves the node as it found it): one worker runs them.
 pytestmark = pytest.mark.xdist_group("cli")
@@ -80,6 +82,11 @@ def clear_health(node) -> None:
         node.client.request("POST", f"/v1/health/{gpu['index']}/clear", {})
 
 
+def health_lines(status_out: str) -> list[str]:
+    """The lines of `gpud status` that give a verdict on health."""
+    return [line for line in status_out.splitlines() if "health" in line.split(":", 1)[0].lower()]
+
+
 def json_error(err: str) -> dict:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err  # one JSON object, nothing else
@@ -92,11 +99,12 @@ def json_error(err: str) -> dict:
 def test_status_and_gpus_show_health_and_status_exits_1_when_a_gpu_is_not(node, capsys):
     clear_health(node)
     code, out, _ = run(capsys, *on(node, "status"))
-    assert code == 0 and "GPU health: healthy (4 of 4 GPUs healthy)" in out
+    assert code == 0 and health_lines(out) == ["health:  ok (4 of 4 GPUs healthy)"]
 
     assert run(capsys, *on(node, "sim", "xid", "3", "79"))[0] == 0
     code, out, _ = run(capsys, *on(node, "status"))
-    assert code == 1 and "GPU 3: unhealthy" in out and "xid 79" in out and "action: reboot" in out
+    assert code == 1 and health_lines(out) == ["health:  unhealthy (3 of 4 GPUs healthy)"]  # one verdict, not "ok"
+    assert "GPU 3: unhealthy" in out and "xid 79" in out and "action: reboot" in out
     code, out, _ = run(capsys, *on(node, "status", "--json"))
     assert code == 1 and json.loads(out)["gpu_health"]["status"] == "unhealthy"
     code, out, _ = run(capsys, *on(node, "gpus"))
@@ -218,18 +226,45 @@ def test_mps_stop_start_restart_and_env(run_gpud, mps_tmp, capsys):
     assert gpud.stop() == 0
 
 
+def test_a_failed_mps_daemon_says_why_and_gives_no_environment(run_gpud, short_tmp, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # the reason on the daemon's row, unwrapped
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"mps:\n  enabled: true\n  control_binary: /nonexistent/nvidia-cuda-mps-control\n"
+                      f"  pipe_root: {short_tmp / 'mps'}\n  log_root: {short_tmp / 'mpslog'}\n")
+    gpud = run_gpud("--simulate", "t4", "--sim-state", str(short_tmp / "sim.json"), "--config", str(config))
+    gpud.wait_healthy()
+    gpud.wait_for(lambda: gpud.client.get("/v1/mps")["daemons"][0]["state"] == "failed", what="MPS failed")
+    code, out, _ = run(capsys, *on(gpud, "mps", "status"))
+    header, row = out.split("\nNAME ", 1)[1].splitlines()
+    assert code == 1 and header.split()[-1] == "WHY" and row.split()[:2] == ["gpu0", "failed"]
+    assert "/nonexistent/nvidia-cuda-mps-control' is not installed" in row
+    assert "non-free" in row  # where Debian has the package
+
+    code, out, err = run(capsys, *on(gpud, "mps", "env", "gpu0"))
+    assert code == 1 and out == "" and "MPS daemon gpu0 is failed" in err and "not installed" in err
+    code, out, err = run(capsys, *on(gpud, "mps", "env", "gpu0", "--json"))
+    assert code == 1 and out == "" and json_error(err)["error"]["code"] == "mps-daemon-not-running"
+    assert gpud.stop() == 0
+
+
 # -- MIG -----------------------------------------------------------------------------------------
 
 
-def test_mig_layouts_fit_100_columns_and_say_when_no_gpu_matches(node, capsys, monkeypatch):
+def test_mig_layouts_show_what_fits_one_line_each_and_all_says_why_the_rest_do_not(node, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     code, out, _ = run(capsys, *on(node, "mig", "layouts"))
     lines = out.splitlines()
+    assert code == 0 and lines[0].endswith("2 of 4 layouts fit this node (* = current)")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:-1]}
+    assert rows == {"all-disabled": ["yes", "0", "GPUs"], "all-1g.5gb": ["yes", "4", "GPUs"]}
+    assert lines[-1] == "2 more do not fit this node: gpud mig layouts --all says why"
+
+    code, out, _ = run(capsys, *on(node, "mig", "layouts", "--all"))
+    lines = out.splitlines()
     assert code == 0 and max(map(len, lines)) <= 100
-    too_big = next(i for i, line in enumerate(lines) if line.startswith("all-7g.80gb "))
+    too_big = next(i for i, line in enumerate(lines) if line.split()[:1] == ["all-7g.80gb"])
     assert lines[too_big].split()[1] == "no" and lines[too_big + 1].startswith(" " * 20)  # the reason wraps
-    assert next(line for line in lines if line.startswith("h100-only ")).split()[1:3] == ["no", "GPU"]
-    assert next(line for line in lines if line.startswith("all-1g.5gb ")).split()[1:4] == ["yes", "4", "GPUs"]
+    assert next(line for line in lines if line.split()[:1] == ["h100-only"]).split()[1:3] == ["no", "GPU"]
 
     code, _, err = run(capsys, *on(node, "mig", "apply", "h100-only"))
     assert code == 2 and "matches no GPU" in err
@@ -294,10 +329,66 @@ def test_usage_errors_exit_2_and_are_json_with_json(capsys, argv):
     assert code == 2 and out == "" and error["exit_code"] == 2 and error["error"]["code"] == "usage"
 
 
+def test_a_mistyped_command_gets_a_suggestion(capsys):
+    code, out, err = run(capsys, "stauts")
+    assert code == 2 and out == "" and "did you mean 'status'?" in err
+    code, _, err = run(capsys, "mig", "layuots")
+    assert code == 2 and "did you mean 'layouts'?" in err and "usage: gpud mig " in err
+
+
+@pytest.mark.parametrize("argv, usage", [(["status", "--bogus"], "usage: gpud status "),
+                                         (["mig", "apply", "x", "--bogus"], "usage: gpud mig apply "),
+                                         (["sim", "holders", "1", "--release", "--pid", "1"], "usage: gpud sim holders "),
+                                         (["device-plugin", "--unhealthy-after", "-1"], "usage: gpud device-plugin ")])
+def test_an_option_error_shows_that_commands_usage(capsys, argv, usage):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.startswith(usage)
+
+
+def test_an_invalid_health_kind_is_refused_naming_the_kinds(capsys):
+    code, out, err = run(capsys, "health", "clear", "0", "--kind", "bogus", "--socket", "/nonexistent/gpud.sock")
+    assert code == 2 and out == "" and "usage: gpud health clear" in err
+    assert "invalid choice: 'bogus' (choose from " + ", ".join(HEALTH_REASON_KINDS) + ")" in err
+
+
+def test_the_health_kinds_the_cli_takes_are_those_gpud_raises():
+    """Every kind given as a literal to the health tracker (observe, _reason) or as a check's key."""
+    kind_argument = {"observe": 1, "_reason": 0}  # tracker.observe(device, kind, code, …), _reason(kind, code, …)
+    raised = set()
+    for source in (REPO / "gpud" / "health").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            where = kind_argument.get(getattr(getattr(node, "func", None), "attr", None))
+            if isinstance(node, ast.Call) and where is not None and isinstance(node.args[where], ast.Constant):
+                raised.add(node.args[where].value)
+            if isinstance(node, ast.Dict) and source.name == "checks.py":  # check_readings: {(kind, code): …}
+                raised |= {key.elts[0].value for key in node.keys if isinstance(key, ast.Tuple)}
+    assert {"xid", "ecc", "lost", "mps", "temperature"} <= raised
+    assert set(HEALTH_REASON_KINDS) == raised
+
+
+def test_serve_help_lists_every_preset(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: names are not cut by wrapping
+    code, out, _ = run(capsys, "serve", "--help")
+    (simulate,) = [line for line in out.splitlines() if line.strip().startswith("--simulate")]
+    assert code == 0 and PRESETS and all(f"{name} ({preset.description})" in simulate
+                                         for name, preset in PRESETS.items())
+
+
+def test_device_plugin_without_a_kubelet_directory_says_what_to_do(short_tmp):
+    missing = subprocess.run([sys.executable, "-m", "gpud", "device-plugin", "--kubelet-dir", str(short_tmp / "none"),
+                              "--log-format", "console"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    said = missing.stdout + missing.stderr
+    assert missing.returncode == 2 and f"no directory {short_tmp / 'none'}" in said and "--kubelet-dir" in said
+
+
 def test_an_unreachable_daemon_exits_3_and_says_where(capsys, short_tmp):
     absent = short_tmp / "absent.sock"
     code, _, err = run(capsys, "status", "--socket", str(absent))
     assert code == 3 and "gpud is not running" in err and str(absent) in err
+    code, _, err = run(capsys, "status", "--socket", "/tmp/gpud-nope.sock")  # in a directory anyone may write in
+    assert code == 3 and "no socket at /tmp/gpud-nope.sock" in err and "writable" not in err
+    assert "gpud serve run by you listens at /run/gpud/gpud.sock" in err if os.geteuid() == 0 else \
+        "gpud serve run by you listens at " in err
     refusing = short_tmp / "refusing.sock"
     bound = socket.socket(socket.AF_UNIX)
     bound.bind(str(refusing))  # bound, never listening: connect is refused
@@ -309,6 +400,59 @@ def test_an_unreachable_daemon_exits_3_and_says_where(capsys, short_tmp):
     assert code == 3 and error == {"error": {"code": "daemon-unreachable", "message": error["error"]["message"]},
                                    "exit_code": 3}
     assert "connection refused" in error["error"]["message"]
+
+
+def _commands(parser: argparse.ArgumentParser, words: tuple = ()):
+    """Every command of the tree (groups too), with its parser."""
+    yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, words + (name,))
+
+
+def test_json_is_json_for_every_command(run_gpud, short_tmp, capsys):
+    """Each command of the parser, with --json and whatever its arguments need, against a simulated gpud:
+    stdout is one JSON document, or (an error, a usage error included) stdout is empty and stderr is one
+    JSON error. A command added later is walked too; one whose argument this test cannot fill fails it."""
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"))
+    gpud.wait_healthy()
+    files = {("mig", "validate"): REPO / "etc" / "gpud" / "mig-layouts.yaml",
+             ("config", "validate"): REPO / "etc" / "gpud" / "gpud.yaml",
+             ("sharing", "validate"): short_tmp / "sharing.yaml"}
+    files[("sharing", "validate")].write_text("version: v1\nsharing: {timeSlicing: {resources: "
+                                              "[{name: nvidia.com/gpu, replicas: 2}]}}\n")
+    values = {"id": ["0"], "gpu": ["0"], "xid": ["31"], "name": ["gpu0"], "layout": ["all-disabled"], "pids": []}
+    printed = {}
+    for words, parser in _commands(build_parser()):
+        argv = list(words)
+        for action in parser._actions:
+            if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
+                argv += [str(files[words])] if action.dest == "path" else values[action.dest]
+        if "--socket" in parser._option_string_actions:
+            argv += ["--socket", str(gpud.socket)]
+        if words == ("watch",):  # a stream: its first line, from a real process
+            printed[words] = _first_watch_line(argv)
+            continue
+        code, out, err = run(capsys, *argv, "--json")
+        if code == 0 or out:
+            printed[words] = json.loads(out)
+        else:
+            assert json_error(err)["exit_code"] == code, (words, err)
+            printed[words] = None
+    assert printed[("metrics",)]["format"] == "prometheus-text" and "gpud_gpu_health" in printed[("metrics",)]["text"]
+    assert printed[("mig", "export")]["format"] == "mig-parted-yaml"
+    assert printed[("watch",)]["epoch"] and printed[("status",)]["node"] and printed[("serve",)] is None
+
+
+def _first_watch_line(argv: list[str]) -> dict:
+    watcher = subprocess.Popen([sys.executable, "-m", "gpud", *argv, "--json", "--since", "0"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        return json.loads(Lines(watcher.stdout, "gpud watch --json").next("first event"))
+    finally:
+        watcher.kill()
+        watcher.wait(10)
 
 
 def test_every_command_takes_json():
@@ -373,7 +517,7 @@ def test_the_cli_finds_the_daemon_through_gpud_socket(node, capsys, monkeypatch)
 
 def test_watch_ends_quietly_when_its_reader_does(node, tmp_path):
     rc_file, err_file = tmp_path / "rc", tmp_path / "err"
-    script = (f'"{sys.executable}" -m gpud watch --socket "{node.socket}" 2>"{err_file}" | head -1; '
+    script = (f'"{sys.executable}" -m gpud watch --socket "{node.socket}" 2>"{err_file}" | head -2; '
               f'echo "${{PIPESTATUS[0]}}" > "{rc_file}"')
     pipeline = subprocess.Popen(["bash", "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -385,11 +529,21 @@ def test_watch_ends_quietly_when_its_reader_does(node, tmp_path):
         assert pipeline.wait(5) == 0
     finally:
         pipeline.kill()
-    assert pipeline.communicate(timeout=10)[0].startswith("#")
+    assert re.match(r"#\d+ \w+: ", pipeline.communicate(timeout=10)[0].splitlines()[1])  # after the first line
     assert rc_file.read_text().strip() == "0"
     errors = err_file.read_text()
     assert "Traceback" not in errors and "Exception ignored" not in errors and "gpud run " in errors
     clear_health(node)
+
+
+def test_watch_into_head_ends_at_once_when_no_event_comes(node):
+    """`gpud watch | head -1` on a quiet node: the first line comes at once, and the watch ends with head,
+    not at gpud's next heartbeat or event."""
+    script = f'"{sys.executable}" -m gpud watch --socket "{node.socket}" | head -1; exit "${{PIPESTATUS[0]}}"'
+    started = time.monotonic()
+    pipeline = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert pipeline.returncode == 0 and time.monotonic() - started < 10  # gpud's heartbeat is 15 s apart
+    assert pipeline.stdout == f"# watching gpud on {node.socket}: one line per event\n"
 
 
 @pytest.mark.parametrize("reader_open", [True, False])

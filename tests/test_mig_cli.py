@@ -5,6 +5,8 @@ from __future__ import annotations
 import yaml
 from helpers import REPO, cli
 
+from gpud.client import Client
+
 from gpud.mig.layouts import parse_layouts
 
 
@@ -28,7 +30,7 @@ def test_mig_apply_status_layouts_export(run_gpud, short_tmp):
     gpud.wait_healthy()
 
     layouts = cli("mig", "layouts", socket=gpud.socket)
-    assert layouts.returncode == 0 and "from builtin" in layouts.stdout
+    assert layouts.returncode == 0 and layouts.stdout.startswith("from builtin: ")
     assert any(line.split()[:2] == ["all-balanced", "yes"] for line in layouts.stdout.splitlines())
 
     dry = cli("mig", "apply", "all-balanced", "--dry-run", socket=gpud.socket)
@@ -50,6 +52,28 @@ def test_mig_apply_status_layouts_export(run_gpud, short_tmp):
     assert entry.mig_devices == {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
     assert yaml.safe_load(exported.stdout)["version"] == "v1"
 
+    _check_layouts_listing(gpud.socket, current="all-balanced")
+
     unknown = cli("mig", "apply", "all-nothing", socket=gpud.socket)
     assert unknown.returncode == 2 and "no layout 'all-nothing'" in unknown.stderr  # 404: invalid input
     assert gpud.stop() == 0
+
+
+def _check_layouts_listing(socket, current: str) -> None:
+    """`gpud mig layouts`: the layouts that fit, one line each, the current one marked on its own row;
+    then how many do not; --all adds those with why."""
+    layouts = Client(socket).get("/v1/mig/layouts")["layouts"]
+    fitting = [layout["name"] for layout in layouts if layout["fits"]]
+    everyone = [layout["name"] for layout in layouts]
+    shown = cli("mig", "layouts", socket=socket)
+    title, header, *rows, more = shown.stdout.splitlines()
+    assert shown.returncode == 0 and header.split() == ["LAYOUT", "FITS", "CHANGES"]
+    assert title == f"from builtin: {len(fitting)} of {len(everyone)} layouts fit this node (* = current)"
+    assert [row.removeprefix("* ").split()[0] for row in rows] == fitting  # one line each, nothing else
+    assert [row.split()[1] for row in rows if row.startswith("* ")] == [current]
+    assert more == f"{len(everyone) - len(fitting)} more do not fit this node: gpud mig layouts --all says why"
+    assert all(f"mig-configs.{name}[" not in shown.stderr for name in set(everyone) - set(fitting))  # not shown
+
+    every = cli("mig", "layouts", "--all", socket=socket)
+    named = {line.removeprefix("* ").split()[0] for line in every.stdout.splitlines() if line.startswith(("  a", "* a"))}
+    assert every.returncode == 0 and named == set(everyone) and "do not fit this node:" in every.stdout

@@ -126,6 +126,8 @@ class DevicePlugin:
 def run(gpud_socket: Path | None, kubelet_dir: Path, unreachable_grace_s: float,
         strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES) -> int:
     if not kubelet_dir.is_dir():
-        log.error("kubelet_dir_missing", kubelet_dir=str(kubelet_dir))
+        log.error("kubelet_dir_missing", kubelet_dir=str(kubelet_dir), message=f"no directory {kubelet_dir}, where "
+                  "kubelet.sock is: run on a node whose kubelet runs, or give --kubelet-dir (kubelet's --root-dir "
+                  "followed by /device-plugins)")
         return 2
     return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s, strategies).serve())

@@ -47,7 +47,8 @@ class MpsControl:
         path = shutil.which(self.binary)
         if path is None:
             raise MpsBinaryMissing(f"the MPS control binary '{self.binary}' is not installed or not on PATH "
-                                   "(Debian: apt-get install nvidia-cuda-mps; or set mps.control_binary)")
+                                   "(Debian: apt-get install nvidia-cuda-mps, from the non-free component; "
+                                   "or set mps.control_binary)")
         return path
 
     def environment(self) -> dict[str, str]:
