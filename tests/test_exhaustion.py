@@ -102,7 +102,7 @@ async def test_one_reader_holding_many_connections_gets_429_and_admins_and_healt
         refused, health = report["answers"]
         assert refused["status"] == 429 and refused["body"]["error"]["code"] == "too-many-connections"
         assert "uid 60001" in refused["body"]["error"]["message"] and refused["retry_after"]
-        assert refused["seconds"] < 0.5  # refused at once, not after a timeout
+        assert refused["seconds"] < EXCESS_GRACE_S  # refused when asked, not when its grace ran out
         assert health["status"] == 200 and health["body"]["status"] == "ok"
         assert report["still_open"] == 3  # its cap; gpud closed the other 37
         for _ in range(5):  # while the reader holds its 3

@@ -176,7 +176,8 @@ def test_cli_health_and_watch(run_gpud, short_tmp):
     gpud.client.request("POST", "/v1/sim/xid", {"gpu": 1, "xid": 79})
     line = lines.until(lambda line: '"state": "unhealthy"' in line, "GPU 1 unhealthy", timeout=30)
     assert line.startswith("#") and " health: " in line and '"gpu_index": 1' in line
-    assert all(" health: " in seen for seen in lines.seen)  # --types health: nothing else
+    assert lines.seen[0].startswith("# watching gpud on ")  # the header, printed once the watch is accepted
+    assert all(" health: " in seen for seen in lines.seen[1:])  # --types health: nothing else
     unhealthy = cli("health", socket=gpud.socket)
     assert unhealthy.returncode == 1 and "xid 79" in unhealthy.stdout and "action: reboot" in unhealthy.stdout
     started = time.monotonic()
