@@ -55,6 +55,11 @@ def driver_tree(root: Path, nvml: Path | None = None) -> Path:
         compiled = subprocess.run(["gcc", "-shared", f"-Wl,-soname,{soname}", "-o", target, root / "stub.c"],
                                   capture_output=True, text=True, timeout=120)
         assert compiled.returncode == 0, compiled.stderr
+    for stem, soname in LIBRARIES.items():
+        # the development links a real install has beside the libraries, each to the soname link (the real
+        # H200's ld.so.cache: tests/fixtures/hardware/h200-580.159.04, nvidia-ctk-reference.yaml)
+        if not (lib_dir / f"{stem}.so").exists():
+            (lib_dir / f"{stem}.so").symlink_to(soname if soname != f"{stem}.so.{VERSION}" else f"{stem}.so.{VERSION}")
     (root / "usr" / "bin").mkdir()
     for name in BINARIES:
         (root / "usr" / "bin" / name).write_text("#!/bin/sh\n")

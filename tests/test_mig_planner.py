@@ -124,8 +124,8 @@ def test_reference_tables():
     assert [p.start for p in one_g.placements] == [0, 1, 2, 3, 4, 5, 6]
     assert A100.gi_profile("3g.20gb").placements == (Placement(0, 4), Placement(4, 4))
     assert (A30.memory_slices, A30.gi_profile("2g.12gb").id, A30.gi_profile("4g.24gb").id) == (4, 5, 0)
-    # H200: the real lgip of NVIDIA/mig-parted#120 (139.75 GiB), as the simulator has it
-    assert shipped_table("0x233510DE").capabilities.gi_profile("7g.141gb").memory_mib == 143104
+    # H200: 140.00 GiB in the real lgip on 580.159.04 (tests/fixtures/hardware/h200-580.159.04)
+    assert shipped_table("0x233510DE").capabilities.gi_profile("7g.141gb").memory_mib == 143360
     assert shipped_table("0x20B510DE").capabilities.gi_profile("1g.20gb").constant == 9  # A100-SXM4-80GB
     assert shipped_table("0x1EB810DE") is None  # T4: no MIG table
 

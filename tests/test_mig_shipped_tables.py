@@ -8,6 +8,10 @@ and every row it would plan with must be the row it ships, so neither side drift
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
 import pytest
 
 from gpud.mig.capabilities import shipped_table
@@ -17,6 +21,8 @@ from gpud.nvml.sim.models import catalog
 from gpud.nvml.sim.scenarios import enable_mig
 
 MIG_MODELS = [key for key, model in catalog().models.items() if model.mig is not None]
+# What real GPUs answered (scripts/hw-capture; docs/hardware.md).
+HARDWARE_PROBES = sorted((Path(__file__).resolve().parent / "fixtures" / "hardware").glob("*/probe-root.json"))
 
 
 def _row(profile, counts: bool) -> tuple:
@@ -42,3 +48,29 @@ def test_the_shipped_table_is_what_the_driver_answers(tmp_path, model):
 
 def test_every_simulated_mig_model_is_covered():
     assert {"A100-SXM4-40GB", "A30", "H100-SXM5-80GB", "H200-SXM5-141GB", "B200"} <= set(MIG_MODELS)
+
+
+def _answer(answer: dict):
+    """A probe answer's value; the H100 capture stored structs as their repr text."""
+    value = answer["ok"]
+    return ast.literal_eval(value) if isinstance(value, str) and value.startswith(("{", "[")) else value
+
+
+@pytest.mark.parametrize("probe", HARDWARE_PROBES, ids=lambda path: path.parent.name)
+def test_the_shipped_table_is_what_a_real_gpu_answered(probe):
+    real = json.loads(probe.read_text())
+    shipped = shipped_table(hex(_answer(real["gpu0.pci"])["pciDeviceId"]))
+    assert shipped is not None
+    # Every profile constant the real driver answered, with its placements (-lgipp) from the same capture.
+    answered = {}
+    for key, answer in real.items():
+        if key.startswith("gpu0.gip_v2[") and "ok" in answer:
+            info = _answer(answer)
+            placements = tuple((start, size) for start, size in _answer(real[f"gpu0.gipp[{info['id']}]"]))
+            answered[info["name"].removeprefix("MIG ")] = (
+                info["id"], int(key[len("gpu0.gip_v2["):-1]), info["sliceCount"], info["memorySizeMB"],
+                info["instanceCount"], placements)
+    ships = {p.name: (p.id, p.constant, p.slices, p.memory_mib, p.instance_count,
+                      tuple((placement.start, placement.size) for placement in p.placements))
+             for p in shipped.capabilities.gi_profiles}
+    assert answered and answered == ships

@@ -9,12 +9,14 @@ names with its reason (docs/kubernetes.md lists the same)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import stat
 import subprocess
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -384,6 +386,27 @@ def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, mock_bus_ids,
             "nvidia.com/cuda.driver-version.full", "nvidia.com/cuda.runtime-version.full",
             "nvidia.com/gpu.product", "nvidia.com/mig.capable"} <= shared
     assert ours["nvidia.com/gpu.mode"] == "compute"
+
+
+# Real nodes on which scripts/hw-check ran GFD and gpud side by side (docs/hardware.md)
+REAL_NODES = sorted(path.parent for path in (REPO / "tests" / "fixtures" / "hardware").glob("*/gfd-labels"))
+
+
+@pytest.mark.parametrize("capture", REAL_NODES, ids=lambda path: path.name)
+def test_gpud_and_gfd_agreed_on_a_real_gpu(capture):
+    """The labels both wrote on the same real node; gpud's file read as nfd-master read it when gpud
+    wrote it (its expiry has passed since)."""
+    written = next(json.loads(line)["timestamp"] for line in (capture / "gpud-serve.log").read_text().splitlines()
+                   if json.loads(line)["event"] == "nfd_file_written")
+    ours = parse_feature_text((capture / "nfd" / "gpud").read_text(), now=datetime.fromisoformat(written))
+    gfd = parse_feature_text((capture / "gfd-labels").read_text())
+    shared = set(ours) & set(gfd)
+    assert shared and {name: ours[name] for name in shared} == {name: gfd[name] for name in shared}
+    assert set(ours) - set(gfd) <= set(OWN_LABELS), "labels gpud writes under names GFD does not use"
+    # GFD ran with --mig-strategy=single; gpud labels a MIG strategy only when its sharing file sets one
+    strategy = json.loads((capture / "api_v1_sharing.json").read_text())["mig_strategy"]
+    left_out = set(GFD_LABELS_NOT_WRITTEN) | ({"nvidia.com/mig.strategy"} if strategy == "none" else set())
+    assert set(gfd) - set(ours) <= left_out, "GFD labels gpud leaves out without a reason"
 
 
 def test_the_docs_list_the_gfd_labels_gpud_does_not_write():

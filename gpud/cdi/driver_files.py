@@ -11,12 +11,16 @@ pkg/nvcdi/driver-nvml.go, newDriverVersionDiscoverer), and the container edits t
   (newDriverFirmwareDiscoverer, getFirmwareSearchPaths);
 - the persistenced and Fabric Manager sockets under /run or /var/run (discover/ipc.go);
 - createContainer hooks, run by gpud's own hook (gpud/cdi/hook.py), that make each library's soname
-  link (and libcuda.so, libnvidia-opticalflow.so: discover/symlinks.go getLinksForMount) and the
-  container's linker cache (update-ldcache).
+  link (and libcuda.so, libnvidia-opticalflow.so: discover/symlinks.go getLinksForMount), its
+  development link (libnvidia-ml.so) where the host has one, and the container's linker cache
+  (update-ldcache).
 
 Where gpud differs, deliberately: /tmp/nvidia-mps is not mounted (gpud's MPS replicas mount the pipe
 directory of the daemon gpud runs for them); no enable-cuda-compat hook (CUDA forward compatibility is
-the image's choice), no disable-device-node-modification hook, no graphics extras (GBM, GLX links)."""
+the image's choice), no disable-device-node-modification or update-application-profile hook, no
+NVIDIA_VISIBLE_DEVICES=void or NVIDIA_CTK_LIBCUDA_DIR (for NVIDIA's runtime and hooks), no graphics
+extras (the GBM and libGLX_indirect.so.0 links, the EGL vendor and Vulkan ICD files: the real H200's
+spec, docs/hardware.md)."""
 
 from __future__ import annotations
 
@@ -107,7 +111,21 @@ def _libraries(root: Path, version: str, cache_stamp: tuple | None) -> tuple[tup
         if soname != name:
             links.append((name, f"{folder}/{soname}"))
         links += [(target, f"{folder}/{link}") for link, target in EXTRA_LINKS.items() if name == f"{link}.{version}"]
+        development = f"{folder}/{name.removesuffix(f'.{version}')}"
+        if (target := _development_link(root, development, resolved)) and development not in (l for _, l in links):
+            links.append((target, development))
     return tuple(libraries), tuple(links)
+
+
+def _development_link(root: Path, link: str, library: str) -> str | None:
+    """The target of the host's development link beside a library (libnvidia-ml.so -> libnvidia-ml.so.1),
+    if there is one that leads to the library: nvidia-ctk links it in the container as the host has it
+    (the real H200's spec, tests/fixtures/hardware/h200-580.159.04/nvidia-ctk-reference.yaml)."""
+    try:
+        target = os.readlink(root / link.lstrip("/"))
+    except OSError:
+        return None
+    return target if "/" not in target and hook.resolve_in(str(root), link) == library else None
 
 
 def host_ldconfig() -> str:

@@ -138,7 +138,7 @@ class SimControls(SimCore):
                 raise SimError(
                     f"GPU {gpu.index} is in MIG mode: processes run on MIG devices, pass a MIG UUID"
                 )
-            gpu.process_table = _sim_processes(pids, gpu.model.memory_mib - gpu.model.reserved_mib)
+            gpu.process_table = _sim_processes(pids, int(gpu.model.memory_mib - gpu.model.reserved_mib))
         self._commit()
 
     # --- processes holding the device ------------------------------------------------------------

@@ -102,7 +102,7 @@ class GpuModel:
     nvlink_fabric: str | None  # "switch" or "bridge" (models.yaml); None without links
     nvlink_switches: int  # NVSwitch chips the links of a "switch" board are spread over
     event_types: int  # nvmlDeviceGetSupportedEventTypes on the newest driver branch
-    reserved_mib: int  # memory the driver keeps for itself
+    reserved_mib: float  # memory the driver keeps for itself (not always whole MiB: H200 capture)
     idle_power_mw: int
     power_limit_mw: int
     idle_temperature_c: int

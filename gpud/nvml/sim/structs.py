@@ -114,11 +114,11 @@ def pci_info(gpu: Gpu) -> pynvml.nvmlPciInfo_t:
     return info
 
 
-def memory_info(total_mib: int, reserved_mib: int, process_bytes: int, version: int | None):
+def memory_info(total_mib: int, reserved_mib: float, process_bytes: int, version: int | None):
     """v1 counts the driver's reserved memory as used; v2 reports it apart and `used` without it
     (H100 capture on 580: v1 used 480 MiB, v2 reserved 480 MiB and used 0, free equal in both).
     A v2 version other than nvmlMemory_v2 is a struct the driver does not know."""
-    total, reserved = total_mib * MIB, reserved_mib * MIB
+    total, reserved = total_mib * MIB, round(reserved_mib * MIB)
     used = min(total - reserved, process_bytes)  # what the compute processes hold
     free = total - reserved - used
     if not version:
