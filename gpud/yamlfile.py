@@ -1,8 +1,8 @@
 """Reading gpud's YAML files (config, MIG layouts, sharing) strictly, with the line of any error.
 
 The files are small and written by hand, so anything a hostile or broken file can use to make
-reading slow or crash is refused, with its line: alias bombs (anchors expanding past MAX_NODES),
-nesting deeper than MAX_DEPTH, integers longer than MAX_INT_CHARS, `.nan` and `.inf`, a key given
+reading slow or crash is refused, with its line: more than MAX_NODES values, written out or
+through aliases (an alias bomb: a few anchors expanding past MAX_NODES), nesting deeper than MAX_DEPTH, integers longer than MAX_INT_CHARS, `.nan` and `.inf`, a key given
 twice, bytes that are not UTF-8, and files over MAX_FILE_BYTES.
 """
 
@@ -25,6 +25,10 @@ MAX_INT_CHARS = 24
 Fail = Callable[[str, "int | None"], Exception]  # (reason, line or None) -> the caller's error
 
 
+class LimitExceeded(yaml.composer.ComposerError):
+    """A document too large or too deep to read, valid YAML as it may be."""
+
+
 class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML would
     silently keep the last one, so a typo'd duplicate would pass unnoticed), and that the limits
@@ -33,12 +37,13 @@ class StrictLoader(yaml.SafeLoader):
     def __init__(self, stream: str):
         super().__init__(stream)
         self._depth = 0
+        self._composed = 0  # nodes written out in the document so far (an alias composes none)
         self._expanded_sizes: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         mark = self.peek_event().start_mark
         if self._depth >= MAX_DEPTH:
-            raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep", mark)
+            raise LimitExceeded(None, None, f"nested more than {MAX_DEPTH} levels deep", mark)
         self._depth += 1
         try:
             node = super().compose_node(parent, index)
@@ -47,12 +52,14 @@ class StrictLoader(yaml.SafeLoader):
         sizes = self._expanded_sizes
         size = sizes.get(id(node))
         if size is None:  # a new node (an alias returns one composed earlier, already counted)
+            self._composed += 1
+            if self._composed > MAX_NODES:  # refused as soon as it is known, not once all is composed
+                raise LimitExceeded(None, None, f"more than {MAX_NODES} values: too large for a gpud file", mark)
             children = node.value if isinstance(node, yaml.SequenceNode) else \
                 [child for pair in node.value for child in pair] if isinstance(node, yaml.MappingNode) else ()
             size = sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
-        if size > MAX_NODES:
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases expand to more than {MAX_NODES} values (an alias bomb?)", mark)
+        if size > MAX_NODES:  # fewer written out: aliases made up the rest
+            raise LimitExceeded(None, None, f"aliases expand to more than {MAX_NODES} values (an alias bomb)", mark)
         return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -111,7 +118,8 @@ def compose_yaml(text: str, fail: Fail) -> tuple[yaml.Node | None, Any]:
         return node, (loader.construct_document(node) if node is not None else None)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
-        raise fail(f"invalid YAML: {error.problem or error.context}", mark.line + 1 if mark else None) from None
+        what = error.problem if isinstance(error, LimitExceeded) else f"invalid YAML: {error.problem or error.context}"
+        raise fail(what, mark.line + 1 if mark else None) from None
     except yaml.YAMLError as error:
         raise fail(f"invalid YAML: {error}", None) from None
     finally:

@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import traceback
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -24,6 +25,16 @@ MAX_BODY_DEPTH = 32
 # One kind of request error is logged at most this many times a window (see RequestErrorLog).
 REQUEST_ERRORS_LOGGED = 5
 REQUEST_ERROR_WINDOW_S = 60.0
+# An error echoes at most this much of the request's path: an unknown 8 KiB path is not worth 8 KiB
+# of answer (the length is said instead).
+MAX_ECHOED_PATH = 100
+# Request bodies are parsed on this many threads of their own, never on the event loop (a 1 MiB body
+# takes tens of milliseconds as JSON, seconds as YAML): every other client is served meanwhile, and a
+# flood of large bodies waits its turn here rather than taking the default executor's threads, which
+# the rest of gpud's blocking work runs on.
+BODY_PARSER_THREADS = 2
+_body_parsers = ThreadPoolExecutor(BODY_PARSER_THREADS, thread_name_prefix="gpud-body-parser")
+Parsed = TypeVar("Parsed")
 
 
 class ApiError(GpudError):
@@ -64,11 +75,25 @@ async def no_such_route(request: web.Request) -> web.Response:
             allowed |= (await resource.resolve(request))[1]
     if allowed:
         response = error_response(405, "method-not-allowed",
-                                  f"{request.method} is not allowed on {request.path}; allowed: "
+                                  f"{request.method} is not allowed on {echoed_path(request.path)}; allowed: "
                                   f"{', '.join(sorted(allowed))}", allowed=sorted(allowed))
         response.headers["Allow"] = ", ".join(sorted(allowed))  # RFC 9110: a 405 must say what is allowed
         return response
-    return error_response(404, "not-found", f"no such route: {request.path}; GET /v1/openapi.json lists the routes")
+    return error_response(404, "not-found",
+                          f"no such route: {echoed_path(request.path)}; GET /v1/openapi.json lists the routes")
+
+
+def echoed_path(path: str) -> str:
+    """The path as an error message quotes it: whole up to MAX_ECHOED_PATH characters, else its start
+    and its length."""
+    if len(path) <= MAX_ECHOED_PATH:
+        return path
+    return f"{path[:MAX_ECHOED_PATH]}... ({len(path)} characters)"
+
+
+async def off_the_loop(parse: Callable[..., Parsed], *args: Any) -> Parsed:
+    """parse(*args) on a body-parser thread (see BODY_PARSER_THREADS)."""
+    return await asyncio.get_running_loop().run_in_executor(_body_parsers, functools.partial(parse, *args))
 
 
 def _too_large(size: int | None) -> ApiError:
@@ -95,6 +120,11 @@ async def read_json_object(request: web.Request, timeout_s: float, fields: dict[
         raise _too_large(None) from None
     except web.HTTPException as exc:  # a malformed body (bad chunking and the like)
         raise ApiError(400, "bad-request", f"the request body could not be read: {exc.reason}") from None
+    return await off_the_loop(_json_object, raw, fields)
+
+
+def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
+    """read_json_object's parse and checks, on a body-parser thread."""
     try:
         body = json.loads(raw) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -11,9 +11,12 @@ from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.responses import json_response
 from gpud.encoding import encode
-from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus
+from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus, Subscription
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
+from gpud.logs import get_logger
+
+log = get_logger("api")
 
 HEARTBEAT_S = 15.0
 MAX_SEQUENCE = (1 << 63) - 1  # what a client may hold a sequence number in
@@ -68,37 +71,47 @@ class HealthRoutes:
                                                  f"known: {', '.join(EVENT_TYPES)}")
         subscription = self.bus.subscribe()  # before the backlog is read, so nothing falls in between
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         try:
-            start = self.bus.sequence if since is None else since
-            reset = since is not None and self.bus.from_earlier_run(since, epoch)
-            if reset:  # all of this run's events are new to the watcher
-                start = self.bus.first
-                await response.write(self._gap(start, "reset", "gpud restarted since that sequence number: the "
-                                               f"stream of run {self.bus.epoch} follows from its start"))
-            backlog, dropped = self.bus.backlog_after(start)
-            if dropped:
-                await response.write(self._gap(start, "dropped", "events after the given sequence number were "
-                                                                 "dropped from the backlog"))
-            last = start
-            for event in backlog:
-                last = await _write_if_wanted(response, event, types, last)
-            while True:
-                try:
-                    item = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
-                except asyncio.TimeoutError:
-                    await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat",
-                                                 "epoch": self.bus.epoch}) + b"\n")
-                    continue
-                if item is CLOSED:
-                    return response
-                if item is OVERFLOW:
-                    await response.write(encode({"seq": last, "type": "overflow", "epoch": self.bus.epoch, "data": {
-                        "message": f"too slow: reconnect with ?since={last}&epoch={self.bus.epoch}"}}) + b"\n")
-                    return response
-                last = await _write_if_wanted(response, item, types, last)
+            await response.prepare(request)
+            return await self._stream(response, subscription, since, epoch, types)
+        except ConnectionResetError:  # aiohttp's "Cannot write to closing transport" is one
+            # A watcher hanging up is how most streams end: one line, not an error with a traceback.
+            log.info("watch_client_gone", why="the client closed the stream")
+            return response
         finally:
             self.bus.unsubscribe(subscription)
+
+    async def _stream(self, response: web.StreamResponse, subscription: Subscription, since: int | None,
+                      epoch: str | None, types: set[str]) -> web.StreamResponse:
+        """Writes the backlog after `since`, then each event as it comes, until gpud closes the bus or
+        the watcher falls too far behind."""
+        start = self.bus.sequence if since is None else since
+        reset = since is not None and self.bus.from_earlier_run(since, epoch)
+        if reset:  # all of this run's events are new to the watcher
+            start = self.bus.first
+            await response.write(self._gap(start, "reset", "gpud restarted since that sequence number: the "
+                                           f"stream of run {self.bus.epoch} follows from its start"))
+        backlog, dropped = self.bus.backlog_after(start)
+        if dropped:
+            await response.write(self._gap(start, "dropped", "events after the given sequence number were "
+                                                             "dropped from the backlog"))
+        last = start
+        for event in backlog:
+            last = await _write_if_wanted(response, event, types, last)
+        while True:
+            try:
+                item = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat",
+                                             "epoch": self.bus.epoch}) + b"\n")
+                continue
+            if item is CLOSED:
+                return response
+            if item is OVERFLOW:
+                await response.write(encode({"seq": last, "type": "overflow", "epoch": self.bus.epoch, "data": {
+                    "message": f"too slow: reconnect with ?since={last}&epoch={self.bus.epoch}"}}) + b"\n")
+                return response
+            last = await _write_if_wanted(response, item, types, last)
 
     def _gap(self, seq: int, reason: str, message: str) -> bytes:
         return encode({"seq": seq, "type": "gap", "epoch": self.bus.epoch,

@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, json_errors, read_json_object
+from gpud.api.errors import ApiError, json_errors, off_the_loop, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.encoding import encode
 from gpud.inventory import Inventory, InventoryService
@@ -15,6 +15,11 @@ from gpud.mig.layouts import (Layout, LayoutError, LayoutsFile, NodeGpu, check_l
                               offers)
 from gpud.mig.model import GpuPlan
 from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of, node_gpus, root_needed
+
+# An inline `config` (PUT /v1/mig) is a mig-parted file sent in the request: 64 KiB is nine times the
+# layouts gpud ships, and reads in a fraction of a second (a 1 MiB one took seconds). A larger file
+# belongs in the layouts file (mig.layouts_file), read once per change.
+MAX_INLINE_CONFIG_BYTES = 64 << 10
 
 
 def plan_view(plans: dict[str, GpuPlan]) -> list[dict]:
@@ -97,7 +102,7 @@ class MigRoutes:
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
             raise ApiError(400, "invalid-query", f"query 'wait' must be true or false, got {wait!r}")
-        layout, origin = self._requested_layout(body["layout"], body.get("config"))
+        layout, origin = await self._requested_layout(body["layout"], body.get("config"))
         force = bool(body.get("force"))
         if body.get("dry_run"):
             _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
@@ -112,14 +117,19 @@ class MigRoutes:
         code = "reset-required" if view["state"] == "reset-required" else "apply-failed"
         raise ApiError(409, code, view["error"] or f"MIG apply ended in state {view['state']}", mig=view)
 
-    def _requested_layout(self, name: str, config: str | None) -> tuple[Layout, str]:
+    async def _requested_layout(self, name: str, config: str | None) -> tuple[Layout, str]:
         """(the layout, where it is defined): from the mig-parted file sent in `config`, read exactly
-        as the layouts file is, else from the layouts file."""
+        as the layouts file is (on a body-parser thread), else from the layouts file."""
         if config is None:
             source, layouts = self.layouts_file.layouts()
             return layout_named(layouts, name, source), source
+        size = len(config.encode("utf-8", "surrogatepass"))
+        if size > MAX_INLINE_CONFIG_BYTES:
+            raise ApiError(413, "config-too-large", f"the inline config is {size} bytes; inline configs are limited "
+                                                    f"to {MAX_INLINE_CONFIG_BYTES} bytes (put a larger file in "
+                                                    "mig.layouts_file)", limit=MAX_INLINE_CONFIG_BYTES, size=size)
         try:
-            layouts, _warnings = check_layouts(config, "config")
+            layouts, _warnings = await off_the_loop(check_layouts, config, "config")
         except LayoutError as exc:
             raise ApiError(422, "layout-config-invalid", str(exc)) from None
         return layout_named(layouts, name, "the request's config"), "request"

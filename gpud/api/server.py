@@ -12,6 +12,7 @@ from typing import Callable
 
 import yaml
 from aiohttp import web
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.connections import ConnectionLimits
@@ -32,6 +33,29 @@ log = get_logger("api")
 def load_openapi() -> dict:
     """The API's OpenAPI document, kept as commented YAML beside this module."""
     return yaml.safe_load(importlib.resources.files("gpud.api").joinpath("openapi.yaml").read_text())
+
+
+class ShallowRouter(web.UrlDispatcher):
+    """aiohttp's router, except that a path deeper than every route goes to the catch-all at once.
+
+    aiohttp looks a path up under each of its prefixes in turn, a segment shorter each time: work
+    quadratic in the number of segments (an unknown 8 KiB path of 4,000 segments cost 45 short ones).
+    A {placeholder} never spans a '/', so no route but the catch-all (registered last) can match a
+    path with more segments than the deepest route has.
+    """
+
+    _deepest = 0
+
+    def freeze(self) -> None:
+        super().freeze()
+        *routes, _catch_all = self._resources
+        self._deepest = max(resource.canonical.count("/") for resource in routes)
+
+    async def resolve(self, request: web.Request) -> UrlMappingMatchInfo:
+        if request.rel_url.path_safe.count("/") > self._deepest:
+            match_info, _allowed = await self._resources[-1].resolve(request)
+            return match_info
+        return await super().resolve(request)
 
 
 class SocketInUse(RuntimeError):
@@ -62,6 +86,7 @@ class Api:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.__class__ = ShallowRouter  # aiohttp's Application takes no router of another class
         app[ADMIN_POLICY] = self.admin_policy
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/node", self.node)
