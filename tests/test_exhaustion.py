@@ -17,7 +17,7 @@ from helpers import (ADMINS, READERS, mig_config, mig_settled, put_layout, runni
                      start_daemon, stop_daemon, until_async)
 from openapi_check import assert_matches_openapi
 
-from gpud.api.connections import EXCESS_GRACE_S
+from gpud.api.connections import EXCESS_GRACE_S, FairTurns
 from gpud.mig.reconciler import HISTORY_KEPT
 from gpud.mps.control import process_alive
 
@@ -246,3 +246,29 @@ async def test_a_corrupt_mig_history_is_loud_and_kept_aside(short_tmp, content):
         assert json.loads(history_file.read_text())[0]["layout"] == "all-1g.5gb"
     finally:
         await stop_daemon(node)
+
+
+# Guards fair turns (issue 20 item 4): a read handler that never awaits ends within one step, so
+# without care a reader's 64 requests, woken together, all ran in one turn of the event loop and
+# root's /healthz waited for every one of them (p50 18 ms under a /v1/health flood, bench/read_flood.py).
+# Each peer now gets at most one request per turn of the loop, and another peer's run beside it.
+async def test_a_flooding_peer_gets_one_request_per_turn_of_the_loop_and_others_run_beside_it():
+    loop, turns, ran = asyncio.get_running_loop(), FairTurns(), []
+    iteration = [0]
+
+    def tick() -> None:  # counts the turns of the loop
+        iteration[0] += 1
+        loop.call_soon(tick)
+    loop.call_soon(tick)
+
+    async def handle(request):  # a read route's handler: no await
+        ran.append((request, iteration[0]))
+        return request
+
+    flood = [turns.take("reader", handle, ("reader", n)) for n in range(64)]
+    other = [turns.take("admin-or-other", handle, ("other", n)) for n in range(4)]
+    assert len(await asyncio.wait_for(asyncio.gather(*flood, *other), 10)) == 68
+    reader_turns = [at for (peer, _), at in ran if peer == "reader"]
+    assert len(set(reader_turns)) == 64, "two of one peer's requests ran in one turn of the loop"
+    first_reader, last_reader = reader_turns[0], reader_turns[-1]
+    assert all(first_reader <= at < last_reader for (peer, _), at in ran if peer == "other")  # served beside it

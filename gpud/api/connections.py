@@ -163,10 +163,11 @@ def follow_connections(server: web.Server, admit: Callable[[RequestHandler, asyn
 
 
 class FairTurns:
-    """One request at a time per peer (a uid, an address); the peer's other requests wait in line.
-    A peer that floods gpud with requests thus gets one handler's worth of the event loop at a time,
-    and whatever other peers sent is served between two of its requests (the loop runs ready
-    callbacks in order). A request that keeps its turn over TURN_S passes it on without ending."""
+    """One request at a time per peer (a uid, an address), at most one per turn of the event loop;
+    the peer's other requests wait in line. A peer that floods gpud with requests thus gets one
+    handler's worth of each turn of the loop, and whatever other peers sent is served beside it (the
+    loop runs ready callbacks in order). A request that keeps its turn over TURN_S passes it on
+    without ending."""
 
     def __init__(self, turn_s: float = TURN_S):
         self.turn_s = turn_s
@@ -193,12 +194,16 @@ class FairTurns:
                 passed[0] = True
                 self._pass(peer)
 
-        timer = asyncio.get_running_loop().call_later(self.turn_s, pass_once)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.turn_s, pass_once)
         try:
             return await handle(request)
         finally:
             timer.cancel()
-            pass_once()
+            # Passed from the next turn of the loop, not now: a handler that never awaits ends within
+            # one step, and the peer's next request, woken at once, would run in the same turn of the
+            # loop, and the next: a flood of 64 connections would be served 64 at a time again.
+            loop.call_soon(pass_once)
 
     def _pass(self, peer: Hashable) -> None:
         line = self._waiting[peer]
