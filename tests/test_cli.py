@@ -204,13 +204,20 @@ def test_reload_mps_and_metrics(node, capsys):
     assert code == 0 and "# TYPE gpud_gpu_health gauge" in out
 
 
-def test_mps_stop_start_restart_and_env(run_gpud, mps_tmp, capsys):
-    config = mps_tmp / "gpud.yaml"
-    config.write_text(f"mps:\n  enabled: true\n  pipe_root: {mps_tmp / 'mps'}\n  log_root: {mps_tmp / 'mpslog'}\n"
-                      f"mig:\n  layouts_file: {mps_tmp / 'absent.yaml'}\n")
-    gpud = run_gpud("--simulate", "t4", "--sim-state", str(mps_tmp / "sim.json"), "--config", str(config))
+def _t4_with_mps(run_gpud, tmp, state: str, control_binary: str | None = None):
+    """A simulated T4 with MPS on (its pipes and logs under tmp), once its daemon is `state`."""
+    binary = f"  control_binary: {control_binary}\n" if control_binary else ""
+    config = tmp / "gpud.yaml"
+    config.write_text(f"mps:\n  enabled: true\n{binary}  pipe_root: {tmp / 'mps'}\n  log_root: {tmp / 'mpslog'}\n"
+                      f"mig:\n  layouts_file: {tmp / 'absent.yaml'}\n")
+    gpud = run_gpud("--simulate", "t4", "--sim-state", str(tmp / "sim.json"), "--config", str(config))
     gpud.wait_healthy()
-    gpud.wait_for(lambda: gpud.client.get("/v1/mps")["daemons"][0]["state"] == "running", what="MPS running")
+    gpud.wait_for(lambda: gpud.client.get("/v1/mps")["daemons"][0]["state"] == state, what=f"MPS {state}")
+    return gpud
+
+
+def test_mps_stop_start_restart_and_env(run_gpud, mps_tmp, capsys):
+    gpud = _t4_with_mps(run_gpud, mps_tmp, "running")
     code, out, _ = run(capsys, *on(gpud, "mps", "stop", "gpu0"))
     assert code == 0 and out.startswith("gpu0: stopped, pid -")
     assert run(capsys, *on(gpud, "mps", "status"))[0] == 1  # a daemon is down
@@ -228,12 +235,7 @@ def test_mps_stop_start_restart_and_env(run_gpud, mps_tmp, capsys):
 
 def test_a_failed_mps_daemon_says_why_and_gives_no_environment(run_gpud, short_tmp, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # the reason on the daemon's row, unwrapped
-    config = short_tmp / "gpud.yaml"
-    config.write_text(f"mps:\n  enabled: true\n  control_binary: /nonexistent/nvidia-cuda-mps-control\n"
-                      f"  pipe_root: {short_tmp / 'mps'}\n  log_root: {short_tmp / 'mpslog'}\n")
-    gpud = run_gpud("--simulate", "t4", "--sim-state", str(short_tmp / "sim.json"), "--config", str(config))
-    gpud.wait_healthy()
-    gpud.wait_for(lambda: gpud.client.get("/v1/mps")["daemons"][0]["state"] == "failed", what="MPS failed")
+    gpud = _t4_with_mps(run_gpud, short_tmp, "failed", control_binary="/nonexistent/nvidia-cuda-mps-control")
     code, out, _ = run(capsys, *on(gpud, "mps", "status"))
     header, row = out.split("\nNAME ", 1)[1].splitlines()
     assert code == 1 and header.split()[-1] == "WHY" and row.split()[:2] == ["gpu0", "failed"]
