@@ -19,7 +19,7 @@ import pytest
 import structlog
 from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon
 
-from gpud.api.errors import REQUEST_ERROR_LOG, REQUEST_ERRORS_LOGGED
+from gpud.api.errors import MAX_BODY_VALUES, REQUEST_ERROR_LOG, REQUEST_ERRORS_LOGGED
 from gpud.api.mig import MAX_INLINE_CONFIG_BYTES
 from gpud.logs import configure_logging
 from gpud.yamlfile import MAX_NODES, load_yaml
@@ -335,6 +335,23 @@ def test_an_inline_config_at_its_cap_does_not_stall_other_clients(run_gpud, shor
     assert status == 200 and answer["dry_run"] and answer["layout"] == "l0", answer
     assert len(latencies) >= 3  # /healthz was asked while the config was read
     assert max(latencies) < 0.5 * seconds, (max(latencies), seconds)
+
+
+def test_a_body_of_countless_small_values_is_refused_before_it_is_parsed(run_gpud, short_tmp):
+    """json's C parser holds the GIL on its thread too: a 1 MiB body of 340,000 empty lists stopped
+    every client for the whole parse. It is now refused from a count of its brackets and commas,
+    saying so, before any parse; /healthz answers meanwhile."""
+    gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"))
+    gpud.wait_healthy()
+    body = b'{"layout": [' + b",".join([b"[]"] * 340_000) + b"]}"
+    assert len(body) <= 1 << 20  # under the size limit: only the count refuses it
+    status, answer, _, latencies = healthz_during(gpud.socket, request_bytes("PUT", "/v1/mig", body))
+    assert status == 400 and answer["error"]["code"] == "body-too-complex", answer
+    assert answer["error"]["message"] == (f"the request body has 680001 brackets and commas; request bodies are "
+                                          f"limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
+    assert max(latencies, default=0) < 1.0
+    ordinary = json.dumps({"layout": "all-balanced", "dry_run": True}).encode()
+    assert raw_exchange(gpud.socket, request_bytes("PUT", "/v1/mig", ordinary))[0] == 200  # the count spares these
 
 
 def test_inline_configs_have_their_own_cap_and_every_refusal_says_what_it_is(run_gpud, short_tmp):

@@ -22,6 +22,11 @@ MAX_BODY_BYTES = 1 << 20
 # No route takes anything nested deeper than a list in an object; this leaves room and keeps a
 # hostile body far from Python's recursion limit.
 MAX_BODY_DEPTH = 32
+# json's C parser holds the GIL for the whole parse, on a parser thread too: a 1 MiB body of empty
+# lists stops the event loop for ~55 ms. No route takes more than a few hundred values (an inline
+# config is one string), so a body with more brackets and commas than this (strings' own included:
+# a cheap count, not a parse) is refused before it is parsed; parsing this many takes ~3 ms.
+MAX_BODY_VALUES = 50_000
 # One kind of request error is logged at most this many times a window (see RequestErrorLog).
 REQUEST_ERRORS_LOGGED = 5
 REQUEST_ERROR_WINDOW_S = 60.0
@@ -125,6 +130,10 @@ async def read_json_object(request: web.Request, timeout_s: float, fields: dict[
 
 def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
     """read_json_object's parse and checks, on a body-parser thread."""
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > MAX_BODY_VALUES:
+        raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
+                                                f"are limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
     try:
         body = json.loads(raw) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:
