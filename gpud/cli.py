@@ -205,7 +205,8 @@ def _add_serve(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the daemon", formatter_class=_ServeHelp)
     serve.add_argument("--config", type=Path, help="config file (default /etc/gpud/gpud.yaml, if present)")
     serve.add_argument("--socket", help="API socket path (default /run/gpud/gpud.sock as root, "
-                                        "$XDG_RUNTIME_DIR/gpud/gpud.sock otherwise)")
+                                        "else $XDG_RUNTIME_DIR/gpud/gpud.sock, or /tmp/gpud-UID/gpud.sock "
+                                        "where XDG_RUNTIME_DIR is unset)")
     serve.add_argument("--state-dir", help="persisted state (default /var/lib/gpud as root, "
                                            "$XDG_STATE_HOME/gpud otherwise)")
     serve.add_argument("--simulate", metavar="PRESET", help="run on a simulated node")

@@ -289,9 +289,12 @@ def mig_layouts(args: argparse.Namespace, client: Client) -> int:
           "layouts fit this node (* = current)")
     rows = [("  LAYOUT", "FITS", "CHANGES")]
     for layout in first:
+        changes = "-" if layout["gpus_changed"] is None else f"{layout['gpus_changed']} GPUs"
         rows.append((("* " if layout["active"] else "  ") + layout["name"], _fits_text(layout),
-                     "-" if layout["gpus_changed"] is None else f"{layout['gpus_changed']} GPUs"))
+                     changes + (", needs root" if layout.get("needs_root") else "")))
     print(table(rows))
+    for sentence in dict.fromkeys(layout["needs_root"] for layout in first if layout.get("needs_root")):
+        print(f"needs root: {sentence}")
     if rest and args.all:
         print("\ndo not fit this node:")
         print(table([("  LAYOUT", "FITS", "WHY NOT"),
@@ -333,7 +336,12 @@ def mig_apply(args: argparse.Namespace, client: Client) -> int:
         body["config"] = _local_text(args.file)
     _status, started = client.request("PUT", "/v1/mig", body)
     if args.dry_run or args.no_wait:
-        print_json(started) if args.json else _print_plan(started["plan"])
+        if args.json:
+            print_json(started)
+        else:
+            _print_plan(started["plan"])
+            if started.get("needs_root"):
+                print(f"needs root: {started['needs_root']}")
         return EXIT_OK
     if not args.json:
         _print_plan(started["plan"])

@@ -376,6 +376,15 @@ def test_serve_help_lists_every_preset(capsys, monkeypatch):
                                          for name, preset in PRESETS.items())
 
 
+def test_serve_help_names_each_default_socket(capsys, monkeypatch):
+    """The defaults gpud.config.user_runtime_dir picks: root's, then $XDG_RUNTIME_DIR's, then /tmp/gpud-UID's."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    code, out, _ = run(capsys, "serve", "--help")
+    (socket,) = [line for line in out.splitlines() if line.strip().startswith("--socket")]
+    assert code == 0 and all(place in socket for place in ("/run/gpud/gpud.sock as root", "$XDG_RUNTIME_DIR/gpud/gpud.sock",
+                                                          "/tmp/gpud-UID/gpud.sock where XDG_RUNTIME_DIR is unset"))
+
+
 def test_device_plugin_without_a_kubelet_directory_says_what_to_do(short_tmp):
     missing = subprocess.run([sys.executable, "-m", "gpud", "device-plugin", "--kubelet-dir", str(short_tmp / "none"),
                               "--log-format", "console"], capture_output=True, text=True, timeout=60, cwd=REPO)

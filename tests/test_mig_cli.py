@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import yaml
-from helpers import REPO, cli
+from helpers import REPO, cli, mig_config, start_daemon, stop_daemon
 
 from gpud.client import Client
 
@@ -57,6 +59,30 @@ def test_mig_apply_status_layouts_export(run_gpud, short_tmp):
     unknown = cli("mig", "apply", "all-nothing", socket=gpud.socket)
     assert unknown.returncode == 2 and "no layout 'all-nothing'" in unknown.stderr  # 404: invalid input
     assert gpud.stop() == 0
+
+
+async def test_layouts_and_dry_run_say_what_needs_root_when_gpud_is_not_root(short_tmp, monkeypatch):
+    """gpud and the simulated driver read the uid per call: with uid 1000 the API answers `needs_root`, and the
+    text of `mig layouts` and `mig apply --dry-run` says it, the sentence as the API gives it."""
+    node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
+    socket = node.daemon.config.socket_path
+    try:
+        as_root = await asyncio.to_thread(cli, "mig", "apply", "all-balanced", "--dry-run", socket=socket)
+        assert as_root.returncode == 0 and "needs root" not in as_root.stdout
+        monkeypatch.setattr("os.geteuid", lambda: 1000)
+        _, view = await node.get("/v1/mig/layouts")
+        sentence = {layout["name"]: layout["needs_root"] for layout in view["layouts"]}["all-balanced"]
+        assert sentence.startswith("gpud runs as uid 1000, not root")
+        layouts = await asyncio.to_thread(cli, "mig", "layouts", socket=socket)
+        rows = {line.removeprefix("* ").split()[0]: line for line in layouts.stdout.splitlines()[2:]
+                if line.startswith(("  a", "* a"))}
+        assert layouts.returncode == 0 and rows["all-balanced"].endswith("2 GPUs, needs root")
+        assert not rows["all-disabled"].endswith("needs root")  # changes nothing: nothing to refuse
+        assert f"needs root: {sentence}" in layouts.stdout.splitlines()
+        dry = await asyncio.to_thread(cli, "mig", "apply", "all-balanced", "--dry-run", socket=socket)
+        assert dry.returncode == 0 and dry.stdout.splitlines()[-1] == f"needs root: {sentence}"
+    finally:
+        await stop_daemon(node)
 
 
 def _check_layouts_listing(socket, current: str) -> None:

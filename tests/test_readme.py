@@ -1,7 +1,11 @@
-"""The README's two set-up commands do what it says, from a fresh clone."""
+"""The README's two set-up commands do what it says, from a fresh clone; its examples, run in order, print what
+it shows (the tour)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import json
 import os
 import re
@@ -13,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI, REPO, accounts_lock
+import helpers
+from helpers import IN_CI, REPO, Lines, accounts_lock, kill_mps_under, need, until
 
 README = (REPO / "README.md").read_text()
 USER = "gpud-readme"
@@ -121,3 +126,160 @@ def test_first_command_serves_a_simulated_dgx_a100_as_an_ordinary_user(tmp_path)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+# -- the README tour: its examples, run in order, print what it shows ----------------------------
+
+NOT_RUN = "# not run by the tour: "
+NOT_RUN_BLOCK = "<!-- not run by the tour: "
+# What the tour cannot do here, each marked so in the README: containers need an image, the packages a
+# machine of their own (tests/test_e2e_systemd.py), a process listing a real container's process.
+EXPECTED_NOT_RUN = {
+    "podman run --rm --device gpud/gpu=MIG-", "podman run --rm --ipc host --device gpud/gpu=GPU-",
+    "curl -s --unix-socket /run/gpud/gpud.sock http://localhost/v1/gpus/0/processes",
+    "./packaging/build.sh", "dpkg -i", "echo 'simulate: dgx-a100'", "systemctl restart gpud", "systemctl status gpud",
+    "curl -s --unix-socket /run/gpud/gpud.sock http://localhost/v1/gpus", "systemctl reload gpud",
+    "usermod -aG gpud alice", "apt-get remove gpud", "apt-get purge gpud"}
+# Only what differs between runs and machines is masked, the same way in the README and in what ran.
+MASKS = [(re.compile(r'"hostname":"[^"]*"'), '"hostname":HOST'), (re.compile(r"\bon \S+, backend"), "on HOST, backend"),
+         (re.compile(r'"inventory_read_at":[0-9.]+'), '"inventory_read_at":TIME'),
+         (re.compile(r"\buid \d+"), "uid UID"), (re.compile(r"/tmp/tmp\.\w+"), "/tmp/tmp.D"),
+         (re.compile(r"^(gpu\S*\s+running\s+)\d+"), r"\1PID")]
+SKIPPED = "…"
+
+
+@dataclasses.dataclass
+class Example:
+    root: bool  # `# ` (root) or `$ ` (the ordinary user)
+    command: str  # as written, with the lines of a here-document
+    expected: list[str]
+    run: bool
+
+
+def tour() -> list[Example]:
+    """The README's convention: every ```sh block after the set-up is examples: a line starting `$ ` or `# `
+    is a command, the lines after it up to the next command (or the block's end) are what it prints; a command
+    ending in `<<EOF` takes the lines up to `EOF`. A command with NOT_RUN, or a block after NOT_RUN_BLOCK, is
+    not run."""
+    after_setup = README.split("## Set-up on a fresh Debian 12 machine", 1)[1].split("\n## ", 1)[1]
+    examples: list[Example] = []
+    for before, block in re.findall(r"(.*?)```sh\n(.*?)\n```", after_setup, re.S):
+        block_runs = not before.rstrip().endswith("-->") or NOT_RUN_BLOCK not in before.rstrip().rsplit("\n", 1)[-1]
+        assert block[:2] in ("$ ", "# "), f"a ```sh block that does not start with a command:\n{block}"
+        lines = iter(block.splitlines())
+        for line in lines:
+            if line[:2] in ("$ ", "# "):
+                command = line[2:]
+                if command.endswith("<<EOF"):
+                    command += "\n" + "\n".join(iter(lines.__next__, "EOF")) + "\nEOF"
+                examples.append(Example(line[0] == "#", command, [], block_runs and NOT_RUN not in command))
+            else:
+                examples[-1].expected.append(line)
+    return examples
+
+
+def test_the_tour_leaves_out_exactly_what_cannot_run_here():
+    not_run = [example.command for example in tour() if not example.run]
+    named = [max((prefix for prefix in EXPECTED_NOT_RUN if command.startswith(prefix)), key=len, default=command)
+             for command in not_run]
+    assert sorted(named) == sorted(EXPECTED_NOT_RUN), not_run
+
+
+def masked(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        for pattern, replacement in MASKS:
+            line = pattern.sub(replacement, line)
+        out.append(line)
+    return out
+
+
+def drift(expected: list[str], actual: list[str]) -> bool:
+    """Whether actual differs from expected, where a `…` line stands for any number of lines."""
+    pattern = "".join(".*?" if line == SKIPPED else re.escape(line + "\n") for line in masked(expected))
+    return re.fullmatch(pattern, "".join(line + "\n" for line in masked(actual)), re.S) is None
+
+
+class Terminal:
+    """One bash reading commands on stdin, as a reader's terminal: variables set by one command are there for
+    the next. Each command's output (stdout and stderr) ends at a marker line with its exit status."""
+
+    MARK = "::tour-end::"
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=cwd, start_new_session=True)
+        self.lines = Lines(self.proc.stdout, " ".join(argv[:3]))
+
+    def run(self, command: str, timeout: float = 90) -> tuple[int, list[str]]:
+        self.proc.stdin.write(f"{command}\necho; echo '{self.MARK}'$?\n")
+        self.proc.stdin.flush()
+        out = []
+        while not (line := self.lines.next(f"the end of {command!r}", timeout)).startswith(self.MARK):
+            out.append(line.rstrip("\n"))
+        if out and out[-1] == "":
+            out.pop()  # the marker's own new line, there to end a last line that had none
+        return int(line[len(self.MARK):]), out
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its background jobs too: a non-interactive bash keeps them in its group
+        self.proc.wait(30)
+
+
+def _user_environment(home: Path, runtime: Path | None) -> dict:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+            **({"XDG_RUNTIME_DIR": str(runtime)} if runtime else {})}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_xdg_runtime_dir", [True, False])
+def test_the_readme_tour(short_tmp, with_xdg_runtime_dir):
+    """The README's examples in order: `$ ` as an ordinary user (a fresh home, with and without
+    XDG_RUNTIME_DIR) against the set-up's gpud run by that user, `# ` as root against the root gpud the
+    README starts in a private directory; each prints what the README shows."""
+    need(os.geteuid() == 0, "needs root, to create an ordinary user")
+    with accounts_lock():
+        subprocess.run([shutil.which("useradd", path=helpers.SYSTEM_PATH), "--create-home", USER],
+                       capture_output=True, timeout=300)  # may exist from an earlier run
+    uid = int(subprocess.check_output(["id", "-u", USER], timeout=60))
+    home, runtime = short_tmp / "home", short_tmp / "run"
+    for directory in (home, runtime):
+        directory.mkdir(mode=0o700)
+        os.chown(directory, uid, uid)
+    short_tmp.chmod(0o755)
+    no_xdg_runtime = Path(f"/tmp/gpud-{uid}")  # the user's runtime directory without XDG_RUNTIME_DIR
+    shutil.rmtree(no_xdg_runtime, ignore_errors=True)  # a fresh node: no simulated state from an earlier run
+    env = _user_environment(home, runtime if with_xdg_runtime_dir else None)
+    as_user = [shutil.which("runuser", path=helpers.SYSTEM_PATH), "--preserve-environment", "-u", USER, "--"]  # its HOME, not /home/USER
+    serve = setup_commands()[0].rsplit(" && ", 1)[1]  # the set-up's gpud (pip's install is the slow test above)
+    runs = subprocess.run([*as_user, serve.split()[0], "--version"], cwd=REPO, env=env, capture_output=True, timeout=60)
+    need(runs.returncode == 0, f"{USER} cannot run {serve.split()[0]} (a venv of a Python under /root?): {runs.stderr!r}")
+    gpud = subprocess.Popen([*as_user, "bash", "-c", serve], cwd=REPO, env=env, stdout=(short_tmp / "gpud.log").open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    user = Terminal([*as_user, "bash"], env, REPO)
+    root = Terminal(["bash"], {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root",
+                               "LANG": "C.UTF-8"}, REPO)
+    try:
+        socket = (runtime / "gpud" if with_xdg_runtime_dir else no_xdg_runtime) / "gpud.sock"
+        until(lambda: user.run(f"curl -s --unix-socket {socket} http://localhost/healthz")[1] == ['{"status":"ok"}'],
+              timeout=60, what=f"the user's gpud answering on {socket}", interval=0.2)
+        drifted = []
+        for example in tour():
+            if not example.run:
+                continue
+            status, output = (root if example.root else user).run(example.command)
+            if drift(example.expected, output):
+                diff = "\n".join(difflib.unified_diff(example.expected, output, "README", "printed", lineterm=""))
+                drifted.append(f"{'#' if example.root else '$'} {example.command}  (exit {status})\n{diff}")
+        assert not drifted, "the README's examples print otherwise:\n\n" + "\n\n".join(drifted)
+    finally:
+        root_directory = root.run('printf %s "$D"', timeout=10)[1]  # the README's mktemp -d, under /tmp
+        for terminal in (user, root):
+            terminal.close()
+        os.killpg(gpud.pid, signal.SIGTERM)
+        gpud.wait(30)
+        if root_directory and root_directory[0].startswith("/tmp/tmp."):
+            kill_mps_under(Path(root_directory[0]))  # MPS daemons outlive gpud by design
+            shutil.rmtree(root_directory[0], ignore_errors=True)
+        shutil.rmtree(no_xdg_runtime, ignore_errors=True)
