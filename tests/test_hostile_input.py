@@ -190,12 +190,13 @@ def test_hostile_requests_get_json_errors_and_leave_no_secret_in_the_log(run_gpu
     gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"))
     gpud.wait_healthy()
 
-    # A recursion bomb: 500 and a traceback before. Nesting under Python's limit is refused too,
-    # so nothing later walks a body near it.
-    for body in (b"[" * 100_000, b'{"gpu": 0, "pids": ' + b"[" * 900 + b"]" * 900 + b"}"):
+    # A recursion bomb: 500 and a traceback before (now refused unparsed: more brackets than any body
+    # holds). Nesting under Python's limit is refused too, so nothing later walks a body near it.
+    for body, code in ((b"[" * 100_000, "body-too-complex"),
+                       (b'{"gpu": 0, "pids": ' + b"[" * 900 + b"]" * 900 + b"}", "invalid-json")):
         status, headers, answer = raw_exchange(gpud.socket, request_bytes("POST", "/v1/sim/processes", body))
         assert status == 400 and headers["Content-Type"].startswith("application/json")
-        assert json.loads(answer)["error"]["code"] == "invalid-json"
+        assert json.loads(answer)["error"]["code"] == code
 
     status, headers, answer = raw_exchange(gpud.socket, request_bytes("DELETE", "/v1/mig"))
     assert status == 405 and headers["Allow"] == "GET, HEAD, PUT"
@@ -333,8 +334,9 @@ def test_an_inline_config_at_its_cap_does_not_stall_other_clients(run_gpud, shor
     body = json.dumps({"layout": "l0", "dry_run": True, "config": config}).encode()
     status, answer, seconds, latencies = healthz_during(gpud.socket, request_bytes("PUT", "/v1/mig", body))
     assert status == 200 and answer["dry_run"] and answer["layout"] == "l0", answer
-    assert len(latencies) >= 3  # /healthz was asked while the config was read
-    assert max(latencies) < 0.5 * seconds, (max(latencies), seconds)
+    assert len(latencies) >= 3  # /healthz was asked while the config was read (before: once, answered at its end)
+    # the median, not the slowest: on a loaded machine one probe may wait for the CPU, not for gpud
+    assert sorted(latencies)[len(latencies) // 2] < 0.25 * seconds, (latencies, seconds)
 
 
 def test_a_body_of_countless_small_values_is_refused_before_it_is_parsed(run_gpud, short_tmp):
