@@ -166,7 +166,8 @@ EXPECTED_NOT_RUN = {
 MASKS = [(re.compile(r'"hostname":"[^"]*"'), '"hostname":HOST'), (re.compile(r"\bon \S+, backend"), "on HOST, backend"),
          (re.compile(r'"inventory_read_at":[0-9.]+'), '"inventory_read_at":TIME'),
          (re.compile(r"\buid \d+"), "uid UID"), (re.compile(r"/tmp/tmp\.\w+"), "/tmp/tmp.D"),
-         (re.compile(r"^(gpu\S*\s+running\s+)\d+"), r"\1PID")]
+         # an MPS daemon's pid, with the padding its width gives the column (a fresh machine's pids are short)
+         (re.compile(r"^(gpu\S*\s+running\s+)\d+ +"), r"\1PID "), (re.compile(r"\bPID +RESTARTS\b"), "PID RESTARTS")]
 SKIPPED = "…"
 
 
