@@ -319,14 +319,16 @@ async def test_nfd_a_file_changed_behind_gpuds_back_is_reported_and_rewritten(sh
         noticed = await view_until(node, "/v1/nfd", lambda v: v["changed_behind_gpud"]["count"] == 1,
                                    timeout=NFD_RECHECK_S + 2)
         assert_matches_openapi("GET", "/v1/nfd", 200, noticed)
-        await until_async(lambda: _regular_with(features_file, "nvidia.com/gpu.count=1\n"), timeout=2,
+        # gpud counts the change, then rewrites the file on a thread: wait for the rewrite itself (a
+        # chmod leaves the labels as they were, so only the mode shows it)
+        await until_async(lambda: _regular_with(features_file, "nvidia.com/gpu.count=1\n", mode=0o644), timeout=2,
                           what="the feature file rewritten")
-        assert stat.S_IMODE(features_file.stat().st_mode) == 0o644
     finally:
         await stop_daemon(node)
     if change == "symlink":
         assert elsewhere.read_text() == forged
 
 
-async def _regular_with(path: Path, line: str) -> bool:
-    return not path.is_symlink() and path.exists() and line in path.read_text()
+async def _regular_with(path: Path, line: str, mode: int | None = None) -> bool:
+    return (not path.is_symlink() and path.exists() and line in path.read_text()
+            and (mode is None or stat.S_IMODE(path.stat().st_mode) == mode))
