@@ -293,7 +293,7 @@ def test_error_names_file_layout_entry_and_key():
     ("{devices: all, mig-enabled: true}", "mig-devices", "required when mig-enabled is true"),
     ("{devices: all, mig-enabled: false, mig-devices: {1g.5gb: 1}}", "mig-devices", "must be absent or empty"),
     ("{devices: all, mig-enabled: true, mig-devices: [1g.5gb]}", "mig-devices", "must be a mapping"),
-    # `mig-devices:` (null) loads as {} with a warning, as mig-parted takes it: tests/test_nvidia_files.py
+    ("{devices: all, mig-enabled: true, mig-devices: null}", "mig-devices", "null counts as missing"),
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: 0, 2g.10gb: 0}}", "mig-devices", "all counts are 0"),
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: -1}}", "mig-devices.1g.5gb", "got -1"),
     ("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: true}}", "mig-devices.1g.5gb", "got True"),

@@ -162,14 +162,21 @@ IMPOSSIBLE_PROFILES = [
     ("4c.3g.20gb", "a compute instance (4c) cannot be larger than its GPU instance (3g)"),
 ]
 
+BLOCK_NULL_MIG_DEVICES = "version: v1\nmig-configs:\n  l:\n    - devices: all\n      mig-enabled: {}\n      mig-devices:\n"
+
 
 @pytest.mark.parametrize("text, loads", [
     *((_entry_file(f"{{devices: all, mig-enabled: true, mig-devices: {{{profile}: 1}}}}"), True)
       for profile, _ in IMPOSSIBLE_PROFILES),
+    # A null mig-devices is a nil map in mig-parted: missing when mig-enabled is true (api/spec/v1/spec.go).
+    (BLOCK_NULL_MIG_DEVICES.format("true"), False),
+    (_entry_file("{devices: all, mig-enabled: true, mig-devices: null}"), False),
+    (BLOCK_NULL_MIG_DEVICES.format("false"), True),
     (_entry_file("{devices: all, mig-enabled: true, mig-devices: {}}"), True),
     (_entry_file("{devices: all, mig-enabled: true}"), False),
     (_entry_file("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: -1}}"), False),
-], ids=[*(f"profile-{profile}" for profile, _ in IMPOSSIBLE_PROFILES), "empty-mig-on", "missing-mig-on", "negative-count"])
+], ids=[*(f"profile-{profile}" for profile, _ in IMPOSSIBLE_PROFILES), "block-null-mig-on", "flow-null-mig-on",
+        "block-null-mig-off", "empty-mig-on", "missing-mig-on", "negative-count"])
 def test_the_loader_takes_or_refuses_a_file_as_mig_parted_does(text, loads):
     mig_parted_loads, printed = mig_parted_verdict(text, "l")
     assert mig_parted_loads is loads, printed
@@ -191,6 +198,22 @@ def test_an_impossible_profile_loads_with_a_warning_and_the_other_layouts_stay(p
     assert layouts["all-1g.5gb"].entries[0].mig_devices == {"1g.5gb": 7}
     # Kept as written: 2c.1g.5gb must not turn into the possible 1g.5gb.
     assert layouts["impossible"].entries[0].mig_devices == {"1g.5gb": 1, profile: 1}
+
+
+@pytest.mark.parametrize("text", [BLOCK_NULL_MIG_DEVICES.format("true"),
+                                  _entry_file("{devices: all, mig-enabled: true, mig-devices: null}")],
+                         ids=["block", "flow"])
+def test_a_null_mig_devices_with_mig_on_is_refused_naming_file_layout_entry_and_key(text):
+    with pytest.raises(LayoutError) as error:
+        check_layouts(text, "custom.yaml")
+    assert str(error.value) == ("custom.yaml: layout 'l', entry 1, key 'mig-devices': null counts as missing; "
+                                "required when mig-enabled is true ({} for no MIG devices)")
+
+
+def test_a_null_mig_devices_with_mig_off_is_no_mig_devices():
+    layouts, warnings = check_layouts(BLOCK_NULL_MIG_DEVICES.format("false"), "custom.yaml")
+    assert layouts["l"].entries[0].mig_devices == {}
+    assert warnings == ["mig-configs.l[0].mig-devices: null is read as {} (no MIG devices)"]
 
 
 def test_the_layouts_file_logs_its_warnings_once_per_change(tmp_path):

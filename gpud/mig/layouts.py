@@ -400,7 +400,13 @@ def _mig_devices(raw: dict, mig_enabled: bool, where: _Where) -> dict[str, int]:
             raise where.error("missing; required when mig-enabled is true ({} for no MIG devices)", key="mig-devices")
         return {}
     value = raw["mig-devices"]
-    if value is None:  # JSON null leaves mig-parted's map empty (api/spec/v1/spec.go)
+    if value is None:
+        # mig-parted (api/spec/v1/spec.go MigConfigSpec.UnmarshalJSON): json.Unmarshal of null sets the
+        # types.MigConfig map to nil, and a nil map under mig-enabled true is "missing required field
+        # 'mig-devices' when 'mig-enabled' is true"; with mig-enabled false a nil map is no MIG devices.
+        if mig_enabled:
+            raise where.error("null counts as missing; required when mig-enabled is true "
+                              "({} for no MIG devices)", key="mig-devices")
         where.warn("null is read as {} (no MIG devices)", key="mig-devices")
         return {}
     if not isinstance(value, dict):
