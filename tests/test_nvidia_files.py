@@ -21,6 +21,7 @@ from gpud.config import ConfigError, parse_config
 from gpud.mig.layouts import LayoutError, LayoutsFile, NodeGpu, check_layouts, check_layouts_file, load_layouts
 from gpud.sharing.config import SharingConfigError, check_sharing, check_sharing_file, load_sharing
 from tests.helpers import cli, mig_config, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon
+from tests.mig_parted import mig_parted_verdict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia"
 A100_40GB, H100_80GB = "0x20B010DE", "0x233010DE"
@@ -149,6 +150,70 @@ def test_what_mig_parted_refuses_is_refused(text, message):
     with pytest.raises(LayoutError) as error:
         check_layouts(text, "custom.yaml")
     assert str(error.value).startswith("custom.yaml: ") and message in str(error.value)
+
+
+# Well-formed names no GPU can offer: mig-parted checks a name's form only (pkg/types/mig_profile.go
+# AssertValidMigProfileFormat through go-nvlib's parseMigProfileFields), so the file loads there.
+IMPOSSIBLE_PROFILES = [
+    ("0g.5gb", "slice counts and memory size must be at least 1"),
+    ("0c.1g.5gb", "slice counts and memory size must be at least 1"),
+    ("1g.0gb", "slice counts and memory size must be at least 1"),
+    ("2c.1g.5gb", "a compute instance (2c) cannot be larger than its GPU instance (1g)"),
+    ("4c.3g.20gb", "a compute instance (4c) cannot be larger than its GPU instance (3g)"),
+]
+
+BLOCK_NULL_MIG_DEVICES = "version: v1\nmig-configs:\n  l:\n    - devices: all\n      mig-enabled: {}\n      mig-devices:\n"
+
+
+@pytest.mark.parametrize("text, loads", [
+    *((_entry_file(f"{{devices: all, mig-enabled: true, mig-devices: {{{profile}: 1}}}}"), True)
+      for profile, _ in IMPOSSIBLE_PROFILES),
+    # A null mig-devices is a nil map in mig-parted: missing when mig-enabled is true (api/spec/v1/spec.go).
+    (BLOCK_NULL_MIG_DEVICES.format("true"), False),
+    (_entry_file("{devices: all, mig-enabled: true, mig-devices: null}"), False),
+    (BLOCK_NULL_MIG_DEVICES.format("false"), True),
+    (_entry_file("{devices: all, mig-enabled: true, mig-devices: {}}"), True),
+    (_entry_file("{devices: all, mig-enabled: true}"), False),
+    (_entry_file("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: -1}}"), False),
+], ids=[*(f"profile-{profile}" for profile, _ in IMPOSSIBLE_PROFILES), "block-null-mig-on", "flow-null-mig-on",
+        "block-null-mig-off", "empty-mig-on", "missing-mig-on", "negative-count"])
+def test_the_loader_takes_or_refuses_a_file_as_mig_parted_does(text, loads):
+    mig_parted_loads, printed = mig_parted_verdict(text, "l")
+    assert mig_parted_loads is loads, printed
+    try:
+        check_layouts(text, "custom.yaml")
+    except LayoutError:
+        assert not loads
+    else:
+        assert loads
+
+
+@pytest.mark.parametrize("profile, reason", IMPOSSIBLE_PROFILES)
+def test_an_impossible_profile_loads_with_a_warning_and_the_other_layouts_stay(profile, reason):
+    text = (f"version: v1\nmig-configs:\n  all-1g.5gb:\n    - {{devices: all, mig-enabled: true, mig-devices: {{1g.5gb: 7}}}}\n"
+            f"  impossible:\n    - {{devices: all, mig-enabled: true, mig-devices: {{1g.5gb: 1, {profile}: 1}}}}\n")
+    layouts, warnings = check_layouts(text, "custom.yaml")
+    assert warnings == [f"mig-configs.impossible[0].mig-devices.{profile}: no GPU offers profile {profile}: "
+                        f"{reason}; applying this layout is refused"]
+    assert layouts["all-1g.5gb"].entries[0].mig_devices == {"1g.5gb": 7}
+    # Kept as written: 2c.1g.5gb must not turn into the possible 1g.5gb.
+    assert layouts["impossible"].entries[0].mig_devices == {"1g.5gb": 1, profile: 1}
+
+
+@pytest.mark.parametrize("text", [BLOCK_NULL_MIG_DEVICES.format("true"),
+                                  _entry_file("{devices: all, mig-enabled: true, mig-devices: null}")],
+                         ids=["block", "flow"])
+def test_a_null_mig_devices_with_mig_on_is_refused_naming_file_layout_entry_and_key(text):
+    with pytest.raises(LayoutError) as error:
+        check_layouts(text, "custom.yaml")
+    assert str(error.value) == ("custom.yaml: layout 'l', entry 1, key 'mig-devices': null counts as missing; "
+                                "required when mig-enabled is true ({} for no MIG devices)")
+
+
+def test_a_null_mig_devices_with_mig_off_is_no_mig_devices():
+    layouts, warnings = check_layouts(BLOCK_NULL_MIG_DEVICES.format("false"), "custom.yaml")
+    assert layouts["l"].entries[0].mig_devices == {}
+    assert warnings == ["mig-configs.l[0].mig-devices: null is read as {} (no MIG devices)"]
 
 
 def test_the_layouts_file_logs_its_warnings_once_per_change(tmp_path):
@@ -299,6 +364,47 @@ async def test_layouts_show_warnings_matching_gpus_and_refuse_a_layout_matching_
         _, after = await node.get("/v1/mig")
         assert [g["actual"] for g in after["gpus"]] == [g["actual"] for g in before["gpus"]]
         assert after["layout"] == before["layout"] is None
+    finally:
+        await stop_daemon(node)
+
+
+IMPOSSIBLE_LAYOUTS = NODE_LAYOUTS + """\
+  zero-slices:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"0g.5gb": 1}
+  ci-too-large:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"2c.1g.5gb": 1}
+"""
+
+
+async def test_impossible_profiles_are_listed_as_not_fitting_and_refused_while_the_rest_applies(short_tmp):
+    node = await start_daemon(mig_config(short_tmp, NODE, IMPOSSIBLE_LAYOUTS))
+    try:
+        before = await mig_settled(node)
+        status, view = await node.get("/v1/mig/layouts")
+        assert status == 200
+        layouts = {layout["name"]: layout for layout in view["layouts"]}
+        assert layouts["all-3g.20gb"]["fits"] is True
+        for name, profile, why in [
+                ("zero-slices", "0g.5gb", "slice counts and memory size must be at least 1"),
+                ("ci-too-large", "2c.1g.5gb", "a compute instance (2c) cannot be larger than its GPU instance (1g)")]:
+            assert layouts[name]["fits"] is False
+            assert f"unknown MIG profile {profile} ({why})" in layouts[name]["reason"]
+            assert f"mig-configs.{name}[0].mig-devices.{profile}: no GPU offers profile {profile}: {why}; " \
+                   "applying this layout is refused" in layouts[name]["warnings"]
+            status, refused = await put_layout(node, name)
+            assert (status, refused["error"]["code"]) == (422, "layout-does-not-fit"), refused
+            assert not (short_tmp / "state" / "mig-desired.json").exists()  # nothing persisted
+            _, after = await node.get("/v1/mig")
+            assert [g["actual"] for g in after["gpus"]] == [g["actual"] for g in before["gpus"]]
+            assert after["layout"] is None
+        status, applied = await put_layout(node, "all-3g.20gb")
+        assert status == 200, applied
+        _, mig = await node.get("/v1/mig")
+        assert [g["actual"]["devices"] for g in mig["gpus"]] == [{"3g.20gb": 2}, {"3g.20gb": 2}]
     finally:
         await stop_daemon(node)
 

@@ -6,7 +6,8 @@ What mig-parted accepts, gpud accepts, and what it refuses, gpud refuses (NVIDIA
 api/spec/v1/spec.go: an unknown key is an error; helpers.go: a malformed device-filter silently
 matches nothing). What mig-parted accepts but can never do what its writer meant comes back as a
 warning instead (check_layouts): a device-filter that never matches, negative or repeated GPU
-indices, profiles no GPU gpud knows offers. One exception stays: a key given twice in one
+indices, profiles no GPU gpud knows offers, well-formed profile names no GPU can offer (`0g.5gb`,
+`2c.1g.5gb`: mig-parted checks a name's form only; applying such a layout is refused). One exception stays: a key given twice in one
 mapping is an error (YAML loaders silently keep the last one).
 """
 
@@ -28,7 +29,7 @@ from gpud.errors import GpudError
 from gpud.logs import get_logger
 from gpud.mig import capabilities
 from gpud.mig.model import MigCapabilities
-from gpud.mig.profile_names import MigProfileName
+from gpud.mig.profile_names import MigProfileName, read_layout_profile
 from gpud.yamlfile import at_line as _at_line
 from gpud.yamlfile import load_yaml, read_yaml_text
 
@@ -132,7 +133,10 @@ class Layout:
 
 def offers(capabilities: MigCapabilities, profile: str) -> bool:
     """Whether a GPU with this profile table can hold a MIG device of the (canonical) profile."""
-    name = MigProfileName.parse(profile)
+    try:
+        name = MigProfileName.parse(profile)
+    except ValueError:
+        return False  # a well-formed but impossible name (read_layout_profile): no GPU offers it
     return any(gi.name == name.gi_name and any(ci.slices == name.ci_slices for ci in gi.ci_profiles)
                for gi in capabilities.gi_profiles)
 
@@ -396,7 +400,13 @@ def _mig_devices(raw: dict, mig_enabled: bool, where: _Where) -> dict[str, int]:
             raise where.error("missing; required when mig-enabled is true ({} for no MIG devices)", key="mig-devices")
         return {}
     value = raw["mig-devices"]
-    if value is None:  # JSON null leaves mig-parted's map empty (api/spec/v1/spec.go)
+    if value is None:
+        # mig-parted (api/spec/v1/spec.go MigConfigSpec.UnmarshalJSON): json.Unmarshal of null sets the
+        # types.MigConfig map to nil, and a nil map under mig-enabled true is "missing required field
+        # 'mig-devices' when 'mig-enabled' is true"; with mig-enabled false a nil map is no MIG devices.
+        if mig_enabled:
+            raise where.error("null counts as missing; required when mig-enabled is true "
+                              "({} for no MIG devices)", key="mig-devices")
         where.warn("null is read as {} (no MIG devices)", key="mig-devices")
         return {}
     if not isinstance(value, dict):
@@ -407,9 +417,11 @@ def _mig_devices(raw: dict, mig_enabled: bool, where: _Where) -> dict[str, int]:
     for written, count in value.items():
         key = f"mig-devices.{written}"
         try:
-            profile = str(MigProfileName.parse(str(written)))
+            profile, impossible = read_layout_profile(str(written))
         except ValueError as error:
             raise where.error(str(error), key=key) from None
+        if impossible is not None:  # mig-parted loads it; applying it fails (read_layout_profile)
+            where.warn(f"no GPU offers profile {profile}: {impossible}; applying this layout is refused", key=key)
         if not _is_int(count) or count < 0:
             raise where.error(f"count must be an integer >= 0, got {count!r}", key=key)
         if profile in counts:
@@ -480,6 +492,8 @@ def _warn_unknown_to_gpud(entry: LayoutEntry, where: _Where) -> None:
     else:
         candidates, whom = tables, "no GPU model gpud knows"
     for profile in entry.mig_devices:
+        if read_layout_profile(profile)[1] is not None:
+            continue  # impossible on any GPU: already warned about by _mig_devices
         if not any(offers(t.capabilities, profile) for t in candidates):
             where.warn(f"{whom} offers this profile", key=f"mig-devices.{profile}")
 

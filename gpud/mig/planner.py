@@ -32,7 +32,7 @@ from gpud.mig.model import (
     Placement,
     PlanError,
 )
-from gpud.mig.profile_names import mig_device_name
+from gpud.mig.profile_names import mig_device_name, read_layout_profile
 
 # The compute instances of one GPU instance, as (compute slices, start) pairs.
 _Content = tuple[tuple[int, int], ...]
@@ -108,12 +108,21 @@ def _offered_devices(capabilities: MigCapabilities) -> dict[str, tuple[GiProfile
     return {_device_name(gi, ci.slices): (gi, ci.slices) for gi in capabilities.gi_profiles for ci in gi.ci_profiles}
 
 
+def _why_unknown(name: str) -> str:
+    """The name, with why no GPU can offer it where the name itself says so (`0g.5gb`, `2c.1g.5gb`)."""
+    try:
+        impossible = read_layout_profile(name)[1]
+    except ValueError:
+        impossible = None
+    return name if impossible is None else f"{name} ({impossible})"
+
+
 def _demands(gpu: GpuMigState, capabilities: MigCapabilities, desired: Mapping[str, int]) -> tuple[_Demand, ...]:
     offered = _offered_devices(capabilities)
     wanted = {name: count for name, count in sorted(desired.items()) if count}
     unknown = [name for name in wanted if name not in offered]
     if unknown:
-        raise PlanError(f"{_label(gpu, capabilities)}: unknown MIG profile {', '.join(unknown)}; "
+        raise PlanError(f"{_label(gpu, capabilities)}: unknown MIG profile {', '.join(map(_why_unknown, unknown))}; "
                         f"this GPU offers {', '.join(offered)}", gpu.index)
     negative = [name for name, count in wanted.items() if count < 0]
     if negative:

@@ -26,6 +26,33 @@ def mig_device_name(gi_profile_name: str, gi_slices: int, ci_slices: int) -> str
     return gi_profile_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_profile_name}"
 
 
+def _well_formed(text: str) -> re.Match:
+    match = _PATTERN.fullmatch(text)
+    if match is None:
+        raise ValueError(_EXPECTED_FORMS)
+    return match
+
+
+def read_layout_profile(text: str) -> tuple[str, str | None]:
+    """A profile name as a layout file writes it: (the name to key it by, why no GPU can offer it,
+    or None when some GPU may). Raises ValueError only for a malformed name.
+
+    mig-parted checks the name's form only (pkg/types/mig_profile.go AssertValidMigProfileFormat,
+    called by MigConfig.AssertValidFormat while api/spec/v1 MigConfigSpec.UnmarshalJSON reads
+    `mig-devices`; go-nvlib pkg/nvlib/device/mig_profile.go parseMigProfileFields only reads the
+    numbers). So `0g.5gb` or `2c.1g.5gb` load there and only applying the layout fails; a file is
+    not refused for them. The impossible name is kept as written: formatting it would turn
+    `2c.1g.5gb` into the possible `1g.5gb`.
+    """
+    match = _PATTERN.fullmatch(text)
+    if match is None or (match["suffix"] or "") not in SUFFIXES:
+        return str(MigProfileName.parse(text)), None  # raises parse's ValueError, naming the text
+    try:
+        return str(MigProfileName._from_match(match)), None
+    except ValueError as error:  # a zero, or a compute instance larger than its GPU instance
+        return text, str(error)
+
+
 @dataclass(frozen=True)
 class MigProfileName:
     ci_slices: int  # compute slices of the compute instance; equals gi_slices when it takes the whole GPU instance
@@ -44,15 +71,16 @@ class MigProfileName:
 
     @classmethod
     def parse(cls, text: str) -> MigProfileName:
-        match = _PATTERN.fullmatch(text)
-        if match is None:
-            raise ValueError(f"invalid MIG profile name {text!r}: {_EXPECTED_FORMS}")
-        gi_slices = int(match["gi"])
         try:
-            return cls(ci_slices=int(match["ci"] or gi_slices), gi_slices=gi_slices,
-                       memory_gb=int(match["gb"]), suffix=match["suffix"] or "")
+            return cls._from_match(_well_formed(text))
         except ValueError as error:
             raise ValueError(f"invalid MIG profile name {text!r}: {error}") from None
+
+    @classmethod
+    def _from_match(cls, match: re.Match) -> MigProfileName:
+        gi_slices = int(match["gi"])
+        return cls(ci_slices=int(match["ci"] or gi_slices), gi_slices=gi_slices,
+                   memory_gb=int(match["gb"]), suffix=match["suffix"] or "")
 
     @property
     def gi_name(self) -> str:
