@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from gpud import __version__, cli_client, doctor
 from gpud.cli_output import (EXIT_CODES, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, SOCKET_ORDER,
-                             CliError, exit_for_status, print_json, report_error, warn)
+                             CliError, drop_stdout, exit_for_status, print_json, report_error, warn)
 from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
 
 CLIENT_TIMEOUT_S = 30.0
@@ -85,18 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         return report_error(exc, as_json)
     except BrokenPipeError:
-        _drop_stdout()
+        drop_stdout()
         return EXIT_OK
     except KeyboardInterrupt:
         return 130  # the shell's code for Ctrl-C
-
-
-def _drop_stdout() -> None:
-    """The reader of stdout went away (`gpud watch | head -1`): what Python would flush at exit goes
-    nowhere instead of failing again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def epilog() -> str:

@@ -5,6 +5,7 @@ a Client, prints a table (or the API's JSON with --json) and returns the exit co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from gpud.cli_output import (EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, CliError, devices_text,
+from gpud.cli_output import (EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, CliError, devices_text, drop_stdout,
                              format_gpu_table, print_json, reasons_text, stdout_reader_gone, table, terminal_columns,
                              warn)
 from gpud.client import Client
@@ -212,6 +213,9 @@ def _end_when_the_reader_goes() -> None:
         return
 
     def gone(_signum, _frame):
+        # once: the kernel's own SIGPIPE on a later write, or the thread's, must not raise again in
+        # the clean-up that this one starts
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         raise _ReaderGone
 
     def wait_for_the_reader() -> None:
@@ -227,21 +231,28 @@ def watch(args: argparse.Namespace, client: Client) -> int:
                                                                    ("types", args.types)) if value is not None})
     epoch, seq = args.epoch, args.since
     _end_when_the_reader_goes()
+    events = client.stream(f"/v1/watch?{query}" if query else "/v1/watch", _said_watching(args, client))
     try:
-        for event in client.stream(f"/v1/watch?{query}" if query else "/v1/watch", _said_watching(args, client)):
-            if event.get("epoch") != epoch:  # the first line, or gpud restarted since --since
-                epoch = event.get("epoch")
-                print(f"gpud run {epoch}: resume with --since SEQ --epoch {epoch}", file=sys.stderr, flush=True)
-            seq = event.get("seq", seq)
-            if event.get("type") == "heartbeat":
-                continue
-            if args.json:
-                print(json.dumps(event), flush=True)
-            else:
-                print(f"#{event['seq']} {event['type']}: {json.dumps(event.get('data', {}))}", flush=True)
-            if event.get("type") == "overflow":
-                raise CliError(EXIT_PROBLEM, "watch-overflow", event.get("data", {}).get("message", "too slow"))
-    except (KeyboardInterrupt, _ReaderGone):
+        # closed here, not when the generator is collected: its connection's clean-up then runs where
+        # the reader's going is caught
+        with contextlib.closing(events):
+            for event in events:
+                if event.get("epoch") != epoch:  # the first line, or gpud restarted since --since
+                    epoch = event.get("epoch")
+                    print(f"gpud run {epoch}: resume with --since SEQ --epoch {epoch}", file=sys.stderr, flush=True)
+                seq = event.get("seq", seq)
+                if event.get("type") == "heartbeat":
+                    continue
+                if args.json:
+                    print(json.dumps(event), flush=True)
+                else:
+                    print(f"#{event['seq']} {event['type']}: {json.dumps(event.get('data', {}))}", flush=True)
+                if event.get("type") == "overflow":
+                    raise CliError(EXIT_PROBLEM, "watch-overflow", event.get("data", {}).get("message", "too slow"))
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except (_ReaderGone, BrokenPipeError):
+        drop_stdout()
         return EXIT_OK
     # The stream only ends when gpud does; a cut-off chunked stream reads as its end in http.client.
     resume = f" (resume with --since {seq} --epoch {epoch})" if epoch is not None and seq is not None else ""

@@ -4,6 +4,7 @@ tables that fit the terminal. Standard library only: the CLI starts fast."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import shutil
 import sys
@@ -75,6 +76,14 @@ def stdout_reader_gone(wait_s: float | None = 0) -> bool:
         return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(timeout_ms))
     except (OSError, ValueError):  # stdout closed or not a real file: nothing to tell
         return False
+
+
+def drop_stdout() -> None:
+    """The reader of stdout went away (`gpud watch | head -1`): what Python would flush at exit goes
+    nowhere instead of failing again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def print_json(document: Any) -> None:
