@@ -160,8 +160,9 @@ class Slots:
     """Connections open at once, in all and per peer IP address. TCP peers have no credentials to
     weigh (connections.py weighs the socket's), and one local user can connect from every address
     of 127.0.0.0/8; so a connection beyond a cap is not simply refused: it takes the slot of the
-    connection that has done least (see shed_for), and only when every slot is answering a request
-    is it closed as soon as it is accepted. A connection that has not sent its first request head
+    connection that has done least (see shed_for). It is closed as soon as it is accepted only when
+    its address still waits for a head of its own (a reconnecting trickler would otherwise push its
+    own connections out in a loop) or every slot is answering a request. A connection that has not sent its first request head
     within head_timeout_s is closed. Each address's requests take turns (FairTurns)."""
 
     def __init__(self, max_connections: int, per_address: int, head_timeout_s: float):
