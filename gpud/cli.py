@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -97,7 +98,7 @@ def epilog() -> str:
                       for n, place in enumerate(SOCKET_ORDER, 1))
     return (f"exit status:\n{codes}\n\nthe daemon's socket, first found:\n{order}\n\n"
             "--json prints the API's JSON; metrics and mig export print {\"format\": ..., \"text\": ...},\n"
-            "watch one event a line; serve and device-plugin refuse --json (exit 2).\n"
+            "watch one event a line; serve, device-plugin and k8s-agent refuse --json (exit 2).\n"
             "With --json, an error is one JSON object on stderr:\n"
             '  {"error": {"code": ..., "message": ...}, "exit_code": N}')
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = _group(parser, "commands")
     _add_serve(commands)
     _add_device_plugin(commands)
+    _add_k8s_agent(commands)
     _add_client(commands, "status", cli_client.status, "the daemon, the node and its health (exit 1 if not healthy)")
     _add_gpus(commands)
     _add_health(commands)
@@ -123,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
+    _add_client(commands, "kubernetes", cli_client.kubernetes, "what gpud k8s-agent last reported: the API server, "
+                                                               "the labels it acts on, the GPUHealthy condition, "
+                                                               "what it cannot do and why (exit 1 on a problem)")
     _add_client(commands, "nfd", cli_client.nfd, "the labels gpud writes for Node Feature Discovery (exit 1 if the "
                                                  "file could not be written)")
     _add_client(commands, "cdi", cli_client.cdi, "the CDI spec gpud writes for container runtimes: its path, kind "
@@ -229,6 +234,20 @@ def _add_device_plugin(commands: Any) -> None:
     plugin.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     plugin.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     _local_command(plugin, _device_plugin)  # --json: its usage errors as JSON, as every command's
+
+
+def _add_k8s_agent(commands: Any) -> None:
+    agent = commands.add_parser("k8s-agent", help="run the Kubernetes node agent: node labels drive MIG layouts and "
+                                                  "sharing, health goes to the Node (a client of gpud's socket)")
+    agent.add_argument("--kubeconfig", type=Path, help="the cluster (default: $KUBECONFIG, else the service account "
+                                                       "of the pod it runs in)")
+    agent.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
+                       help="this node's Node object (default: $NODE_NAME)")
+    agent.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
+                                                    "your own)")
+    agent.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    agent.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
+    _local_command(agent, _k8s_agent)
 
 
 def _add_gpus(commands: Any) -> None:
@@ -368,6 +387,18 @@ def _device_plugin(args: argparse.Namespace) -> int:
     _refuse_json(args)
     configure_logging(args.log_level, args.log_format)
     return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy)
+
+
+def _k8s_agent(args: argparse.Namespace) -> int:
+    from gpud.kubernetes.agent import serve
+    from gpud.logs import configure_logging
+
+    _refuse_json(args)
+    if not args.node_name:
+        args.parser.error("--node-name: which Node is this one? (or set $NODE_NAME, as the DaemonSet does from "
+                          "spec.nodeName)")
+    configure_logging(args.log_level, args.log_format)
+    return asyncio.run(serve(args.kubeconfig, args.node_name, args.socket))
 
 
 def _seconds(text: str) -> float:

@@ -189,6 +189,37 @@ def health_clear(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+def kubernetes(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/kubernetes")
+    agent = view.get("agent")
+    problems = (agent or {}).get("problems") or {}
+    code = EXIT_PROBLEM if agent is None or problems or not (agent.get("kubernetes") or {}).get("ok") else EXIT_OK
+    if args.json:
+        print_json(view)
+        return code
+    settings = view["settings"]
+    print(f"settings: taint_unhealthy {str(settings['taint_unhealthy']).lower()}, "
+          f"mig_busy_timeout_s {settings['mig_busy_timeout_s']:g}")
+    if agent is None:
+        print("agent:    none has reported to this gpud (gpud k8s-agent: docs/kubernetes.md)")
+        return code
+    age = time.time() - view["agent_reported_at"]
+    api = agent.get("kubernetes") or {}
+    print(f"agent:    node {agent.get('node')}, reported {age:.0f} s ago")
+    print(f"api:      {'reachable' if api.get('ok') else 'NOT reachable: ' + str(api.get('error'))}")
+    mig, sharing, health = agent.get("mig") or {}, agent.get("sharing") or {}, agent.get("health") or {}
+    print(f"mig:      label {mig.get('label') or '-'}, state {mig.get('state') or '-'}"
+          + (f": {mig['detail']}" if mig.get("detail") else ""))
+    print(f"sharing:  label {sharing.get('label') or '-'}" + (f": {sharing['outcome']}" if sharing.get("outcome") else ""))
+    print(f"health:   GPUHealthy {health.get('condition') or '-'} ({health.get('reason') or '-'}), "
+          f"taint {'on' if health.get('taint') else 'off'}")
+    print("requests: " + (", ".join(f"{verb} {count}" for verb, count in sorted((agent.get("requests") or {}).items()))
+                          or "none"))
+    for what, problem in sorted(problems.items()):
+        print(f"problem:  cannot {what}: {problem['why']}")
+    return code
+
+
 def reload(args: argparse.Namespace, client: Client) -> int:
     _status, answer = client.request("POST", "/v1/reload", {})
     if args.json:

@@ -7,11 +7,15 @@ import json
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpud.config import SYSTEM_RUNTIME_DIR, user_runtime_dir
+
+if TYPE_CHECKING:
+    import asyncio
 
 SYSTEM_SOCKET = SYSTEM_RUNTIME_DIR / "gpud.sock"
 SOCKET_ENV = "GPUD_SOCKET"
@@ -187,6 +191,30 @@ class Client:
         if isinstance(exc, TimeoutError):
             return DaemonUnreachable(f"gpud on {self.socket_path} did not answer within {self.timeout:g} s")
         return DaemonUnreachable(f"talking to gpud on {self.socket_path} failed: {exc}")
+
+
+def follow_stream(client: Client, path: str, loop: asyncio.AbstractEventLoop, on_event: Callable[[Any], None],
+                  on_disconnect: Callable[[str, float], None], backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
+    """Reads a streaming route for ever, in a thread of its own: it stays blocked in a read, so it is a
+    daemon thread, not the loop's executor. Each line goes to on_event and each break-off to
+    on_disconnect(reason, retry_in_s), both called in the loop; reconnects with a backoff. Returns
+    when the loop is closed (its owner is stopping)."""
+    first, most = backoff_s
+    backoff = first
+    try:
+        while True:
+            try:
+                for event in client.stream(path):
+                    backoff = first
+                    loop.call_soon_threadsafe(on_event, event)
+                reason = "gpud ended the stream (stopping)"
+            except (DaemonUnreachable, ApiFailure, ValueError) as exc:
+                reason = str(exc)
+            loop.call_soon_threadsafe(on_disconnect, reason, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, most)
+    except RuntimeError:  # the loop is closed
+        return
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -1,9 +1,12 @@
-"""The import graph: only gpud/api/ speaks HTTP, and only the daemon and the CLI reach into it."""
+"""The import graph: only gpud/api/ serves HTTP and only the daemon and the CLI reach into it; the clients
+of gpud's socket (device plugin, Kubernetes agent) reach nothing of gpud's own services."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gpud"
 WIRING = {"gpud.daemon", "gpud.cli"}  # they build the API and run it
@@ -49,13 +52,24 @@ def test_only_the_daemon_and_the_cli_import_the_api():
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_the_device_plugin_is_only_a_client_of_gpuds_socket():
-    """It runs as its own process: what it knows of the GPUs comes over gpud's socket, never from NVML
-    or from gpud's own services."""
-    forbidden = ("pynvml", "gpud.nvml", "gpud.daemon", "gpud.inventory", "gpud.health", "gpud.mig", "gpud.mps",
-                 "gpud.sharing")
+CLIENT_ONLY_FORBIDDEN = ("pynvml", "gpud.nvml", "gpud.daemon", "gpud.inventory", "gpud.health", "gpud.mig",
+                         "gpud.mps", "gpud.sharing")
+
+
+@pytest.mark.parametrize("package, entry", [("gpud.device_plugin", "gpud.device_plugin.plugin"),
+                                            ("gpud.kubernetes", "gpud.kubernetes.agent")])
+def test_the_device_plugin_and_the_k8s_agent_are_only_clients_of_gpuds_socket(package, entry):
+    """Each runs as its own process: what it knows of the GPUs comes over gpud's socket, never from
+    NVML or from gpud's own services."""
     graph = _modules()
-    assert "gpud.device_plugin.plugin" in graph
-    offenders = {name: sorted(m for m in imported if any(_in(m, f) for f in forbidden))
-                 for name, imported in graph.items() if _in(name, "gpud.device_plugin")}
+    assert entry in graph
+    offenders = {name: sorted(m for m in imported if any(_in(m, f) for f in CLIENT_ONLY_FORBIDDEN))
+                 for name, imported in graph.items() if _in(name, package)}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_only_the_k8s_agent_talks_to_kubernetes():
+    offenders = {name: sorted(m for m in imported if _in(m, "kubernetes_asyncio"))
+                 for name, imported in _modules().items() if not _in(name, "gpud.kubernetes")}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    assert any(_in(m, "kubernetes_asyncio") for m in _modules()["gpud.kubernetes.node_api"])

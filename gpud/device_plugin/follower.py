@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from gpud.client import ApiFailure, Client, DaemonUnreachable
+from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
 from gpud.device_plugin.state import NodeState, mps_client, nvlink_peers, resources_from_sharing
 from gpud.logs import get_logger
 
@@ -48,27 +48,12 @@ class GpudFollower:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._watch, args=(loop,), name="gpud-watch", daemon=True).start()
+        threading.Thread(target=follow_stream, name="gpud-watch", daemon=True,
+                         args=(self.client, WATCH_FROM_THE_START, loop, self._on_event, self._on_disconnect,
+                               (BACKOFF_FIRST_S, BACKOFF_MAX_S))).start()
         await asyncio.gather(self._refresh_loop(), self._fence_loop())
 
-    # -- the watch stream, in its thread ---------------------------------------------------------
-
-    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        backoff = BACKOFF_FIRST_S
-        try:
-            while True:
-                try:
-                    for event in self.client.stream(WATCH_FROM_THE_START):
-                        backoff = BACKOFF_FIRST_S
-                        loop.call_soon_threadsafe(self._on_event, event)
-                    reason = "gpud ended the stream (stopping)"
-                except (DaemonUnreachable, ApiFailure, ValueError) as exc:
-                    reason = str(exc)
-                loop.call_soon_threadsafe(self._on_disconnect, reason, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
-        except RuntimeError:  # the loop is closed: the plugin is stopping
-            return
+    # -- the watch stream (read in a thread: gpud.client.follow_stream) ---------------------------
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event.get("epoch") != self.epoch:

@@ -1,0 +1,399 @@
+"""`gpud k8s-agent` end to end: a real agent process, a simulated gpud, and the Kubernetes API stand-in
+(tests/kube_api_stand_in.py: as strict as the real API server, each behaviour cited) with the agent's
+RBAC exactly as deploy/kubernetes/rbac.yaml grants it.
+
+The label workflows are NVIDIA's GPU operator contracts (docs/kubernetes.md walks them): MIG layouts
+from `nvidia.com/mig.config` with mig-manager's `nvidia.com/mig.config.state` values, named sharing
+configs from `nvidia.com/device-plugin.config`. Health goes back as the GPUHealthy condition, the
+opt-in taint and Events."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, mig_settled, start_daemon, stop_daemon, until_async
+from kube_api_stand_in import KubeApiStandIn
+from kube_http import node_path
+from kube_manifests import agent_rbac_rules, sharing_configs
+
+from gpud.config import Config
+
+NODE = "gpu-node-1"
+MIG_LABEL, STATE_LABEL = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+SHARING_LABEL = "nvidia.com/device-plugin.config"
+TAINT = {"key": "nvidia.com/gpu.unhealthy", "value": "gpud", "effect": "NoSchedule"}
+MIG_SINGLE = "version: v1\nflags:\n  migStrategy: single\n"
+MIG_MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
+
+
+def configmap_dir(root: Path, files: dict[str, str]) -> Path:
+    """A directory laid out as the kubelet mounts a ConfigMap (pkg/volume/util/atomic_writer.go): the
+    files in a timestamped directory, `..data` linking to it, and each name linking through `..data`."""
+    root.mkdir()
+    stamped = root / "..2026_11_26_00_00_00.000000001"
+    stamped.mkdir()
+    for name, text in files.items():
+        (stamped / name).write_text(text)
+        (root / name).symlink_to(f"..data/{name}")
+    (root / "..data").symlink_to(stamped.name)
+    return root
+
+
+def gpud_config(tmp: Path, preset: str = "dgx-a100", **kubernetes) -> Config:
+    configs = configmap_dir(tmp / "sharing-configs", {**sharing_configs(), "mig-single": MIG_SINGLE,
+                                                       "mig-mixed": MIG_MIXED})
+    config = Config().with_overrides(**{
+        "api.socket": str(tmp / "g.sock"), "simulate": preset, "sim_state": str(tmp / "sim.json"),
+        "state_dir": str(tmp / "state"), "inventory.refresh_interval_s": 3600.0,
+        "mig.layouts_file": str(tmp / "absent.yaml"), "sharing.configs_dir": str(configs),
+        "sharing.default_config": "mig-single"})
+    for key, value in kubernetes.items():
+        config = config.with_overrides(**{f"kubernetes.{key}": value})
+    return config
+
+
+class AgentProcess:
+    """`gpud k8s-agent` as a child process, its JSON log lines in a file."""
+
+    def __init__(self, tmp: Path, kube: KubeApiStandIn, socket: Path, node: str = NODE):
+        self.log_path = tmp / f"agent-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpud", "k8s-agent", "--kubeconfig", str(kube.kubeconfig("agent")),
+             "--node-name", node, "--socket", str(socket), "--log-format", "json", "--log-level", "debug"],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KUBECONFIG": ""})
+
+    def events(self) -> list[dict]:
+        self._log.flush()
+        found = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                found.append({"event": "not-json", "line": line})
+        return found
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(15)
+        finally:
+            self._log.close()
+
+
+class LabelRecorder:
+    """Every value the Node's state label took, in order, as a watch (the admin's own) saw them."""
+
+    def __init__(self, kube: KubeApiStandIn, label: str = STATE_LABEL):
+        self.values: list[str | None] = []
+        self._stop = threading.Event()
+        http = kube.http("admin")
+        version = kube.node(NODE)["metadata"]["resourceVersion"]
+
+        def record() -> None:
+            try:
+                for event in http.watch("/api/v1/nodes", timeout=60, fieldSelector=f"metadata.name={NODE}",
+                                        resourceVersion=version, timeoutSeconds="60"):
+                    value = (event["object"]["metadata"].get("labels") or {}).get(label)
+                    if not self.values or self.values[-1] != value:
+                        self.values.append(value)
+                    if self._stop.is_set():
+                        return
+            except (OSError, AssertionError):
+                return
+
+        self._thread = threading.Thread(target=record, daemon=True)
+        self._thread.start()
+
+
+@pytest.fixture
+def kube():
+    with KubeApiStandIn() as api:
+        api.bind_agent_rbac(agent_rbac_rules())
+        api.create_node(NODE)
+        yield api
+        assert api.unmodelled == [], "the agent made calls the stand-in does not model"
+
+
+def state_label(kube) -> str | None:
+    return (kube.node(NODE)["metadata"].get("labels") or {}).get(STATE_LABEL)
+
+
+def events_named(kube, reason: str) -> list[dict]:
+    return [e for e in kube.events() if e["reason"] == reason and e["involvedObject"]["name"] == NODE]
+
+
+def condition(kube) -> dict | None:
+    return next((c for c in kube.node(NODE)["status"].get("conditions", []) if c["type"] == "GPUHealthy"), None)
+
+
+async def agent_against(short_tmp, kube, **kubernetes):
+    node = await start_daemon(gpud_config(short_tmp, **kubernetes))
+    await mig_settled(node)
+    return node, AgentProcess(short_tmp, kube, node.daemon.config.socket_path)
+
+
+async def test_the_mig_label_applies_the_layout_and_the_state_label_says_how_it_went(short_tmp, kube):
+    """mig-manager's contract on 8 A100-40GB: pending while it runs, then success, and the node then
+    advertises 56 devices (`nvidia.com/gpu` under the single strategy, `nvidia.com/mig-1g.5gb` under
+    mixed, chosen by the sharing label)."""
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        await until_async(lambda: condition(kube), 20, "the agent's first GPUHealthy condition")
+        recorder = LabelRecorder(kube)
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "success", 60, "mig.config.state success")
+        assert recorder.values[:2] == [None, "pending"] or recorder.values[0] == "pending", recorder.values
+        assert "pending" in recorder.values and recorder.values[-1] == "success"
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True
+        applied = events_named(kube, "MigConfigApplied")
+        assert len(applied) == 1 and "GPUs 0, 1, 2, 3, 4, 5, 6, 7 changed" in applied[0]["message"]
+        assert applied[0]["type"] == "Normal" and applied[0]["source"]["component"] == "gpud-k8s-agent"
+        _, sharing = await node.get("/v1/sharing")
+        assert {r["name"]: r["count"] for r in sharing["resources"]} == {"nvidia.com/gpu": 56}
+        kube.label(NODE, SHARING_LABEL, "mig-mixed")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the sharing config applied")
+        _, sharing = await node.get("/v1/sharing")
+        assert {r["name"]: r["count"] for r in sharing["resources"]} == {"nvidia.com/mig-1g.5gb": 56}
+        assert sharing["config"]["name"] == "mig-mixed" and SHARING_LABEL in sharing["config"]["why"]
+    finally:
+        assert agent.stop() == 0, agent.events()[-5:]
+        await stop_daemon(node)
+
+
+async def test_an_unknown_layout_fails_and_the_event_names_the_layouts_there_are(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        kube.label(NODE, MIG_LABEL, "all-9g.99gb")
+        await until_async(lambda: state_label(kube) == "failed", 30, "mig.config.state failed")
+        [failed] = events_named(kube, "MigConfigFailed")
+        assert failed["type"] == "Warning" and "all-9g.99gb" in failed["message"]
+        assert "all-1g.5gb" in failed["message"] and "all-7g.40gb" in failed["message"]  # what exists
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] is None  # nothing changed
+        # no label at all: nothing changes, the state stays as it was written
+        kube.label(NODE, MIG_LABEL, None)
+        kube.label(NODE, SHARING_LABEL, "tesla-t4")  # something the agent does act on, to know it read on
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent read the Node on")
+        assert state_label(kube) == "failed" and (await node.get("/v1/mig"))[1]["layout"] is None
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_busy_mig_devices_keep_the_change_pending_until_their_processes_end(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "success", 60, "the first layout")
+        _, gpu3 = await node.get("/v1/gpus/3")
+        for device in gpu3["mig"]["devices"]:
+            await node.post("/v1/sim/processes", {"gpu": device["uuid"], "pids": [4242]})
+        kube.label(NODE, MIG_LABEL, "all-7g.40gb")
+        waiting = await until_async(lambda: events_named(kube, "MigConfigWaiting"), 30, "the waiting Event")
+        assert "GPU 3" in waiting[0]["message"] and "4242" in waiting[0]["message"], waiting[0]["message"]
+        assert state_label(kube) == "pending"
+        _, gpu3_now = await node.get("/v1/gpus/3")
+        assert len(gpu3_now["mig"]["devices"]) == 7  # nothing destroyed
+        for device in gpu3["mig"]["devices"]:
+            await node.post("/v1/sim/processes", {"gpu": device["uuid"], "pids": []})
+        await until_async(lambda: state_label(kube) == "success", 60, "success once the processes ended")
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] == "all-7g.40gb" and mig["in_sync"] is True
+        assert len(events_named(kube, "MigConfigWaiting")) == 1  # said once, not at every retry
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_busy_devices_past_the_timeout_turn_the_state_to_failed(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube, mig_busy_timeout_s=1.0)
+    try:
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "success", 60, "the first layout")
+        _, gpu0 = await node.get("/v1/gpus/0")
+        await node.post("/v1/sim/processes", {"gpu": gpu0["mig"]["devices"][0]["uuid"], "pids": [777]})
+        kube.label(NODE, MIG_LABEL, "all-7g.40gb")
+        await until_async(lambda: state_label(kube) == "failed", 60, "failed after mig_busy_timeout_s")
+        [failed] = events_named(kube, "MigConfigFailed")
+        assert "777" in failed["message"] and "mig_busy_timeout_s" in failed["message"]
+        assert (await node.get("/v1/mig"))[1]["layout"] == "all-1g.5gb"
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_a_label_changed_mid_apply_ends_with_the_last_value_and_no_interleaved_applies(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        await until_async(lambda: condition(kube), 20, "the agent running")
+        for value in ("all-1g.5gb", "all-2g.10gb", "all-3g.20gb", "all-7g.40gb"):
+            kube.label(NODE, MIG_LABEL, value)
+        await until_async(lambda: state_label(kube) == "success" and
+                          any("all-7g.40gb" in e["message"] for e in events_named(kube, "MigConfigApplied")),
+                          90, "the last value applied")
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] == "all-7g.40gb" and mig["in_sync"] is True
+        # gpud refuses an apply while another runs (apply-in-progress): none was refused, none overlapped
+        history = mig["history"]
+        spans = sorted((h["started_at"], h["finished_at"]) for h in history if h.get("started_at"))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+        assert not any(e.get("error_code") == "apply-in-progress" for e in agent.events())
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_the_sharing_label_chooses_a_named_config_and_a_missing_name_keeps_the_default(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        kube.label(NODE, SHARING_LABEL, "2080ti-12gb")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the config applied")
+        _, sharing = await node.get("/v1/sharing")
+        assert sharing["config"]["name"] == "2080ti-12gb" and sharing["strategy"] == "time-slicing"
+        assert {r["name"]: r["count"] for r in sharing["resources"]} == {"nvidia.com/gpu": 48}  # 8 GPUs × 6
+        _, nfd = await node.get("/v1/nfd")
+        assert nfd["labels"]["nvidia.com/gpu.product"].endswith("-SHARED")
+        kube.label(NODE, SHARING_LABEL, "no-such-config")
+        [missing] = await until_async(lambda: events_named(kube, "SharingConfigNotFound"), 20, "the Event")
+        assert missing["type"] == "Warning" and "no-such-config" in missing["message"]
+        assert "2080ti-12gb" in missing["message"] and "mig-single" in missing["message"]  # available, default
+        _, sharing = await node.get("/v1/sharing")
+        assert sharing["config"]["name"] == "mig-single" and sharing["config"]["chosen"] is None
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_gpu_health_reaches_the_node_condition_within_two_seconds_and_the_taint_follows(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube, taint_unhealthy=True)
+    try:
+        healthy = await until_async(lambda: condition(kube), 20, "the first condition")
+        assert healthy["status"] == "True" and healthy["reason"] == "AllGPUsHealthy"
+        ready = next(c for c in kube.node(NODE)["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "True"  # the kubelet's condition is left as it was
+        # an operator's own taint of another key stays through everything the agent does
+        http = kube.http("admin")
+        status, _ = http.patch(node_path(NODE), {"spec": {"taints": [{"key": "maintenance", "effect": "NoSchedule"}]}})
+        assert status == 200
+        injected = time.monotonic()
+        await node.post("/v1/sim/xid", {"gpu": 2, "xid": 79})
+        unhealthy = await until_async(lambda: (c := condition(kube)) and c["status"] == "False" and c, 10,
+                                      "GPUHealthy False")
+        took = time.monotonic() - injected
+        assert took < 2.0, f"the condition took {took:.2f} s"
+        assert unhealthy["reason"] == "GPUNeedsReboot"
+        assert "GPU 2" in unhealthy["message"] and "XID 79" in unhealthy["message"] and "reboot" in unhealthy["message"]
+        taints = await until_async(lambda: (t := kube.node(NODE)["spec"].get("taints", [])) and TAINT in t and t, 10,
+                                   "the taint")
+        assert {"key": "maintenance", "effect": "NoSchedule"} in taints
+        assert events_named(kube, "GPUNeedsReboot") and events_named(kube, "GPUTaintAdded")
+        gpu2 = (await node.get("/v1/gpus/2"))[1]["uuid"]
+        await node.post(f"/v1/health/{gpu2}/clear", {})
+        await until_async(lambda: condition(kube)["status"] == "True", 10, "GPUHealthy True again")
+        await until_async(lambda: TAINT not in kube.node(NODE)["spec"].get("taints", []), 10, "the taint removed")
+        assert kube.node(NODE)["spec"]["taints"] == [{"key": "maintenance", "effect": "NoSchedule"}]
+        assert events_named(kube, "GPUsHealthy") and events_named(kube, "GPUTaintRemoved")
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_an_operators_taint_of_the_same_key_is_never_removed(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube, taint_unhealthy=True)
+    try:
+        await until_async(lambda: condition(kube), 20, "the first condition")
+        theirs = {"key": "nvidia.com/gpu.unhealthy", "value": "by-hand", "effect": "NoSchedule"}
+        assert kube.http("admin").patch(node_path(NODE), {"spec": {"taints": [theirs]}})[0] == 200
+        await node.post("/v1/sim/xid", {"gpu": 1, "xid": 79})
+        await until_async(lambda: condition(kube)["status"] == "False", 10, "unhealthy")
+        gpu1 = (await node.get("/v1/gpus/1"))[1]["uuid"]
+        await node.post(f"/v1/health/{gpu1}/clear", {})
+        await until_async(lambda: condition(kube)["status"] == "True", 10, "healthy again")
+        assert kube.node(NODE)["spec"]["taints"] == [theirs]
+        assert not events_named(kube, "GPUTaintAdded") and not events_named(kube, "GPUTaintRemoved")
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_the_agent_watches_only_its_own_node_and_resumes_after_410_with_one_get(short_tmp, kube):
+    kube.create_node("other-node")
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        await until_async(lambda: condition(kube), 20, "the agent running")
+        kube.compact()
+        kube.label("other-node", MIG_LABEL, "all-1g.5gb")  # a change the agent must not see or act on
+        kube.end_watches()
+        kube.label(NODE, SHARING_LABEL, "tesla-t4")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent saw the label")
+        calls = [(r.verb, r.path) for r in kube.requests if r.user == "agent"]
+        assert ("list", "/api/v1/nodes") not in calls  # never a list of every Node
+        watches = [r for r in kube.requests if r.user == "agent" and r.verb == "watch"]
+        assert watches and all(r.query.get("fieldSelector") == f"metadata.name={NODE}" for r in watches)
+        assert all(r.query.get("allowWatchBookmarks") in ("True", "true") and r.query.get("resourceVersion")
+                   for r in watches)
+        gets = [r for r in kube.requests if r.user == "agent" and r.verb == "get"]
+        assert len(gets) == 2, [(r.verb, r.status) for r in kube.requests if r.user == "agent"]  # start, after 410
+        assert not any("other-node" in r.path for r in kube.requests if r.user == "agent")
+        assert "other-node" not in {e["involvedObject"]["name"] for e in kube.events()}
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the_agent_says_why(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    try:
+        await until_async(lambda: condition(kube), 20, "the agent running")
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "success", 60, "the layout")
+        _, before = await node.get("/v1/sharing")
+        kube.down()
+        await node.post("/v1/sim/xid", {"gpu": 4, "xid": 79})
+        status = await until_async(lambda: agent_status_where(node, lambda a: a["kubernetes"]["ok"] is False), 30,
+                                   "the agent reporting the API server down", interval=0.2)
+        assert status["kubernetes"]["error"] and "write condition or taint" in status["problems"]
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True  # gpud untouched
+        _, after = await node.get("/v1/sharing")
+        assert [(r["name"], r["count"]) for r in after["resources"]] == \
+            [(r["name"], r["count"]) for r in before["resources"]]
+        kube.up()
+        await until_async(lambda: (c := condition(kube)) and c["status"] == "False", 90,
+                          "the condition written once the API server is back")
+        await until_async(lambda: agent_status_where(node, lambda a: a["kubernetes"]["ok"] is True), 30,
+                          "the agent reporting the API server back", interval=0.2)
+        # RBAC without nodes/status: the agent says what it cannot do and why, and goes on with the rest
+        kube.bind_agent_rbac([r for r in agent_rbac_rules() if "nodes/status" not in r["resources"]])
+        gpu4 = (await node.get("/v1/gpus/4"))[1]["uuid"]
+        await node.post(f"/v1/health/{gpu4}/clear", {})
+        status = await until_async(
+            lambda: agent_status_where(node, lambda a: "HTTP 403" in a["problems"].get("write condition or taint",
+                                                                                        {}).get("why", "")),
+            30, "the agent reporting the 403", interval=0.2)
+        assert "deploy/kubernetes/rbac.yaml" in status["problems"]["write condition or taint"]["why"]
+        kube.label(NODE, SHARING_LABEL, "tesla-t4")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "labels still acted on")
+        assert agent.proc.poll() is None
+    finally:
+        agent.stop()
+        await stop_daemon(node)
+
+
+async def agent_status_where(node, wanted) -> dict | None:
+    """The agent's status as gpud holds it (GET /v1/kubernetes, what `gpud kubernetes` shows) when
+    wanted(status) holds."""
+    _, document = await node.get("/v1/kubernetes")
+    status = document.get("agent")
+    return status if status and wanted(status) else None
