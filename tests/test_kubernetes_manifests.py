@@ -1,0 +1,362 @@
+"""gpud's Kubernetes manifests (deploy/kubernetes/): every object is valid for each Kubernetes release
+1.30 to 1.35 (kubernetes-validate's strict JSON schemas, generated from each release's OpenAPI; an
+unknown field or a wrong type is refused, as `kubectl apply --validate=strict` refuses it), the node
+agent's RBAC is exactly what it needs, its DaemonSets tolerate the agent's own taint and select the
+right nodes, and the configs they carry load with gpud's own loaders."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions, major_minor
+
+import kube_manifests
+from gpud.config import Config, parse_config
+from gpud.sharing.config import check_sharing
+
+KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35")
+UNHEALTHY_TAINT = {"key": "nvidia.com/gpu.unhealthy", "effect": "NoSchedule"}
+# The keys the node agent's work adds to gpud.yaml (issue 22), which gpud/config.py does not have yet.
+NEW_CONFIG_KEYS = {("sharing", "configs_dir"), ("sharing", "default_config"), ("kubernetes", "taint_unhealthy")}
+
+
+def _validate(document: dict, version: str) -> str:
+    """kubernetes-validate against `version`'s strict schemas; the release whose schemas it used.
+    kubernetes-validate falls back to the newest release it ships that is not newer than the one asked
+    for (utils.validate), so a missing release would quietly check against an older one: the caller
+    compares the answer with the release it asked for."""
+    return kubernetes_validate.validate(document, f"{version}.0", strict=True)
+
+
+# -- every manifest is valid for every release ---------------------------------------------------------
+
+
+def test_manifests_are_there():
+    assert set(kube_manifests.manifest_names()) >= {
+        "namespace.yaml", "rbac.yaml", "agent-daemonset.yaml", "gpud-daemonset.yaml", "sharing-configs.yaml",
+        "gpud-device-plugin.yaml"}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_validate_ships_the_release(version):
+    shipped = {major_minor(release) for release in all_versions()}
+    assert version in shipped, f"kubernetes-validate {kubernetes_validate.__version__} has no schemas for " \
+                               f"Kubernetes {version} (it has {sorted(shipped)}): upgrade it"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", kube_manifests.manifest_names())
+def test_manifest_validates_strictly(name, version):
+    documents = kube_manifests.load(name)
+    assert documents, name
+    for document in documents:
+        # A missing schema (an unknown kind or apiVersion) raises SchemaNotFoundError: a failure too.
+        assert _validate(document, version) == version, (name, document["kind"])
+
+
+def _agent_daemonset() -> dict:
+    return copy.deepcopy(kube_manifests.find("agent-daemonset.yaml", "DaemonSet", kube_manifests.AGENT))
+
+
+def _typo_field(daemonset: dict) -> dict:
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    container["securityContext"]["readOnlyRootFileSystem"] = True  # the field is readOnlyRootFilesystem
+    return daemonset
+
+
+def _wrong_type(daemonset: dict) -> dict:
+    daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "30"  # an integer field
+    return daemonset
+
+
+def _string_verbs(_: dict) -> dict:
+    role = copy.deepcopy(kube_manifests.find("rbac.yaml", "ClusterRole", kube_manifests.AGENT))
+    role["rules"][0]["verbs"] = "get"  # a list of strings
+    return role
+
+
+def _label_not_a_string(_: dict) -> dict:
+    # The YAML mistake the manifests avoid by quoting: an unquoted true is a boolean, and a label's
+    # value must be a string.
+    return yaml.safe_load("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: x\n  labels:\n    a: true\n")
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("break_it", [_typo_field, _wrong_type, _string_verbs, _label_not_a_string])
+def test_the_same_check_refuses_a_broken_manifest(break_it, version):
+    broken = break_it(_agent_daemonset())
+    with pytest.raises(kubernetes_validate.ValidationError) as refused:
+        _validate(broken, version)
+    assert refused.value.version == version
+
+
+# -- RBAC: exactly what the agent needs ----------------------------------------------------------------
+
+
+def test_agent_rbac_is_exactly_its_five_verbs():
+    granted = set()
+    for rule in kube_manifests.agent_rbac_rules():
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, nonResourceURLs
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    granted.add((group, resource, verb))
+    assert granted == {("", "nodes", "get"), ("", "nodes", "watch"), ("", "nodes", "patch"),
+                       ("", "nodes/status", "patch"), ("", "events", "create")}
+    # Spelled out, so that a later edit that adds one shows here too.
+    assert not any("*" in item for item in granted)
+    assert not any(verb in {"list", "update", "delete", "deletecollection", "escalate", "bind", "impersonate"}
+                   for _, _, verb in granted)
+    assert not any(resource in {"secrets", "pods", "configmaps"} for _, resource, _ in granted)
+
+
+def test_the_binding_gives_the_role_to_the_agents_service_account():
+    account = kube_manifests.find("rbac.yaml", "ServiceAccount", kube_manifests.AGENT)
+    assert account["metadata"]["namespace"] == kube_manifests.NAMESPACE
+    binding = kube_manifests.find("rbac.yaml", "ClusterRoleBinding", kube_manifests.AGENT)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": kube_manifests.AGENT}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kube_manifests.AGENT,
+                                    "namespace": kube_manifests.NAMESPACE}]
+    assert [document["metadata"]["name"] for document in kube_manifests.load("namespace.yaml")] == \
+        [kube_manifests.NAMESPACE]
+
+
+# -- the DaemonSets ------------------------------------------------------------------------------------
+
+
+def _tolerates(toleration: dict, taint: dict) -> bool:
+    """Kubernetes' rule (k8s.io/api core/v1 toleration.go, Toleration.ToleratesTaint): an empty effect
+    matches every effect, an empty key (with Exists) every key; Exists matches any value, Equal (the
+    default operator) only the same value."""
+    if toleration.get("effect") and toleration["effect"] != taint["effect"]:
+        return False
+    if toleration.get("key") and toleration["key"] != taint["key"]:
+        return False
+    operator = toleration.get("operator", "Equal")
+    if operator == "Exists":
+        return True
+    return operator == "Equal" and toleration.get("value", "") == taint.get("value", "")
+
+
+def _matches(term: dict, labels: dict[str, str]) -> bool:
+    """A nodeSelectorTerm's matchExpressions (all must hold) against a node's labels (the In, NotIn,
+    Exists and DoesNotExist operators, as k8s.io/component-helpers scheduling/corev1/nodeaffinity)."""
+    for expression in term["matchExpressions"]:
+        key, operator = expression["key"], expression["operator"]
+        if operator == "In" and labels.get(key) not in expression["values"]:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in expression["values"]:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _runs_on(daemonset: dict, labels: dict[str, str]) -> bool:
+    """Whether the DaemonSet's required node affinity selects a node with these labels (the terms are
+    ORed). Its pod spec has no nodeSelector: the affinity is the whole choice."""
+    spec = daemonset["spec"]["template"]["spec"]
+    assert "nodeSelector" not in spec
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    return any(_matches(term, labels) for term in terms)
+
+
+def test_every_daemonset_tolerates_the_agents_unhealthy_taint():
+    names = set()
+    for daemonset in kube_manifests.daemonsets():
+        tolerations = daemonset["spec"]["template"]["spec"]["tolerations"]
+        names.add(daemonset["metadata"]["name"])
+        assert any(_tolerates(toleration, UNHEALTHY_TAINT) for toleration in tolerations), daemonset["metadata"]
+        # and the GPU nodes' common taint, whatever its value and effect
+        assert any(_tolerates(toleration, {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"})
+                   for toleration in tolerations)
+        # no blanket toleration: a node tainted for another reason (here, being drained for maintenance
+        # by a NoExecute taint of the operator's) keeps these pods off
+        assert not any(_tolerates(toleration, {"key": "example.com/maintenance", "effect": "NoExecute"})
+                       for toleration in tolerations)
+    assert names == {"gpud-k8s-agent", "gpud", "gpud-device-plugin"}
+
+
+def test_the_tolerance_check_itself():
+    assert _tolerates({"key": "nvidia.com/gpu.unhealthy", "operator": "Exists"}, UNHEALTHY_TAINT)
+    assert not _tolerates({"key": "nvidia.com/gpu.unhealthy", "operator": "Exists", "effect": "NoExecute"},
+                          UNHEALTHY_TAINT)
+    assert not _tolerates({"key": "nvidia.com/gpu", "operator": "Exists"}, UNHEALTHY_TAINT)
+    assert not _tolerates({"key": "nvidia.com/gpu.unhealthy", "value": "true"}, UNHEALTHY_TAINT)
+    assert _tolerates({"operator": "Exists"}, UNHEALTHY_TAINT)
+
+
+def test_the_agent_runs_on_gpu_nodes_only():
+    agent = _agent_daemonset()
+    assert _runs_on(agent, {"nvidia.com/gpu.present": "true"})
+    assert _runs_on(agent, {"nvidia.com/gpu.health": "unhealthy"})  # gpud's own label, through NFD
+    assert not _runs_on(agent, {"nvidia.com/gpu.present": "false"})
+    assert not _runs_on(agent, {"kubernetes.io/os": "linux"})
+
+
+def test_gpud_in_a_pod_runs_on_gpu_nodes_before_gpud_labels_them():
+    gpud = kube_manifests.find("gpud-daemonset.yaml", "DaemonSet", "gpud")
+    assert _runs_on(gpud, {"nvidia.com/gpu.present": "true"})
+    assert _runs_on(gpud, {"feature.node.kubernetes.io/pci-10de.present": "true"})
+    assert _runs_on(gpud, {"feature.node.kubernetes.io/pci-0302_10de.present": "true"})
+    assert not _runs_on(gpud, {"feature.node.kubernetes.io/pci-1002.present": "true"})  # another vendor
+    assert not _runs_on(gpud, {})
+
+
+def _containers(daemonset: dict) -> dict[str, dict]:
+    return {container["name"]: container for container in daemonset["spec"]["template"]["spec"]["containers"]}
+
+
+def _mounts(container: dict) -> dict[str, dict]:
+    return {mount["mountPath"]: mount for mount in container.get("volumeMounts", [])}
+
+
+def _check_agent_container(container: dict) -> None:
+    assert container["command"] == ["gpud"] and container["args"][:3] == ["k8s-agent", "--log-format", "json"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    security = container["securityContext"]
+    assert security["runAsUser"] == 0  # gpud's admin by the socket's peer credentials
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+    assert not security.get("privileged")
+    assert _mounts(container)["/run/gpud"]["readOnly"] is True
+    assert {"requests", "limits"} <= set(container["resources"])
+    # No probe: the agent has no endpoint to probe (see the manifests' comments).
+    assert not {"livenessProbe", "readinessProbe", "startupProbe"} & set(container)
+
+
+def test_the_agent_daemonset():
+    agent = _agent_daemonset()
+    assert agent["metadata"]["namespace"] == kube_manifests.NAMESPACE
+    spec = agent["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == kube_manifests.AGENT
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["terminationGracePeriodSeconds"] > 0
+    assert not spec.get("hostPID") and not spec.get("hostNetwork") and not spec.get("hostIPC")
+    (container,) = spec["containers"]
+    _check_agent_container(container)
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes[_mounts(container)["/run/gpud"]["name"]]["hostPath"] == {"path": "/run/gpud", "type": "Directory"}
+
+
+def test_gpud_in_a_pod():
+    gpud = kube_manifests.find("gpud-daemonset.yaml", "DaemonSet", "gpud")
+    assert gpud["metadata"]["namespace"] == kube_manifests.NAMESPACE
+    spec = gpud["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
+    assert spec["priorityClassName"] == "system-node-critical" and spec["terminationGracePeriodSeconds"] > 0
+    containers = _containers(gpud)
+    assert set(containers) == {"gpud", "device-plugin", "k8s-agent"}
+    serve = containers["gpud"]
+    assert serve["securityContext"]["privileged"] is True
+    assert {variable["name"]: variable["value"] for variable in serve["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
+    _check_agent_container(containers["k8s-agent"])
+
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    for container in containers.values():  # every mount names a volume of the pod (no schema checks it)
+        assert {mount["name"] for mount in container["volumeMounts"]} <= set(volumes), container["name"]
+    # The three share the host's socket directory.
+    run = {_mounts(container)["/run/gpud"]["name"] for container in containers.values()}
+    assert len(run) == 1 and volumes[run.pop()]["hostPath"]["path"] == "/run/gpud"
+    host_paths = {volumes[mount["name"]]["hostPath"]["path"]: path for path, mount in _mounts(serve).items()
+                  if "hostPath" in volumes[mount["name"]]}
+    for path in ("/run/gpud", "/var/lib/gpud", "/etc/cdi", "/etc/kubernetes/node-feature-discovery/features.d"):
+        assert host_paths.get(path) == path, path  # each at the host's own path
+    plugin_mounts = _mounts(containers["device-plugin"])
+    assert volumes[plugin_mounts["/var/lib/kubelet/device-plugins"]["name"]]["hostPath"]["path"] == \
+        "/var/lib/kubelet/device-plugins"
+
+    # gpud.yaml comes from gpud-config, at the file `gpud serve --config` names; the named sharing
+    # configs from gpud-sharing-configs, at the directory gpud.yaml's sharing.configs_dir names.
+    config_path = serve["args"][serve["args"].index("--config") + 1]
+    directory, _, file_name = config_path.rpartition("/")
+    assert volumes[_mounts(serve)[directory]["name"]]["configMap"]["name"] == "gpud-config"
+    assert file_name in kube_manifests.find("gpud-daemonset.yaml", "ConfigMap", "gpud-config")["data"]
+    config = yaml.safe_load(kube_manifests.gpud_config_text())
+    sharing_mount = _mounts(serve)[config["sharing"]["configs_dir"]]
+    assert volumes[sharing_mount["name"]]["configMap"]["name"] == "gpud-sharing-configs"
+    assert config["cdi"]["spec_dir"] in host_paths and config["state_dir"] in host_paths
+    assert config["api"]["socket"] == "/run/gpud/gpud.sock"
+
+    # Only the agent gets the service account's token.
+    assert spec["automountServiceAccountToken"] is False and spec["serviceAccountName"] == kube_manifests.AGENT
+    token_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+    holders = {name for name, container in containers.items() if token_dir in _mounts(container)}
+    assert holders == {"k8s-agent"}
+    sources = volumes[_mounts(containers["k8s-agent"])[token_dir]["name"]]["projected"]["sources"]
+    assert {"serviceAccountToken", "configMap", "downwardAPI"} == {key for source in sources for key in source}
+
+
+def test_one_image_built_by_the_containerfile():
+    containerfile = (kube_manifests.MANIFESTS / "Containerfile").read_text()
+    assert "FROM debian:12-slim" in containerfile and "dist/gpud_*_amd64.deb" in containerfile
+    images = {container["image"] for daemonset in kube_manifests.daemonsets()
+              for container in daemonset["spec"]["template"]["spec"]["containers"]}
+    assert len(images) == 1 and images.pop().startswith("gpud:")
+
+
+# -- the configs the pods carry load with gpud's own loaders -------------------------------------------
+
+
+def _time_slicing_replicas(name: str, text: str) -> tuple[str, dict[str, int]]:
+    config, warnings = check_sharing(text, f"gpud-sharing-configs/{name}")
+    assert warnings == [], warnings
+    replicas = {resource.name: resource.replicas for resource in config.time_slicing.resources} \
+        if config.time_slicing else {}
+    assert config.mps is None
+    return config.mig_strategy, replicas
+
+
+def test_every_sharing_config_loads_with_gpuds_loader():
+    configs = kube_manifests.sharing_configs()
+    loaded = {name: _time_slicing_replicas(name, text) for name, text in configs.items()}
+    assert loaded == {
+        "no-sharing": ("none", {}),
+        "tesla-t4": ("none", {"nvidia.com/gpu": 4}),
+        "a100-40gb": ("mixed", {"nvidia.com/mig-1g.5gb": 2, "nvidia.com/mig-2g.10gb": 2,
+                                "nvidia.com/mig-3g.20gb": 3, "nvidia.com/mig-7g.40gb": 7}),
+        "2080ti-12gb": ("none", {"nvidia.com/gpu": 6}),
+    }
+    # The default names one of them.
+    assert yaml.safe_load(kube_manifests.gpud_config_text())["sharing"]["default_config"] in configs
+
+
+def _keys(mapping: dict, prefix: tuple = ()) -> set[tuple]:
+    keys = set()
+    for key, value in mapping.items():
+        keys.add(prefix + (key,))
+        if isinstance(value, dict):
+            keys |= _keys(value, prefix + (key,))
+    return keys
+
+
+def _config_keys(cls: type, prefix: tuple = ()) -> set[tuple]:
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        keys.add(prefix + (item.name,))
+        if dataclasses.is_dataclass(hints[item.name]):
+            keys |= _config_keys(hints[item.name], prefix + (item.name,))
+    return keys
+
+
+def test_gpud_config_uses_only_keys_gpud_has_or_the_agent_adds():
+    written = _keys(yaml.safe_load(kube_manifests.gpud_config_text()))
+    known = _config_keys(Config) | NEW_CONFIG_KEYS | {("kubernetes",)}
+    assert written - known == set()
+
+
+def test_gpud_config_parses_with_gpuds_parser():
+    # Fails until gpud/config.py has sharing.configs_dir, sharing.default_config and the kubernetes
+    # section (issue 22, written in parallel).
+    config = parse_config(kube_manifests.gpud_config_text(), "gpud-config/gpud.yaml")
+    assert config.api.socket == "/run/gpud/gpud.sock" and config.cdi.driver_files is False
