@@ -297,7 +297,7 @@ def test_gpud_in_a_pod():
 
 
 def test_one_image_built_by_the_containerfile():
-    containerfile = (kube_manifests.MANIFESTS / "Containerfile").read_text()
+    containerfile = (kube_manifests.REPO / "deploy" / "container" / "Containerfile").read_text()
     assert "FROM debian:12-slim" in containerfile and "dist/gpud_*_amd64.deb" in containerfile
     images = {container["image"] for daemonset in kube_manifests.daemonsets()
               for container in daemonset["spec"]["template"]["spec"]["containers"]}
