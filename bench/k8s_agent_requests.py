@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from gpud.client import Client  # noqa: E402
 from gpud.kubernetes.node_api import WATCH_TIMEOUT_S  # noqa: E402
-from kube_api_stand_in import KubeApiStandIn  # noqa: E402
+from kube_api_stand_in import AGENT_USER, KubeApiStandIn  # noqa: E402
 from kube_manifests import agent_rbac_rules, sharing_configs  # noqa: E402
 
 NODE = "gpu-node-1"
@@ -57,7 +57,7 @@ def wait(predicate, timeout: float, what: str):
 
 
 def agent_requests(kube) -> list:
-    return [r for r in list(kube.requests) if r.user == "agent"]
+    return [r for r in list(kube.requests) if r["user"] == AGENT_USER]
 
 
 def settle(kube, since: int) -> collections.Counter:
@@ -68,7 +68,7 @@ def settle(kube, since: int) -> collections.Counter:
         if count != last_count:
             last_count, quiet_from = count, time.monotonic()
         time.sleep(0.05)
-    return collections.Counter(r.verb for r in agent_requests(kube)[since:])
+    return collections.Counter(r["verb"] for r in agent_requests(kube)[since:])
 
 
 def label(kube, key: str, value: str | None) -> None:
@@ -168,7 +168,7 @@ def main() -> int:
                 print(f"{what}: {sum(counted.values())} requests ({dict(counted)})")
             print(f"per change: at most {worst} -> {'PASS' if worst <= CHANGE_GOAL else 'FAIL'} "
                   f"(goal <= {CHANGE_GOAL})")
-            listed = [r for r in agent_requests(kube) if r.verb == "list"]
+            listed = [r for r in agent_requests(kube) if r["verb"] == "list"]
             print(f"lists of Nodes: {len(listed)}; calls the stand-in does not model: {len(kube.unmodelled)}")
             return 0 if per_hour <= IDLE_GOAL and worst <= CHANGE_GOAL and not listed else 1
     finally:

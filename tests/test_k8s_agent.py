@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, mig_settled, start_daemon, stop_daemon, until_async
-from kube_api_stand_in import KubeApiStandIn
+from kube_api_stand_in import AGENT_USER, KubeApiStandIn
 from kube_http import node_path
 from kube_manifests import agent_rbac_rules, sharing_configs
 
@@ -72,7 +72,8 @@ class AgentProcess:
             stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KUBECONFIG": ""})
 
     def events(self) -> list[dict]:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         found = []
         for line in self.log_path.read_text().splitlines():
             try:
@@ -337,15 +338,15 @@ async def test_the_agent_watches_only_its_own_node_and_resumes_after_410_with_on
         kube.end_watches()
         kube.label(NODE, SHARING_LABEL, "tesla-t4")
         await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent saw the label")
-        calls = [(r.verb, r.path) for r in kube.requests if r.user == "agent"]
+        calls = [(r["verb"], r["path"]) for r in kube.requests if r["user"] == AGENT_USER]
         assert ("list", "/api/v1/nodes") not in calls  # never a list of every Node
-        watches = [r for r in kube.requests if r.user == "agent" and r.verb == "watch"]
-        assert watches and all(r.query.get("fieldSelector") == f"metadata.name={NODE}" for r in watches)
-        assert all(r.query.get("allowWatchBookmarks") in ("True", "true") and r.query.get("resourceVersion")
+        watches = [r for r in kube.requests if r["user"] == AGENT_USER and r["verb"] == "watch"]
+        assert watches and all(r["query"].get("fieldSelector") == f"metadata.name={NODE}" for r in watches)
+        assert all(r["query"].get("allowWatchBookmarks") in ("True", "true") and r["query"].get("resourceVersion")
                    for r in watches)
-        gets = [r for r in kube.requests if r.user == "agent" and r.verb == "get"]
-        assert len(gets) == 2, [(r.verb, r.status) for r in kube.requests if r.user == "agent"]  # start, after 410
-        assert not any("other-node" in r.path for r in kube.requests if r.user == "agent")
+        gets = [r for r in kube.requests if r["user"] == AGENT_USER and r["verb"] == "get"]
+        assert len(gets) == 2, [(r["verb"], r["status"]) for r in kube.requests if r["user"] == AGENT_USER]  # start, after 410
+        assert not any("other-node" in r["path"] for r in kube.requests if r["user"] == AGENT_USER)
         assert "other-node" not in {e["involvedObject"]["name"] for e in kube.events()}
     finally:
         agent.stop()

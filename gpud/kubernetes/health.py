@@ -53,15 +53,16 @@ def verdict(health: dict) -> Verdict:
     lines, actions = [], []
     for gpu in gpus:
         where = f"GPU {gpu.get('index')} ({gpu.get('uuid')})"
+        sick = [m for m in gpu.get("mig_devices") or [] if m.get("state") != "healthy"]
         if gpu.get("state") != "healthy":
             line, found = _device_line(where, gpu)
+            lines.append(line + (f" (and {len(sick)} of its MIG devices)" if sick else ""))
+            actions += found
+            continue  # its MIG devices share its reasons: named once
+        for mig in sick:
+            line, found = _device_line(f"{where} MIG device {mig.get('uuid')}", mig)
             lines.append(line)
             actions += found
-        for mig in gpu.get("mig_devices") or []:
-            if mig.get("state") != "healthy":
-                line, found = _device_line(f"{where} MIG device {mig.get('uuid')}", mig)
-                lines.append(line)
-                actions += found
     if not gpus:
         return Verdict("False", "NoGPUs", f"gpud reports no GPUs (health: {health.get('status')})", taint=False)
     if not lines:
