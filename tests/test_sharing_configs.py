@@ -249,7 +249,11 @@ async def test_the_agent_reports_its_status(short_tmp):
         assert view["agent"] == report and view["agent_reported_at"] > 0
         for body in (["not", "an", "object"], "text", None):
             status, answer = await put(node, "/v1/kubernetes/agent", body)
-            assert status == 400 and answer["error"]["code"] in ("invalid-body", "invalid-json"), answer
+            assert status == 400 and answer["error"]["code"] == "invalid-body", answer
+        for raw in (b'{"load": NaN}', b'{"load": -Infinity}', b'{"load": 1e999}', b'{"load": '):
+            async with node.http.put("http://localhost/v1/kubernetes/agent", data=raw) as response:
+                answer = await response.json()  # served back, it would not be JSON
+                assert response.status == 400 and answer["error"]["code"] == "invalid-json", (raw, answer)
         status, answer = await put(node, "/v1/kubernetes/agent", {"padding": "x" * (64 << 10)})
         assert status == 413 and answer["error"]["code"] == "body-too-large"
         assert (await node.get("/v1/kubernetes"))[1]["agent"] == report  # refusals keep the last report

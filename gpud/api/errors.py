@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -166,7 +167,7 @@ def _parsed_object(raw: bytes) -> dict:
         raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
                                                 f"are limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
     try:
-        body = json.loads(raw) if raw.strip() else None
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid-json", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # json's C parser counts its depth against Python's recursion limit
@@ -177,6 +178,18 @@ def _parsed_object(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "invalid-body", "the request body must be a JSON object")
     return body
+
+
+def _not_json(word: str) -> float:
+    """NaN and Infinity, which Python's json reads and JSON has not: gpud would serve them back unreadable."""
+    raise ValueError(f"{word} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:40]} is too large a number")
+    return number
 
 
 def _nesting_exceeds(value: Any, levels: int) -> bool:
