@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
     watch.add_argument("--epoch", help="the gpud run that sequence number is of (each event's 'epoch'): "
                                        "after a restart, gpud says so and replays the new run from its start")
-    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory")
+    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory,kubernetes")
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
@@ -316,9 +316,17 @@ def _add_mps(commands: Any) -> None:
 
 
 def _add_sharing(commands: Any) -> None:
-    sharing = commands.add_parser("sharing", help="shared resources (time-slicing, MPS replicas); validate")
+    sharing = commands.add_parser("sharing", help="shared resources (time-slicing, MPS replicas), the config in "
+                                                  "force and why; use, validate")
     _client_options(sharing, cli_client.sharing)
-    validate = sharing.add_subparsers(title="sharing commands", metavar="COMMAND").add_parser(
+    sub = sharing.add_subparsers(title="sharing commands", metavar="COMMAND")
+    use = _add_client(sub, "use", cli_client.sharing_use, "put a named config of sharing.configs_dir in force "
+                                                          "(kept across restarts)", timeout=CHANGE_TIMEOUT_S)
+    which = use.add_mutually_exclusive_group(required=True)
+    which.add_argument("name", nargs="?", help="the config's name (its file in sharing.configs_dir)")
+    which.add_argument("--default", action="store_true", help="back to sharing.default_config")
+    use.add_argument("--reason", help="why, kept with the choice and shown by gpud sharing")
+    validate = sub.add_parser(
         "validate", help="check a device-plugin sharing file (exit 0 valid, 2 invalid)")
     validate.add_argument("path", type=Path)
     validate.add_argument("--strict", action="store_true", help="warnings are errors (exit 2)")

@@ -480,6 +480,9 @@ def sharing(args: argparse.Namespace, client: Client) -> int:
         print_json(view)
         return EXIT_PROBLEM if view["error"] else EXIT_OK
     print(f"strategy: {view['strategy']}  MIG strategy: {view['mig_strategy']}  from: {view['source'] or '(none)'}")
+    print(_config_in_force(view["config"]))
+    if view["config"]["problem"]:
+        warn(view["config"]["problem"])
     if view["error"]:
         print(f"error: {view['error']}")
     rows = [("RESOURCE", "STRATEGY", "REPLICAS", "COUNT", "HEALTHY")]
@@ -491,6 +494,23 @@ def sharing(args: argparse.Namespace, client: Client) -> int:
     for text in view.get("warnings", []):
         warn(text)
     return EXIT_PROBLEM if view["error"] else EXIT_OK
+
+
+def sharing_use(args: argparse.Namespace, client: Client) -> int:
+    _status, answer = client.request("PUT", "/v1/sharing/config", {"name": None if args.default else args.name,
+                                                                  "reason": args.reason})
+    if args.json:
+        print_json(answer)
+        return EXIT_OK
+    print(_config_in_force(answer["config"]))
+    if answer["config"]["problem"]:
+        warn(answer["config"]["problem"])
+    return EXIT_OK
+
+
+def _config_in_force(config: dict) -> str:
+    """"config: NAME (why)", the file where no named config is in force."""
+    return f"config: {config['name'] or config['file']} ({config['why']})"
 
 
 def nfd(args: argparse.Namespace, client: Client) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from gpud.nvml.driver import driver_branch
+from gpud.sharing.config import check_config_name
 from gpud.yamlfile import compose_yaml, read_yaml_text
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
@@ -172,6 +173,22 @@ class MpsConfig:
 class SharingFileConfig:
     # Time-slicing and MPS replicas in the k8s-device-plugin config format. A missing file: no sharing.
     file: str = "/etc/gpud/sharing.yaml"
+    # A directory of named configs in that format, one file per name, as a mounted ConfigMap gives
+    # them. The one in force: the name chosen with PUT /v1/sharing/config when the directory holds
+    # it, else default_config, else `file`. Unset: `file` alone.
+    configs_dir: str | None = None
+    # The name used while none is chosen; one missing from configs_dir is reported, not fatal.
+    default_config: str | None = field(default=None, metadata={"check": check_config_name})
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    # Settings of `gpud k8s-agent`, which reads them from GET /v1/kubernetes.
+    # Taint the node nvidia.com/gpu.unhealthy:NoSchedule while a GPU needs a reset, a reboot or
+    # hardware inspection.
+    taint_unhealthy: bool = False
+    # Seconds a MIG change asked by the node label waits for busy MIG devices before it fails.
+    mig_busy_timeout_s: float = field(default=3600.0, metadata=_bounded(0, 7 * 86400))
 
 
 @dataclass(frozen=True)
@@ -252,6 +269,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     cdi: CdiConfig = CdiConfig()
     nfd: NfdConfig = NfdConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import socket
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +14,7 @@ from gpud import __version__
 from gpud.api.gpus import GpuRoutes
 from gpud.api.cdi import CdiRoutes
 from gpud.api.health import HealthRoutes
+from gpud.api.kubernetes import KubernetesAgentStatus, KubernetesRoutes
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
 from gpud.api.metrics_listener import MetricsListener, MetricsListenError
@@ -44,7 +45,8 @@ from gpud.nvml.session import NvmlSession, load_backend
 from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.monitor import ProcessMonitor
 from gpud.safefs import claim_directory
-from gpud.sharing.config import SharingConfig, SharingConfigError
+from gpud.sharing.config import SharingConfigError
+from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.systemd import Notifier, inherited_socket
@@ -77,9 +79,15 @@ class Daemon:
                      "backend": self.session.backend_name, "simulated_preset": config.simulate}
         self.bus = EventBus(sequence_path=config.state_path / "watch-sequence.json")
         self.latency = RequestLatency()
-        sharing_path = Path(config.sharing.file)
-        self.sharing = SharingView(read_sharing_file(sharing_path), sharing_path, unhealthy=self._unhealthy_devices,
-                                   notify=self.bus.publish)
+        settings = config.sharing
+        self.sharing_configs = SharingConfigs(settings.file, settings.configs_dir, settings.default_config,
+                                              config.state_path / "sharing-choice.json")
+        self.sharing_configs.select(at_start=True)
+        self.sharing = SharingView(self.sharing_configs.config, self.sharing_configs.in_force.path,
+                                   unhealthy=self._unhealthy_devices, notify=self.bus.publish,
+                                   about=self.sharing_configs.view())
+        self._sharing_changes = asyncio.Lock()  # a choice, a reload and the directory's poll take turns
+        self.kubernetes_agent = KubernetesAgentStatus()
         self.inventory.subscribe(self.sharing.update)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=lambda inventory: mps_replicas(self.sharing.config, inventory),
@@ -131,7 +139,10 @@ class Daemon:
         self.api = Api(self.session, self.inventory, node_base, more_routes=(
             sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s,
                                                        self.processes).register,
-            MpsRoutes(self.mps).register, SharingRoutes(self.sharing).register, NfdRoutes(self.nfd).register,
+            MpsRoutes(self.mps).register,
+            SharingRoutes(self.sharing, self.choose_sharing_config, body_timeout_s).register,
+            KubernetesRoutes(lambda: self.config.kubernetes, self.kubernetes_agent, body_timeout_s).register,
+            NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
             self.metrics.register,
@@ -159,6 +170,7 @@ class Daemon:
         self._node_task = asyncio.create_task(self._run_node(), name="node")
         self._background.append(asyncio.create_task(self.latency.run(), name="latency"))
         self._background.append(asyncio.create_task(self.nfd.run(), name="nfd"))
+        self._background.append(asyncio.create_task(self._follow_sharing_configs(), name="sharing-configs"))
         if self.cdi:
             self._background.append(asyncio.create_task(self.cdi.run(), name="cdi"))
 
@@ -178,7 +190,7 @@ class Daemon:
     def _state_problems(self) -> list[str]:
         """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving."""
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
-                   *self.mig.corrupt_files]
+                   *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
         problems = [self.mig.problem, self.health.events_problem, self.nfd.problem, self.cdi and self.cdi.error]
         return [problem for problem in problems if problem] + [file.message() for file in corrupt]
 
@@ -240,11 +252,12 @@ class Daemon:
         try:
             try:
                 config = self._reread()
-                sharing = read_sharing_file(Path(config.sharing.file))
+                if config.sharing.configs_dir is None:  # a named config that is invalid is reported instead
+                    read_sharing_file(Path(config.sharing.file))
             except (ConfigError, SharingConfigError, OSError) as exc:
                 log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
                 raise GpudError(422, "config-invalid", f"{exc}; the running config stays") from None
-            await self.reload(config, sharing)
+            await self.reload(config)
         finally:
             self.notifier.ready(self.status_line())
         return self.status_line()
@@ -303,20 +316,55 @@ class Daemon:
         log.info("stopped")
 
 
-    async def reload(self, config: Config, sharing: SharingConfig | None) -> None:
+    async def reload(self, config: Config) -> None:
         """Applies a re-read (and checked) config without dropping connections or MPS clients: MPS
         daemons whose limits alone changed get them live, a changed metrics.listen is listened on at
-        once; other keys take effect at the next start."""
+        once, the sharing config in force is chosen again (sharing.file, or a named config); changed
+        kubernetes settings are published on the watch stream for the agent; other keys take effect
+        at the next start."""
         log.info("reloading")
         await self._move_metrics_listener(config.metrics.listen)  # first: when it fails, nothing changed
         self.metrics_listener.with_processes = config.metrics.listen_process_series
         configure_log_level(config.log.level)
-        self.sharing.set_config(sharing, self.inventory.current)
-        await self.sharing.apply_time_slice(self.inventory.current)
+        settings = config.sharing
+        async with self._sharing_changes:
+            self.sharing_configs.configure(settings.file, settings.configs_dir, settings.default_config)
+            self.sharing_configs.select(at_start=False)
+            await self._apply_sharing("reload")
         await self.mps.reconfigure(config.mps)
+        if config.kubernetes != self.config.kubernetes:
+            self.bus.publish("kubernetes", asdict(config.kubernetes))
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing,
-                              metrics=config.metrics)
+                              metrics=config.metrics, kubernetes=config.kubernetes)
         log.info("reloaded")
+
+    async def choose_sharing_config(self, name: str | None, reason: str | None) -> dict:
+        """PUT /v1/sharing/config: makes `name` (None: the default) the config in force, persisted, and
+        applies it as a reload does; returns the `config` block. Refusals (GpudError) change nothing."""
+        async with self._sharing_changes:
+            self.sharing_configs.choose(name, reason)
+            self.sharing_configs.select(at_start=False)
+            await self._apply_sharing("config chosen")
+        await self.mps.converge("sharing config chosen")
+        return self.sharing_configs.view()
+
+    async def _follow_sharing_configs(self) -> None:
+        """Re-applies the named config in force when its file changes (a ConfigMap update swaps ..data)
+        or the directory's names do, without a reload: a stat and a listing every POLL_INTERVAL_S."""
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            if not self.sharing_configs.changed():
+                continue
+            async with self._sharing_changes:
+                self.sharing_configs.select(at_start=False)
+                await self._apply_sharing("configs_dir changed")
+            await self.mps.converge("sharing config changed")
+
+    async def _apply_sharing(self, reason: str) -> None:
+        """The sharing document recomputed from the config in force, and its time slice applied."""
+        configs = self.sharing_configs
+        self.sharing.set_config(configs.config, self.inventory.current, configs.in_force.path, configs.view(), reason)
+        await self.sharing.apply_time_slice(self.inventory.current)
 
     async def _move_metrics_listener(self, address: str | None) -> None:
         try:

@@ -92,10 +92,11 @@ StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yam
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
 
-def read_yaml_text(path: Path, fail: Fail) -> str:
+def read_yaml_text(path: Path, fail: Fail, opener: Callable[[str, int], int] | None = None) -> str:
     """A YAML file's text. Raises fail(reason, line) when it is too large or not UTF-8; OSError
-    (FileNotFoundError included) propagates, as callers treat a missing file differently."""
-    with open(path, "rb") as file:
+    (FileNotFoundError included) propagates, as callers treat a missing file differently. opener:
+    open()'s, for a caller that checks what it opened (where a file in a directory leads)."""
+    with open(path, "rb", opener=opener) as file:
         raw = file.read(MAX_FILE_BYTES + 1)
     if len(raw) > MAX_FILE_BYTES:
         raise fail(f"larger than {MAX_FILE_BYTES} bytes; not a gpud file", None)

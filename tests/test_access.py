@@ -18,12 +18,18 @@ def test_readers_read_admins_change_others_cannot_connect(run_gpud, short_tmp, u
     error = json.loads(text)["error"]
     assert error["code"] == "forbidden" and ADMINS in error["message"] and "uid" in error["message"]
     for method, path, body in (("POST", "/v1/reload", None), ("POST", "/v1/health/0/clear", {}),
-                               ("POST", "/v1/sim/xid", {"gpu": 0, "xid": 79})):
+                               ("POST", "/v1/sim/xid", {"gpu": 0, "xid": 79}),
+                               ("PUT", "/v1/sharing/config", {"name": "six"}),
+                               ("PUT", "/v1/kubernetes/agent", {"node": "gpu-7"})):
         assert curl_as("gpudt-reader", gpud.socket, method, path, body)[0] == 403, path
 
     status, _ = curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/mig", {"layout": "all-balanced", "dry_run": True})
     assert status == 200
     assert curl_as("gpudt-admin", gpud.socket, "POST", "/v1/reload")[0] == 200
+    assert curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/kubernetes/agent", {"node": "gpu-7"})[0] == 200
+    # past the admin check: this gpud has no sharing.configs_dir to choose from
+    assert curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/sharing/config", {"name": "six"})[0] == 409
+    assert curl_as("gpudt-reader", gpud.socket, "GET", "/v1/kubernetes")[0] == 200
 
     assert curl_as("gpudt-other", gpud.socket, "GET", "/v1/gpus")[0] == 0  # the socket refuses the connection
     assert gpud.client.request("POST", "/v1/reload")[0] == 200  # root may

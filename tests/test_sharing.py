@@ -299,7 +299,9 @@ def test_mixed_layout_with_per_gpu_replicas_renames_and_plain_leftovers():
     assert [(d["id"], d["replicas"], d["parent"], d["gpu_index"]) for d in small[6:]] == \
         [(mig_uuid(3, i), 1, gpu_uuid(3), 3) for i in range(2, 7)]
     assert all(r["fail_requests_greater_than_one"] == (r["strategy"] != "none") for r in document["resources"])
-    assert_matches_openapi("GET", "/v1/sharing", 200, {"source": None, "warnings": [], **document})
+    in_force = {"name": None, "chosen": None, "default": None, "why": "no configs_dir: sharing.file",
+                "file": "/etc/gpud/sharing.yaml", "configs_dir": None, "available": [], "problem": None}
+    assert_matches_openapi("GET", "/v1/sharing", 200, {"source": None, "warnings": [], "config": in_force, **document})
 
 
 def test_mixed_layout_labels():

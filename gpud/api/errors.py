@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -101,9 +102,9 @@ async def off_the_loop(parse: Callable[..., Parsed], *args: Any) -> Parsed:
     return await asyncio.get_running_loop().run_in_executor(_body_parsers, functools.partial(parse, *args))
 
 
-def _too_large(size: int | None) -> ApiError:
+def _too_large(size: int | None, limit: int = MAX_BODY_BYTES) -> ApiError:
     got = f" (got {size} bytes)" if size is not None else ""
-    return ApiError(413, "body-too-large", f"request bodies are limited to {MAX_BODY_BYTES} bytes{got}")
+    return ApiError(413, "body-too-large", f"request bodies are limited to {limit} bytes{got}")
 
 
 def _too_deep() -> ApiError:
@@ -115,36 +116,34 @@ async def read_json_object(request: web.Request, timeout_s: float, fields: dict[
 
     A key whose types include None is optional. Unknown keys are refused, so a typo never passes silently.
     """
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise _too_large(request.content_length)
+    return await off_the_loop(_json_object, await _read_body(request, timeout_s, MAX_BODY_BYTES), fields)
+
+
+async def read_any_json_object(request: web.Request, timeout_s: float, limit: int) -> dict:
+    """The request body as a JSON object of any keys, at most `limit` bytes (413 beyond), refused when
+    too complex or too deep as read_json_object's bodies are."""
+    return await off_the_loop(_parsed_object, await _read_body(request, timeout_s, limit))
+
+
+async def _read_body(request: web.Request, timeout_s: float, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request.content_length, limit)
     try:
         raw = await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(408, "body-timeout", f"the request body did not arrive within {timeout_s:g} s") from None
     except web.HTTPRequestEntityTooLarge:
-        raise _too_large(None) from None
+        raise _too_large(None, limit) from None
     except web.HTTPException as exc:  # a malformed body (bad chunking and the like)
         raise ApiError(400, "bad-request", f"the request body could not be read: {exc.reason}") from None
-    return await off_the_loop(_json_object, raw, fields)
+    if len(raw) > limit:  # a chunked body says its size only once read
+        raise _too_large(len(raw), limit)
+    return raw
 
 
 def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
     """read_json_object's parse and checks, on a body-parser thread."""
-    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    if values > MAX_BODY_VALUES:
-        raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
-                                                f"are limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
-    try:
-        body = json.loads(raw) if raw.strip() else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid-json", f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json's C parser counts its depth against Python's recursion limit
-        raise _too_deep() from None
-    # Only a body with that many brackets can nest that deep: others are not walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _nesting_exceeds(body, MAX_BODY_DEPTH):
-        raise _too_deep()
-    if not isinstance(body, dict):
-        raise ApiError(400, "invalid-body", "the request body must be a JSON object")
+    body = _parsed_object(raw)
     unknown = sorted(set(body) - set(fields))
     if unknown:
         raise ApiError(400, "unknown-field", f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(fields)}")
@@ -158,6 +157,39 @@ def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
             wanted = " or ".join(_JSON_TYPES[t] for t in types if t is not type(None))
             raise ApiError(400, "invalid-field", f"field '{name}' must be {wanted}, got {json.dumps(value)[:80]}")
     return body
+
+
+def _parsed_object(raw: bytes) -> dict:
+    """The body as a JSON object, on a body-parser thread: 400 when it is not one, or is too complex
+    or too deep to take safely."""
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > MAX_BODY_VALUES:
+        raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
+                                                f"are limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite) if raw.strip() else None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid-json", f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's C parser counts its depth against Python's recursion limit
+        raise _too_deep() from None
+    # Only a body with that many brackets can nest that deep: others are not walked.
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _nesting_exceeds(body, MAX_BODY_DEPTH):
+        raise _too_deep()
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid-body", "the request body must be a JSON object")
+    return body
+
+
+def _not_json(word: str) -> float:
+    """NaN and Infinity, which Python's json reads and JSON has not: gpud would serve them back unreadable."""
+    raise ValueError(f"{word} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:40]} is too large a number")
+    return number
 
 
 def _nesting_exceeds(value: Any, levels: int) -> bool:

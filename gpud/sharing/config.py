@@ -44,6 +44,34 @@ _GO_DURATION = re.compile(r"[-+]?(0|(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
 
 
+# A ConfigMap key (Kubernetes' IsConfigMapKey): what the kubelet makes a file of.
+_CONFIG_NAME = re.compile(r"[-._a-zA-Z0-9]+")
+MAX_CONFIG_NAME_LENGTH = 253
+
+
+def config_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a config in the directory, or None when it can."""
+    if not name:
+        return "a config name must not be empty"
+    if len(name) > MAX_CONFIG_NAME_LENGTH:
+        return f"a config name has at most {MAX_CONFIG_NAME_LENGTH} characters, got {len(name)}"
+    if not _CONFIG_NAME.fullmatch(name):
+        return f"a config name is a ConfigMap key (letters, digits, '-', '_', '.'), got {name[:80]!r}"
+    if name.startswith(".."):  # '..' itself, and the kubelet's own '..data' and '..<timestamp>' entries
+        return f"{name[:80]!r} is not a config name: names starting with '..' are the ConfigMap's own entries"
+    if name == ".":
+        return "'.' is not a config name"
+    return None
+
+
+def check_config_name(name: str) -> str:
+    """The name, or ValueError saying why it cannot name a config (for sharing.default_config)."""
+    problem = config_name_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return name
+
+
 class SharingConfigError(ValueError):
     """A sharing file gpud will not use; the message names the file and the key."""
 
@@ -107,10 +135,12 @@ def load_sharing(path: Path) -> SharingConfig:
     return check_sharing_file(path)[0]
 
 
-def check_sharing_file(path: Path) -> tuple[SharingConfig, list[str]]:
-    """check_sharing for a file; FileNotFoundError propagates as from load_sharing."""
+def check_sharing_file(path: Path, opener: Callable[[str, int], int] | None = None) -> tuple[SharingConfig, list[str]]:
+    """check_sharing for a file; FileNotFoundError propagates as from load_sharing. opener: open()'s,
+    which may refuse what it opened with an OSError (read_yaml_text)."""
     try:
-        text = read_yaml_text(Path(path), lambda reason, line: SharingConfigError(at_line(str(path), line, reason)))
+        text = read_yaml_text(Path(path), lambda reason, line: SharingConfigError(at_line(str(path), line, reason)),
+                              opener)
     except FileNotFoundError:
         raise
     except OSError as error:

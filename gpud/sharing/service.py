@@ -9,19 +9,23 @@ from typing import Callable
 from gpud.encoding import encode
 from gpud.inventory import Inventory
 from gpud.logs import get_logger
-from gpud.sharing.config import SharingConfig, check_sharing_file
+from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
 from gpud.sharing.resources import SharingError, compute_sharing
 from gpud.sharing.timeslice import apply_time_slice
 
 log = get_logger("sharing")
 
 
-def read_sharing_file(path: Path) -> SharingConfig | None:
-    """The sharing config, or None when the file does not exist. Raises SharingConfigError; logs
-    what the file holds that the device plugin accepts but may not be what was meant."""
+def read_sharing_file(path: Path, opener: Callable[[str, int], int] | None = None, *,
+                      missing_ok: bool = True) -> SharingConfig | None:
+    """The sharing config, or None when the file does not exist (missing_ok=False: a SharingConfigError
+    too). Raises SharingConfigError; logs what the file holds that the device plugin accepts but may
+    not be what was meant. opener: check_sharing_file's."""
     try:
-        config, warnings = check_sharing_file(path)
+        config, warnings = check_sharing_file(path, opener)
     except FileNotFoundError:
+        if not missing_ok:
+            raise SharingConfigError(f"{path}: the file is gone") from None
         return None
     for warning in warnings:
         key, _, message = warning.partition(": ")
@@ -33,9 +37,10 @@ class SharingView:
     """Recomputes the sharing document whenever the inventory or the sharing config changes."""
 
     def __init__(self, config: SharingConfig | None, source: Path, *, unhealthy: Callable[[], set[str]] = set,
-                 notify: Callable[[str, dict], object] = lambda kind, data: None):
+                 notify: Callable[[str, dict], object] = lambda kind, data: None, about: dict | None = None):
         self.config = config
         self.source = source
+        self.about = about  # which config is in force and why: the document's `config` block
         self.document: dict | None = None
         self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
         self._unhealthy = unhealthy  # device UUIDs health calls unhealthy
@@ -44,12 +49,16 @@ class SharingView:
 
     def _empty(self) -> dict:
         return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
-                "error": "no inventory yet", "warnings": []}
+                "error": "no inventory yet", "warnings": [], "config": self.about}
 
-    def set_config(self, config: SharingConfig | None, inventory: Inventory | None) -> None:
-        """Takes a re-read sharing config (None: the file is gone)."""
-        self.config = config
-        self.update(inventory, "reload")
+    def set_config(self, config: SharingConfig | None, inventory: Inventory | None, source: Path,
+                   about: dict | None = None, reason: str = "reload") -> None:
+        """Takes a re-read sharing config (None: the file is gone), the file it came from and what says
+        why it is in force."""
+        self.config, self.source, self.about = config, source, about
+        if inventory is None:
+            self.body = encode(self._empty())
+        self.update(inventory, reason)
 
     def update(self, inventory: Inventory | None, reason: str = "") -> None:
         if inventory is None:
@@ -60,7 +69,7 @@ class SharingView:
             computed = {**self._empty(), "mig_strategy": self.config.mig_strategy if self.config else None,
                         "error": str(exc)}
         document = {**computed, "source": str(self.source) if self.config else None, "time_slice": self.time_slice,
-                    "warnings": list(self.config.warnings) if self.config else []}
+                    "warnings": list(self.config.warnings) if self.config else [], "config": self.about}
         if document != self.document:
             if self.document is not None:
                 log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
@@ -68,6 +77,7 @@ class SharingView:
             self.document = document
             self.body = encode(document)
             self._notify("sharing", {"strategy": document["strategy"], "error": document["error"],
+                                     "config": self.about["name"] if self.about else None,
                                      "resources": {r["name"]: r["count"] for r in document["resources"]},
                                      "unhealthy": sum(not d["healthy"] for r in document["resources"]
                                                       for d in r["devices"])})

@@ -1,0 +1,245 @@
+"""Named sharing configs: a directory of files, one per name, as a mounted Kubernetes ConfigMap gives
+them (NAME -> ..data/NAME -> ..<timestamp>/NAME), which one is in force and why.
+
+The one in force is the name chosen through PUT /v1/sharing/config (persisted in the state
+directory) when the directory holds it, else sharing.default_config, else sharing.file. A name is a
+ConfigMap key; its file, once the ConfigMap's links are followed, must stay inside the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from gpud.errors import GpudError
+from gpud.logs import get_logger
+from gpud.persist import read_json, write_failed, write_json_atomic
+from gpud.safefs import UnsafePath
+from gpud.sharing.config import SharingConfig, SharingConfigError, config_name_problem
+from gpud.sharing.service import read_sharing_file
+
+log = get_logger("sharing")
+
+# How often the file in force (and the directory's names) is looked at between reloads: a stat of
+# the file and a listing of the directory, cheap enough every few seconds.
+POLL_INTERVAL_S = 2.0
+MAX_REASON_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What PUT /v1/sharing/config chose last: a name, or None for the default."""
+
+    name: str | None
+    reason: str | None
+    chosen_at: float
+
+    def document(self) -> dict:
+        return {"name": self.name, "reason": self.reason, "chosen_at": self.chosen_at}
+
+
+def _choice_from(document: dict) -> Choice:
+    name, reason, chosen_at = document["name"], document.get("reason"), document["chosen_at"]
+    if name is not None and (not isinstance(name, str) or config_name_problem(name)):
+        raise ValueError(f"name must be a config name or null, not {name!r}")
+    if reason is not None and not isinstance(reason, str):
+        raise ValueError(f"reason must be a string or null, not {reason!r}")
+    if isinstance(chosen_at, bool) or not isinstance(chosen_at, (int, float)):
+        raise ValueError(f"chosen_at must be a time, not {chosen_at!r}")
+    return Choice(name, reason, float(chosen_at))
+
+
+class Candidate(NamedTuple):
+    """A file that may be in force: its name in the directory (None: sharing.file), its path, and why."""
+
+    name: str | None
+    path: Path
+    why: str
+
+
+class SharingConfigs:
+    """Which sharing config is in force and why. `config` and `in_force` are what was last read
+    successfully; `problem` says what is wrong beside it (a chosen name that is gone, a new content
+    that is invalid)."""
+
+    def __init__(self, file: str, configs_dir: str | None, default: str | None, choice_path: Path):
+        self._choice_path = choice_path
+        self.choice, corrupt = read_json(choice_path, _choice_from)
+        self.corrupt_files = [corrupt] if corrupt else []
+        self.config: SharingConfig | None = None
+        self.in_force: Candidate | None = None
+        self.problem: str | None = None
+        self._seen: tuple | None = None  # what the last selection looked at, for changed()
+        self.configure(file, configs_dir, default)
+
+    def configure(self, file: str, configs_dir: str | None, default: str | None) -> None:
+        """Takes (re-read) settings; select() applies them."""
+        self.file = Path(file)
+        self.configs_dir = Path(configs_dir) if configs_dir else None
+        self.default = default
+
+    # -- the directory ---------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """The config names in the directory, sorted: entries with a config name whose file is a regular
+        file inside it. The ConfigMap's own entries (..data, ..<timestamp>) are not configs."""
+        if self.configs_dir is None:
+            return []
+        try:
+            entries = os.listdir(self.configs_dir)
+        except OSError:
+            return []
+        return sorted(name for name in entries if config_name_problem(name) is None and self._inside(name))
+
+    def _inside(self, name: str) -> bool:
+        real_dir = os.path.realpath(self.configs_dir)
+        real = os.path.realpath(self.configs_dir / name)
+        return os.path.commonpath([real_dir, real]) == real_dir and real != real_dir and os.path.isfile(real)
+
+    def _opener(self, name: str):
+        """open()'s opener for a config's file: follows the ConfigMap's links, then refuses what is not a
+        regular file inside the directory, as the kernel names the file it opened (no race with a link
+        swapped between a check and the open)."""
+        real_dir = os.path.realpath(self.configs_dir)
+
+        def opener(path: str, flags: int) -> int:
+            fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO cannot hang gpud
+            try:
+                opened = os.readlink(f"/proc/self/fd/{fd}")
+                if os.path.commonpath([real_dir, opened]) != real_dir:
+                    raise UnsafePath(f"it leads to {opened}, outside {real_dir}: gpud reads configs inside "
+                                     "sharing.configs_dir only")
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UnsafePath(f"it leads to {opened}, which is not a regular file")
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+        return opener
+
+    def _read(self, candidate: Candidate) -> SharingConfig | None:
+        """The candidate's config (None: sharing.file is absent, no sharing). Raises SharingConfigError."""
+        if candidate.name is None:
+            return read_sharing_file(candidate.path)
+        return read_sharing_file(candidate.path, self._opener(candidate.name), missing_ok=False)
+
+    # -- which one is in force -------------------------------------------------------------------
+
+    def _candidates(self, names: list[str], choice: Choice | None = None) -> tuple[list[Candidate], list[str]]:
+        """The files that may be in force under `choice` (default: the persisted one), best first, and what
+        is wrong with the settings and the choice."""
+        choice = choice or self.choice
+        file = Candidate(None, self.file, "no configs_dir: sharing.file")
+        if self.configs_dir is None:
+            return [file], []
+        candidates, problems = [], []
+        chosen = choice.name if choice else None
+        if chosen is not None:
+            if chosen in names:
+                reason = f": {choice.reason}" if choice.reason else " (no reason given)"
+                candidates.append(Candidate(chosen, self.configs_dir / chosen,
+                                            f"chosen through PUT /v1/sharing/config{reason}"))
+            else:
+                problems.append(f"the chosen config {chosen!r} is not in {self.configs_dir}; the default is used")
+        if self.default is not None:
+            if self.default in names:
+                candidates.append(Candidate(self.default, self.configs_dir / self.default,
+                                            "the default, sharing.default_config"))
+            else:
+                problems.append(f"sharing.default_config {self.default!r} is not in {self.configs_dir}; "
+                                "sharing.file is used")
+        return candidates + [file._replace(why="no chosen config nor sharing.default_config in "
+                                               "configs_dir: sharing.file")], problems
+
+    def select(self, *, at_start: bool) -> None:
+        """Reads the config that should be in force. At start an invalid config is reported and the next
+        one tried (sharing.file last: its SharingConfigError propagates, as without configs_dir). Later
+        an invalid one is reported and the config in force stays: the last good one."""
+        names = self.names()
+        candidates, problems = self._candidates(names)
+        if not at_start:
+            candidates = candidates[:1]
+        for candidate in candidates:
+            try:
+                config = self._read(candidate)
+            except SharingConfigError as exc:
+                if candidate.name is None and at_start:
+                    raise
+                stays = f"{self.in_force.path} stays in force" if self.in_force else "the next one is used"
+                problems.append(f"{exc}; {stays}")
+                log.error("sharing_config_invalid", name=candidate.name, path=str(candidate.path), error=str(exc),
+                          consequence=stays)
+                continue
+            if candidate != self.in_force or config != self.config:
+                log.info("sharing_config_in_force", name=candidate.name, path=str(candidate.path), why=candidate.why,
+                         previous=self.in_force.name if self.in_force else None)
+            self.config, self.in_force = config, candidate
+            break
+        self.problem = "; ".join(problems) or None
+        self._seen = self._look(names)
+
+    def _look(self, names: list[str]) -> tuple:
+        """What select() depends on, whose change calls for it again: the names, and which file should be
+        in force with its identity (a ConfigMap update swaps ..data: the file has a new inode)."""
+        candidates, _ = self._candidates(names)
+        try:
+            info = os.stat(candidates[0].path)
+            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        except OSError:
+            identity = None
+        return tuple(names), candidates[0], identity
+
+    def changed(self) -> bool:
+        """Whether the directory or the file that should be in force changed since select() looked."""
+        return self.configs_dir is not None and self._look(self.names()) != self._seen
+
+    # -- choosing ----------------------------------------------------------------------------------
+
+    def choose(self, name: str | None, reason: str | None) -> Choice:
+        """Makes `name` (None: the default) the choice: checked, read and persisted before anything else
+        changes. Refusals are GpudErrors and change nothing."""
+        if self.configs_dir is None:
+            raise GpudError(409, "sharing-configs-dir-unset", "sharing.configs_dir is not set: there are no named "
+                                                              "configs to choose from; sharing.file is in force")
+        if reason is not None and len(reason) > MAX_REASON_LENGTH:
+            raise GpudError(422, "sharing-config-reason-too-long",
+                            f"a reason has at most {MAX_REASON_LENGTH} characters, got {len(reason)}")
+        names = self.names()
+        choice = Choice(name, reason, time.time())
+        if name is None:  # the default, or sharing.file where the directory lacks it
+            target = self._candidates(names, choice)[0][0]
+        else:
+            problem = config_name_problem(name)
+            if problem:
+                raise GpudError(422, "sharing-config-name-invalid", problem)
+            # an entry that is no config (a link out of the directory, a directory) is read, and refused
+            if name not in names and not os.path.lexists(self.configs_dir / name):
+                raise GpudError(404, "sharing-config-not-found", f"no config {name!r} in {self.configs_dir}; "
+                                f"available: {', '.join(names) or 'none'}", available=names)
+            target = Candidate(name, self.configs_dir / name, "")
+        try:
+            self._read(target)  # checked before it is persisted: an invalid file changes nothing
+            write_json_atomic(self._choice_path, choice.document())
+        except SharingConfigError as exc:
+            raise GpudError(422, "sharing-config-invalid", str(exc)) from None
+        except OSError as exc:
+            raise write_failed(self._choice_path, exc, "the sharing config choice") from None
+        previous, self.choice = self.choice, choice
+        log.info("sharing_config_chosen", name=name, reason=reason, file=str(target.path),
+                 previous=previous.name if previous else None)
+        return choice
+
+    def view(self) -> dict[str, Any]:
+        """The `config` block of GET /v1/sharing."""
+        in_force = self.in_force
+        return {"name": in_force.name if in_force else None,
+                "chosen": self.choice.document() if self.choice and self.choice.name else None,
+                "default": self.default, "why": in_force.why if in_force else None,
+                "file": str(in_force.path) if in_force else None,
+                "configs_dir": str(self.configs_dir) if self.configs_dir else None,
+                "available": self.names(), "problem": self.problem}
