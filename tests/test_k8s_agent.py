@@ -157,7 +157,7 @@ async def test_the_mig_label_applies_the_layout_and_the_state_label_says_how_it_
         assert "pending" in recorder.values and recorder.values[-1] == "success"
         _, mig = await node.get("/v1/mig")
         assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True
-        applied = events_named(kube, "MigConfigApplied")
+        applied = await until_async(lambda: events_named(kube, "MigConfigApplied"), 10, "the Event")
         assert len(applied) == 1 and "GPUs 0, 1, 2, 3, 4, 5, 6, 7 changed" in applied[0]["message"]
         assert applied[0]["type"] == "Normal" and applied[0]["source"]["component"] == "gpud-k8s-agent"
         _, sharing = await node.get("/v1/sharing")
@@ -177,7 +177,7 @@ async def test_an_unknown_layout_fails_and_the_event_names_the_layouts_there_are
     try:
         kube.label(NODE, MIG_LABEL, "all-9g.99gb")
         await until_async(lambda: state_label(kube) == "failed", 30, "mig.config.state failed")
-        [failed] = events_named(kube, "MigConfigFailed")
+        [failed] = await until_async(lambda: events_named(kube, "MigConfigFailed"), 10, "the Event")
         assert failed["type"] == "Warning" and "all-9g.99gb" in failed["message"]
         assert "all-1g.5gb" in failed["message"] and "all-7g.40gb" in failed["message"]  # what exists
         _, mig = await node.get("/v1/mig")
@@ -226,7 +226,7 @@ async def test_busy_devices_past_the_timeout_turn_the_state_to_failed(short_tmp,
         await node.post("/v1/sim/processes", {"gpu": gpu0["mig"]["devices"][0]["uuid"], "pids": [777]})
         kube.label(NODE, MIG_LABEL, "all-7g.40gb")
         await until_async(lambda: state_label(kube) == "failed", 60, "failed after mig_busy_timeout_s")
-        [failed] = events_named(kube, "MigConfigFailed")
+        [failed] = await until_async(lambda: events_named(kube, "MigConfigFailed"), 10, "the Event")
         assert "777" in failed["message"] and "mig_busy_timeout_s" in failed["message"]
         assert (await node.get("/v1/mig"))[1]["layout"] == "all-1g.5gb"
     finally:
@@ -263,8 +263,8 @@ async def test_the_sharing_label_chooses_a_named_config_and_a_missing_name_keeps
         _, sharing = await node.get("/v1/sharing")
         assert sharing["config"]["name"] == "2080ti-12gb" and sharing["strategy"] == "time-slicing"
         assert {r["name"]: r["count"] for r in sharing["resources"]} == {"nvidia.com/gpu": 48}  # 8 GPUs × 6
-        _, nfd = await node.get("/v1/nfd")
-        assert nfd["labels"]["nvidia.com/gpu.product"].endswith("-SHARED")
+        await until_async(lambda: _nfd_product(node, lambda product: product.endswith("-SHARED")), 10,
+                          "the -SHARED product label")
         kube.label(NODE, SHARING_LABEL, "no-such-config")
         [missing] = await until_async(lambda: events_named(kube, "SharingConfigNotFound"), 20, "the Event")
         assert missing["type"] == "Warning" and "no-such-config" in missing["message"]
@@ -298,13 +298,15 @@ async def test_gpu_health_reaches_the_node_condition_within_two_seconds_and_the_
         taints = await until_async(lambda: (t := kube.node(NODE)["spec"].get("taints", [])) and TAINT in t and t, 10,
                                    "the taint")
         assert {"key": "maintenance", "effect": "NoSchedule"} in taints
-        assert events_named(kube, "GPUNeedsReboot") and events_named(kube, "GPUTaintAdded")
+        await until_async(lambda: events_named(kube, "GPUNeedsReboot") and events_named(kube, "GPUTaintAdded"), 10,
+                          "the Events of the condition and the taint")
         gpu2 = (await node.get("/v1/gpus/2"))[1]["uuid"]
         await node.post(f"/v1/health/{gpu2}/clear", {})
         await until_async(lambda: condition(kube)["status"] == "True", 10, "GPUHealthy True again")
         await until_async(lambda: TAINT not in kube.node(NODE)["spec"].get("taints", []), 10, "the taint removed")
         assert kube.node(NODE)["spec"]["taints"] == [{"key": "maintenance", "effect": "NoSchedule"}]
-        assert events_named(kube, "GPUsHealthy") and events_named(kube, "GPUTaintRemoved")
+        await until_async(lambda: len(events_named(kube, "GPUsHealthy")) == 2 and events_named(kube, "GPUTaintRemoved"),
+                          10, "the Events of the recovery")
     finally:
         agent.stop()
         await stop_daemon(node)
@@ -333,8 +335,8 @@ async def test_the_agent_watches_only_its_own_node_and_resumes_after_410_with_on
     node, agent = await agent_against(short_tmp, kube)
     try:
         await until_async(lambda: condition(kube), 20, "the agent running")
-        kube.compact()
         kube.label("other-node", MIG_LABEL, "all-1g.5gb")  # a change the agent must not see or act on
+        kube.compact()  # the agent's resourceVersion, older than that change, is now too old
         kube.end_watches()
         kube.label(NODE, SHARING_LABEL, "tesla-t4")
         await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent saw the label")
@@ -390,6 +392,12 @@ async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the
     finally:
         agent.stop()
         await stop_daemon(node)
+
+
+async def _nfd_product(node, wanted) -> str | None:
+    _, nfd = await node.get("/v1/nfd")
+    product = nfd["labels"].get("nvidia.com/gpu.product")
+    return product if product and wanted(product) else None
 
 
 async def agent_status_where(node, wanted) -> dict | None:
