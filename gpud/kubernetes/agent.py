@@ -206,16 +206,24 @@ class Agent:
     # -- the Node ----------------------------------------------------------------------------------
 
     async def _follow_node(self) -> None:
-        backoff = Backoff()
+        """The Node, read once, then watched from where the last event or bookmark left off. After a
+        410 (the version fell out of the server's window) the Node is read again and watched without
+        a resourceVersion: the watch then starts at the most recent one, with the Node as it is (an
+        ADDED event). A GET answers the Node's own resourceVersion, which can be as old as its last
+        change, and so already out of that window: watching from it would only meet 410 again."""
+        backoff, expired = Backoff(), Backoff(BACKOFF_S[0], BACKOFF_S[1])
         resource_version: str | None = None
+        from_now = False  # the next watch starts at the most recent resourceVersion
         while True:
             try:
                 if resource_version is None:
                     self._on_node(await self.api.read_node())
                     resource_version = self.node["metadata"]["resourceVersion"]
                     self._kube_ok("read node")
-                async for kind, obj in self.api.watch(resource_version):
+                async for kind, obj in self.api.watch(None if from_now else resource_version):
                     resource_version = obj.get("metadata", {}).get("resourceVersion") or resource_version
+                    from_now = False
+                    expired.reset()
                     if kind in ("ADDED", "MODIFIED"):
                         self._on_node(obj)
                     elif kind == "DELETED":
@@ -226,10 +234,12 @@ class Agent:
                 self._kube_ok("watch node")
                 backoff.reset()
             except KubeError as exc:
-                if exc.status == 410:  # the version is older than the server keeps: read the Node anew
+                if exc.status == 410:
                     log.info("node_watch_expired", node=self.node_name, resource_version=resource_version)
                     self.status["watch"]["restarts"] += 1
-                    resource_version = None
+                    if from_now:  # expired even from the most recent version: not this agent's doing
+                        await asyncio.sleep(expired.next())
+                    resource_version, from_now = None, True
                     continue
                 self._kube_failed("read node" if resource_version is None else "watch node", exc)
                 if exc.status == 404:

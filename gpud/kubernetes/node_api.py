@@ -104,15 +104,17 @@ class NodeApi:
         return await self._call("get", f"get node {self.node_name}",
                                 self.core.read_node(self.node_name, _request_timeout=REQUEST_TIMEOUT_S))
 
-    async def watch(self, resource_version: str) -> AsyncIterator[tuple[str, dict]]:
-        """(event type, object) of the Node from resource_version on, bookmarks included, until the
-        server ends the watch. KubeError 410: the version is too old; read the Node again."""
+    async def watch(self, resource_version: str | None) -> AsyncIterator[tuple[str, dict]]:
+        """(event type, object) of the Node from resource_version on (None: from the most recent, the
+        Node first as an ADDED event), bookmarks included, until the server ends the watch.
+        KubeError 410: the version is too old."""
         timeout = int(random.uniform(*WATCH_TIMEOUT_S))
         self.requests["watch"] += 1
         action = f"watch node {self.node_name}"
+        since = {"resource_version": resource_version} if resource_version is not None else {}
         stream = k8s_watch.Watch().stream(
-            self.core.list_node, field_selector=f"metadata.name={self.node_name}", resource_version=resource_version,
-            allow_watch_bookmarks=True, timeout_seconds=timeout, _request_timeout=timeout + WATCH_GRACE_S)
+            self.core.list_node, field_selector=f"metadata.name={self.node_name}", allow_watch_bookmarks=True,
+            timeout_seconds=timeout, _request_timeout=timeout + WATCH_GRACE_S, **since)
         try:
             async for event in stream:
                 yield event["type"], event["raw_object"]
