@@ -20,11 +20,13 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, mig_settled, start_daemon, stop_daemon, until_async
-from kube_api_stand_in import AGENT_USER, KubeApiStandIn
+from kube_api_stand_in import AGENT_USER, ApiError, KubeApiStandIn
 from kube_http import node_path
 from kube_manifests import agent_rbac_rules, sharing_configs
 
 from gpud.config import Config
+from gpud.kubernetes.agent import Agent
+from gpud.kubernetes.node_api import NodeApi, api_client
 
 NODE = "gpu-node-1"
 MIG_LABEL, STATE_LABEL = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -408,3 +410,39 @@ async def agent_status_where(node, wanted) -> dict | None:
     _, document = await node.get("/v1/kubernetes")
     status = document.get("agent")
     return status if status and wanted(status) else None
+
+
+HOSTILE_VALUES = ("../../etc/passwd", "all-1g.5gb/../x", "x" * 64, "y" * 100_000, "all-1g.5gb\n", "-rf", "é")
+
+
+async def test_hostile_label_values_are_refused_by_the_api_server_and_by_the_agent_alike(short_tmp, kube, capsys):
+    """The API server refuses what is not a label value (a path, 64+ characters, a newline), as the real
+    one does (apimachinery validation.IsValidLabelValue); an agent handed one anyway (a lenient server,
+    an edited object) says `failed` with an Event and changes nothing: no crash, no partial apply."""
+    for value in HOSTILE_VALUES:
+        with pytest.raises(ApiError) as refused:
+            kube.label(NODE, MIG_LABEL, value)
+        assert (refused.value.code, refused.value.status["reason"]) == (422, "Invalid")
+    node = await start_daemon(gpud_config(short_tmp))
+    await mig_settled(node)
+    client = await api_client(kube.kubeconfig("agent"))
+    try:
+        agent = Agent(NodeApi(client, NODE), node.daemon.config.socket_path)
+        agent.node = kube.node(NODE)
+        for number, value in enumerate(HOSTILE_VALUES, 1):
+            await agent._apply_mig(value)
+            assert state_label(kube) == "failed"
+            invalid = events_named(kube, "MigConfigInvalid")
+            assert len(invalid) == number and all(len(e["message"]) <= 1024 for e in invalid)
+            assert any(repr(value[:40])[:-1] in e["message"] for e in invalid), value[:80]
+            await agent._choose_sharing(value)
+            assert len(events_named(kube, "SharingConfigInvalid")) == number
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] is None and mig["history"] == []  # nothing was applied
+        logged = capsys.readouterr().out
+        assert "mig_label_outcome" in logged and max(map(len, logged.splitlines())) < 2000  # values cut short
+        _, sharing = await node.get("/v1/sharing")
+        assert sharing["config"]["name"] == "mig-single" and sharing["config"]["chosen"] is None
+    finally:
+        await client.close()
+        await stop_daemon(node)

@@ -89,8 +89,13 @@ def _condition(node: dict | None) -> dict | None:
     return None
 
 
-def _quote(value: str | None, limit: int = 80) -> str:
-    return repr(value if value is None or len(value) <= limit else value[:limit] + "…")
+def _short(value: str | None, limit: int = 80) -> str | None:
+    """A label value as logs and the status show it: a value no API server would pass can be huge."""
+    return value if value is None or len(value) <= limit else value[:limit] + "…"
+
+
+def _quote(value: str | None) -> str:
+    return repr(_short(value))
 
 
 class Agent:
@@ -251,14 +256,14 @@ class Agent:
         labels = _labels(node)
         mig = labels.get(MIG_CONFIG_LABEL)
         if mig != self._mig_wanted:
-            log.info("mig_label_seen", node=self.node_name, value=mig, previous=self._mig_wanted)
+            log.info("mig_label_seen", node=self.node_name, value=_short(mig), previous=_short(self._mig_wanted))
             self._mig_wanted = mig
-            self._note("mig", label=mig)
+            self._note("mig", label=_short(mig))
             self._mig_changed.set()
         sharing = labels.get(SHARING_CONFIG_LABEL)
         if sharing != self._sharing_wanted or self._sharing_done is _UNSEEN:
             self._sharing_wanted = sharing
-            self._note("sharing", label=sharing)
+            self._note("sharing", label=_short(sharing))
             self._sharing_changed.set()
         if self._published is not None and self._published.differs_from(_condition(node)):
             self._health_dirty.set()  # someone else wrote our condition: write it back
@@ -351,7 +356,7 @@ class Agent:
                                     f"layout {value} applied: " + (f"GPUs {', '.join(changed)} changed" if changed
                                                                    else "no GPU needed a change"))
             return
-        log.info("mig_label_superseded", node=self.node_name, value=value, now=self._mig_wanted)
+        log.info("mig_label_superseded", node=self.node_name, value=_short(value), now=_short(self._mig_wanted))
 
     async def _mig_pause(self, seconds: float) -> None:
         """Waits, or less when the label changes meanwhile (the new value is then applied instead)."""
@@ -379,7 +384,7 @@ class Agent:
         return False
 
     async def _mig_outcome(self, value: str, state: str, event_type: str, reason: str, message: str) -> None:
-        log.info("mig_label_outcome", node=self.node_name, value=value, state=state, reason=reason, message=message)
+        log.info("mig_label_outcome", node=self.node_name, value=_short(value), state=state, reason=reason, message=message)
         self._mig_done = value
         self._note("mig", detail=message)
         await self._set_state(state)
@@ -404,7 +409,7 @@ class Agent:
                 self._sharing_changed.set()
                 continue
             except ApiFailure as exc:  # e.g. the agent is not gpud's admin (403): said, not retried
-                log.error("sharing_not_chosen", node=self.node_name, label=value, error=str(exc))
+                log.error("sharing_not_chosen", node=self.node_name, label=_short(value), error=str(exc))
                 self._note("sharing", outcome=str(exc))
                 self._problem("choose sharing config", str(exc))
             self._sharing_done = value
