@@ -189,11 +189,17 @@ def health_clear(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+AGENT_STALE_S = 180.0  # the agent reports at least every minute (gpud/kubernetes/agent.py STATUS_HEARTBEAT_S)
+
+
 def kubernetes(args: argparse.Namespace, client: Client) -> int:
     view = client.get("/v1/kubernetes")
     agent = view.get("agent")
     problems = (agent or {}).get("problems") or {}
-    code = EXIT_PROBLEM if agent is None or problems or not (agent.get("kubernetes") or {}).get("ok") else EXIT_OK
+    age = time.time() - view["agent_reported_at"] if agent is not None else None
+    stale = agent is not None and (agent.get("running") is False or age > AGENT_STALE_S)
+    code = EXIT_PROBLEM if agent is None or stale or problems or not (agent.get("kubernetes") or {}).get("ok") \
+        else EXIT_OK
     if args.json:
         print_json(view)
         return code
@@ -203,9 +209,10 @@ def kubernetes(args: argparse.Namespace, client: Client) -> int:
     if agent is None:
         print("agent:    none has reported to this gpud (gpud k8s-agent: docs/kubernetes.md)")
         return code
-    age = time.time() - view["agent_reported_at"]
     api = agent.get("kubernetes") or {}
-    print(f"agent:    node {agent.get('node')}, reported {age:.0f} s ago")
+    state = ("STOPPED" if agent.get("running") is False else
+             "NOT reporting (is gpud k8s-agent running?)" if age > AGENT_STALE_S else "running")
+    print(f"agent:    {state}, node {agent.get('node')}, last report {age:.0f} s ago")
     print(f"api:      {'reachable' if api.get('ok') else 'NOT reachable: ' + str(api.get('error'))}")
     mig, sharing, health = agent.get("mig") or {}, agent.get("sharing") or {}, agent.get("health") or {}
     print(f"mig:      label {mig.get('label') or '-'}, state {mig.get('state') or '-'}"

@@ -9,6 +9,7 @@ opt-in taint and Events."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, mig_settled, start_daemon, stop_daemon, until_async
+from helpers import REPO, cli, mig_settled, start_daemon, stop_daemon, until_async
 from kube_api_stand_in import AGENT_USER, ApiError, KubeApiStandIn
 from kube_http import node_path
 from kube_manifests import agent_rbac_rules, sharing_configs
@@ -85,6 +86,8 @@ class AgentProcess:
         return found
 
     def stop(self) -> int:
+        """SIGTERM and its exit status. From a test's event loop, in a thread: the agent's last act is a
+        status sent to the gpud that loop serves."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -155,8 +158,8 @@ async def test_the_mig_label_applies_the_layout_and_the_state_label_says_how_it_
         recorder = LabelRecorder(kube)
         kube.label(NODE, MIG_LABEL, "all-1g.5gb")
         await until_async(lambda: state_label(kube) == "success", 60, "mig.config.state success")
-        assert recorder.values[:2] == [None, "pending"] or recorder.values[0] == "pending", recorder.values
-        assert "pending" in recorder.values and recorder.values[-1] == "success"
+        await until_async(lambda: recorder.values[-1:] == ["success"], 10, "the watch seeing success")
+        assert [v for v in recorder.values if v is not None] == ["pending", "success"], recorder.values
         _, mig = await node.get("/v1/mig")
         assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True
         applied = await until_async(lambda: events_named(kube, "MigConfigApplied"), 10, "the Event")
@@ -170,7 +173,7 @@ async def test_the_mig_label_applies_the_layout_and_the_state_label_says_how_it_
         assert {r["name"]: r["count"] for r in sharing["resources"]} == {"nvidia.com/mig-1g.5gb": 56}
         assert sharing["config"]["name"] == "mig-mixed" and SHARING_LABEL in sharing["config"]["why"]
     finally:
-        assert agent.stop() == 0, agent.events()[-5:]
+        assert await asyncio.to_thread(agent.stop) == 0, agent.events()[-5:]
         await stop_daemon(node)
 
 
@@ -190,7 +193,7 @@ async def test_an_unknown_layout_fails_and_the_event_names_the_layouts_there_are
         await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent read the Node on")
         assert state_label(kube) == "failed" and (await node.get("/v1/mig"))[1]["layout"] is None
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -215,7 +218,7 @@ async def test_busy_mig_devices_keep_the_change_pending_until_their_processes_en
         assert mig["layout"] == "all-7g.40gb" and mig["in_sync"] is True
         assert len(events_named(kube, "MigConfigWaiting")) == 1  # said once, not at every retry
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -232,7 +235,7 @@ async def test_busy_devices_past_the_timeout_turn_the_state_to_failed(short_tmp,
         assert "777" in failed["message"] and "mig_busy_timeout_s" in failed["message"]
         assert (await node.get("/v1/mig"))[1]["layout"] == "all-1g.5gb"
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -253,7 +256,7 @@ async def test_a_label_changed_mid_apply_ends_with_the_last_value_and_no_interle
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
         assert not any(e.get("error_code") == "apply-in-progress" for e in agent.events())
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -274,7 +277,7 @@ async def test_the_sharing_label_chooses_a_named_config_and_a_missing_name_keeps
         _, sharing = await node.get("/v1/sharing")
         assert sharing["config"]["name"] == "mig-single" and sharing["config"]["chosen"] is None
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -310,7 +313,7 @@ async def test_gpu_health_reaches_the_node_condition_within_two_seconds_and_the_
         await until_async(lambda: len(events_named(kube, "GPUsHealthy")) == 2 and events_named(kube, "GPUTaintRemoved"),
                           10, "the Events of the recovery")
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -328,7 +331,7 @@ async def test_an_operators_taint_of_the_same_key_is_never_removed(short_tmp, ku
         assert kube.node(NODE)["spec"]["taints"] == [theirs]
         assert not events_named(kube, "GPUTaintAdded") and not events_named(kube, "GPUTaintRemoved")
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -355,7 +358,7 @@ async def test_the_agent_watches_only_its_own_node_and_resumes_after_410_with_on
         assert not any("other-node" in r["path"] for r in kube.requests if r["user"] == AGENT_USER)
         assert "other-node" not in {e["involvedObject"]["name"] for e in kube.events()}
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -368,9 +371,10 @@ async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the
         _, before = await node.get("/v1/sharing")
         kube.down()
         await node.post("/v1/sim/xid", {"gpu": 4, "xid": 79})
-        status = await until_async(lambda: agent_status_where(node, lambda a: a["kubernetes"]["ok"] is False), 30,
+        status = await until_async(lambda: agent_status_where(node, lambda a: a["kubernetes"]["ok"] is False and
+                                                              "write condition or taint" in a["problems"]), 30,
                                    "the agent reporting the API server down", interval=0.2)
-        assert status["kubernetes"]["error"] and "write condition or taint" in status["problems"]
+        assert "Connect" in status["problems"]["write condition or taint"]["why"], status["problems"]
         _, mig = await node.get("/v1/mig")
         assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True  # gpud untouched
         _, after = await node.get("/v1/sharing")
@@ -394,7 +398,7 @@ async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the
         await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "labels still acted on")
         assert agent.proc.poll() is None
     finally:
-        agent.stop()
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)
 
 
@@ -445,4 +449,78 @@ async def test_hostile_label_values_are_refused_by_the_api_server_and_by_the_age
         assert sharing["config"]["name"] == "mig-single" and sharing["config"]["chosen"] is None
     finally:
         await client.close()
+        await stop_daemon(node)
+
+
+async def test_a_mode_change_that_waits_for_a_reset_is_rebooting_until_it_is_done(short_tmp, kube):
+    """mig-manager's `rebooting`: an A100 another process holds switches MIG mode only at its next reset
+    (gpud leaves that reset to the operator: mig.allow_gpu_reset false). Once it happened and gpud has
+    the layout, the state is success."""
+    config = gpud_config(short_tmp, preset="A100-SXM4-40GB:2").with_overrides(**{"mig.allow_gpu_reset": False})
+    node = await start_daemon(config)
+    await mig_settled(node)
+    for gpu in (0, 1):
+        await node.post("/v1/sim/holders", {"gpu": gpu, "process": "nvidia-persistenced", "pid": 900 + gpu})
+    agent = AgentProcess(short_tmp, kube, node.daemon.config.socket_path)
+    try:
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "rebooting", 60, "mig.config.state rebooting")
+        [waiting] = await until_async(lambda: events_named(kube, "MigConfigNeedsReboot"), 10, "the Event")
+        assert "GPUs 0, 1" in waiting["message"] and waiting["type"] == "Warning"
+        for gpu in (0, 1):  # what a reboot does: the holders go, the GPUs are reset
+            await node.post("/v1/sim/holders", {"gpu": gpu, "release": True})
+        for gpu in (0, 1):
+            async with node.http.post(f"http://localhost/v1/gpus/{gpu}/reset", json={}) as response:
+                assert response.status == 200, await response.text()
+        await until_async(lambda: state_label(kube) == "success", 60, "success after the reset")
+        applied = await until_async(lambda: events_named(kube, "MigConfigApplied"), 10, "the Event")
+        assert "after the reset or reboot" in applied[0]["message"]
+        _, mig = await node.get("/v1/mig")
+        assert mig["layout"] == "all-1g.5gb" and mig["in_sync"] is True
+    finally:
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
+        await stop_daemon(node)
+
+
+async def test_a_conflicting_taint_write_is_read_again_and_retried(short_tmp, kube):
+    """The taint list goes with the resourceVersion it was computed from; the API server's 409 Conflict
+    (someone wrote the Node in between) has the agent read the Node again and retry, not overwrite."""
+    node, agent = await agent_against(short_tmp, kube, taint_unhealthy=True)
+    try:
+        await until_async(lambda: condition(kube), 20, "the agent running")
+        gets_before = sum(r["verb"] == "get" for r in kube.requests if r["user"] == AGENT_USER)
+        kube.fail_next(409, count=2, match=lambda method, path: method == "PATCH" and path == node_path(NODE))
+        await node.post("/v1/sim/xid", {"gpu": 5, "xid": 79})
+        await until_async(lambda: TAINT in kube.node(NODE)["spec"].get("taints", []), 20, "the taint")
+        patches = [r["status"] for r in kube.requests if r["user"] == AGENT_USER and r["verb"] == "patch"
+                   and r["path"] == node_path(NODE)]
+        assert patches == [409, 409, 200], patches
+        gets = sum(r["verb"] == "get" for r in kube.requests if r["user"] == AGENT_USER) - gets_before
+        assert gets == 2  # read again after each conflict
+    finally:
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
+        await stop_daemon(node)
+
+
+async def test_gpud_kubernetes_shows_what_the_agent_reported(short_tmp, kube):
+    node, agent = await agent_against(short_tmp, kube)
+    socket = str(node.daemon.config.socket_path)
+    try:
+        kube.label(NODE, MIG_LABEL, "all-1g.5gb")
+        await until_async(lambda: state_label(kube) == "success", 60, "the layout")
+        shown = await until_async(lambda: agent_status_where(node, lambda a: a["mig"]["state"] == "success"), 10,
+                                  "the agent's status in gpud")
+        assert shown["node"] == NODE and shown["kubernetes"]["ok"] is True and shown["problems"] == {}
+        text = await asyncio.to_thread(cli, "kubernetes", socket=socket)
+        assert text.returncode == 0, text.stderr
+        assert "agent:    running, node gpu-node-1" in text.stdout
+        assert "api:      reachable" in text.stdout and "mig:      label all-1g.5gb, state success" in text.stdout
+        assert "health:   GPUHealthy True (AllGPUsHealthy), taint off" in text.stdout
+        as_json = await asyncio.to_thread(cli, "kubernetes", "--json", socket=socket)
+        assert json.loads(as_json.stdout)["agent"]["mig"]["label"] == "all-1g.5gb"
+        assert await asyncio.to_thread(agent.stop) == 0
+        stopped = await asyncio.to_thread(cli, "kubernetes", socket=socket)  # nothing reports to the Node now
+        assert stopped.returncode == 1 and "agent:    STOPPED, node gpu-node-1" in stopped.stdout
+    finally:
+        await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
         await stop_daemon(node)

@@ -136,6 +136,8 @@ async def _read_body(request: web.Request, timeout_s: float, limit: int) -> byte
         raise _too_large(None, limit) from None
     except web.HTTPException as exc:  # a malformed body (bad chunking and the like)
         raise ApiError(400, "bad-request", f"the request body could not be read: {exc.reason}") from None
+    except ConnectionResetError:  # the client went away mid-body: nothing to answer, nothing to trace
+        raise ApiError(400, "body-incomplete", "the client closed the connection before its body arrived") from None
     if len(raw) > limit:  # a chunked body says its size only once read
         raise _too_large(len(raw), limit)
     return raw

@@ -18,6 +18,7 @@ backoff, and says so.
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import re
 import threading
@@ -42,6 +43,7 @@ BACKOFF_S = (1.0, 60.0)  # first and longest wait before retrying a failed call 
 MIG_RETRY_S = 10.0  # while MIG devices are busy, or gpud is in another apply
 HEALTH_COALESCE_S = 0.05  # a burst of health events (an XID on 8 GPUs) becomes one read and one patch
 STATUS_EVERY_S = 1.0  # the agent's status goes to gpud at most this often
+STATUS_HEARTBEAT_S = 60.0  # and at least this often
 TAINT_ATTEMPTS = 5  # 409 Conflicts in a row before a taint change waits for the next health change
 # gpud's refusals that mean "not now": MIG devices or GPUs in use, a reset another process blocks
 MIG_BUSY = frozenset({"instances-in-use", "gpu-in-use", "reset-blocked"})
@@ -118,8 +120,9 @@ class Agent:
         self._gpud_epoch: str | None = None
         self._gpud_unreachable_since: float | None = time.monotonic()  # until gpud first answers
         self._status_dirty = asyncio.Event()
+        self._sending = asyncio.Lock()
         self.status: dict[str, Any] = {
-            "node": self.node_name, "started_at": time.time(), "kubernetes": {"ok": None, "error": None, "since": None},
+            "node": self.node_name, "running": True, "started_at": time.time(), "kubernetes": {"ok": None, "error": None, "since": None},
             "gpud": {"ok": None, "error": None}, "watch": {"resource_version": None, "restarts": 0},
             "mig": {"label": None, "state": None, "detail": None},
             "sharing": {"label": None, "outcome": None},
@@ -149,6 +152,8 @@ class Agent:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.status["running"] = False
+            await self._send_status()
             log.info("k8s_agent_stopped", node=self.node_name, requests=dict(self.api.requests))
 
     # -- status ------------------------------------------------------------------------------------
@@ -184,15 +189,25 @@ class Agent:
         self._problem(what, None)
 
     async def _status_loop(self) -> None:
+        """Sends the status on each change, at most every STATUS_EVERY_S, and at least every
+        STATUS_HEARTBEAT_S (gpud's socket, not the API server): `gpud kubernetes` tells a stale one."""
         while True:
-            await self._status_dirty.wait()
-            self._status_dirty.clear()
-            self.status["requests"] = dict(self.api.requests)
             try:
-                await asyncio.to_thread(self.gpud.request, "PUT", "/v1/kubernetes/agent", self.status)
+                await asyncio.wait_for(self._status_dirty.wait(), STATUS_HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                pass
+            self._status_dirty.clear()
+            await asyncio.shield(self._send_status())  # a stop waits for it: the last word is the stop's
+            await asyncio.sleep(STATUS_EVERY_S)
+
+    async def _send_status(self) -> None:
+        async with self._sending:  # one at a time, in order
+            self.status["requests"] = dict(self.api.requests)
+            snapshot = copy.deepcopy(self.status)  # the thread encodes it while the loop changes the status
+            try:
+                await asyncio.to_thread(self.gpud.request, "PUT", "/v1/kubernetes/agent", snapshot)
             except (DaemonUnreachable, ApiFailure) as exc:
                 log.debug("k8s_agent_status_not_sent", error=str(exc))
-            await asyncio.sleep(STATUS_EVERY_S)
 
     async def _gpud(self, method: str, path: str, body: Any = None, client: Client | None = None) -> Any:
         status, document = await asyncio.to_thread((client or self.gpud).request, method, path, body)
@@ -291,13 +306,13 @@ class Agent:
         while True:
             await self._mig_changed.wait()
             self._mig_changed.clear()
-            value = self._mig_wanted
-            if value is None:
-                continue  # no label: nothing changes (as mig-manager)
-            if value != self._mig_done:
-                await self._apply_mig(value)
-            elif _labels(self.node).get(MIG_STATE_LABEL) == "rebooting":
-                await self._mig_in_force(value)  # has the reset or reboot it waited for happened?
+            while (value := self._mig_wanted) is not None:  # no label: nothing changes (as mig-manager)
+                if value != self._mig_done:
+                    await self._apply_mig(value)
+                elif _labels(self.node).get(MIG_STATE_LABEL) == "rebooting":
+                    await self._mig_in_force(value)  # has the reset or reboot it waited for happened?
+                if self._mig_wanted == value:
+                    break  # else the label changed meanwhile: the latest value next
 
     async def _apply_mig(self, value: str) -> None:
         problem = label_value_problem(value)
@@ -334,7 +349,7 @@ class Agent:
                         await self._event("Warning", "MigConfigWaiting",
                                           f"layout {value} waits: {exc}. It is applied once they end, or fails "
                                           f"after {limit:g} s (kubernetes.mig_busy_timeout_s)")
-                    await self._mig_pause(MIG_RETRY_S)
+                    await self._mig_pause(min(MIG_RETRY_S, waiting_since + limit - time.monotonic()))
                     continue
                 if exc.code in MIG_LATER or exc.status == 503:
                     self._note("mig", detail=str(exc))
@@ -359,11 +374,13 @@ class Agent:
         log.info("mig_label_superseded", node=self.node_name, value=_short(value), now=_short(self._mig_wanted))
 
     async def _mig_pause(self, seconds: float) -> None:
-        """Waits, or less when the label changes meanwhile (the new value is then applied instead)."""
+        """Waits, or less when the label changes meanwhile (the new value is then applied instead) or
+        gpud's GPUs change (the processes in the way may have ended)."""
         try:
-            await asyncio.wait_for(self._mig_changed.wait(), seconds)
+            await asyncio.wait_for(self._mig_changed.wait(), max(seconds, 0.0))
         except asyncio.TimeoutError:
             pass
+        self._mig_changed.clear()
 
     async def _mig_in_force(self, value: str) -> bool:
         """Whether gpud already has this layout, in sync (an agent restart, a reboot that finished a
@@ -372,7 +389,7 @@ class Agent:
             mig = await self._gpud("GET", "/v1/mig")
         except (DaemonUnreachable, ApiFailure):
             return False
-        if mig.get("layout") == value and mig.get("in_sync") and mig.get("state") == "success":
+        if mig.get("layout") == value and mig.get("in_sync") and mig.get("state") in ("success", "reset-required"):
             rebooted = _labels(self.node).get(MIG_STATE_LABEL) == "rebooting"
             self._mig_done = value
             if _labels(self.node).get(MIG_STATE_LABEL) != "success":
@@ -467,8 +484,8 @@ class Agent:
             self._health_dirty.set()
         elif kind == "kubernetes":
             self._apply_settings(event.get("data") or {})
-        elif kind == "mig" and (event.get("data") or {}).get("state") == "success":
-            self._mig_changed.set()
+        if kind in ("mig", "inventory") and self.status["mig"]["state"] in ("rebooting", "pending"):
+            self._mig_changed.set()  # a reset may have finished a change, processes may have ended
 
     def _on_gpud_disconnect(self, reason: str, retry_in_s: float) -> None:
         if self._gpud_unreachable_since is None:
