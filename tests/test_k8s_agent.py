@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, cli, mig_settled, start_daemon, stop_daemon, until_async
+from helpers import REPO, cli, mig_settled, need, start_daemon, stop_daemon, until_async
 from kube_api_stand_in import AGENT_USER, ApiError, KubeApiStandIn
 from kube_http import node_path
 from kube_manifests import agent_rbac_rules, sharing_configs
@@ -66,13 +67,16 @@ def gpud_config(tmp: Path, preset: str = "dgx-a100", **kubernetes) -> Config:
 class AgentProcess:
     """`gpud k8s-agent` as a child process, its JSON log lines in a file."""
 
-    def __init__(self, tmp: Path, kube: KubeApiStandIn, socket: Path, node: str = NODE):
+    def __init__(self, tmp: Path, kube: KubeApiStandIn, socket: Path, node: str = NODE, in_pod: list[str] | None = None,
+                 env: dict | None = None):
+        """in_pod: a command that runs the agent as in a pod (its service account, no --kubeconfig)."""
         self.log_path = tmp / f"agent-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")
+        where = in_pod if in_pod is not None else [sys.executable, "-m", "gpud", "k8s-agent", "--kubeconfig",
+                                                   str(kube.kubeconfig("agent"))]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpud", "k8s-agent", "--kubeconfig", str(kube.kubeconfig("agent")),
-             "--node-name", node, "--socket", str(socket), "--log-format", "json", "--log-level", "debug"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KUBECONFIG": ""})
+            [*where, "--node-name", node, "--socket", str(socket), "--log-format", "json", "--log-level", "debug"],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KUBECONFIG": "", **(env or {})})
 
     def events(self) -> list[dict]:
         if not self._log.closed:
@@ -523,4 +527,34 @@ async def test_gpud_kubernetes_shows_what_the_agent_reported(short_tmp, kube):
         assert stopped.returncode == 1 and "agent:    STOPPED, node gpu-node-1" in stopped.stdout
     finally:
         await asyncio.to_thread(agent.stop)  # the loop serves gpud meanwhile: the agent's last status
+        await stop_daemon(node)
+
+
+async def test_in_a_pod_the_agent_finds_the_api_server_through_its_service_account(short_tmp, kube):
+    """No --kubeconfig: what Kubernetes gives a pod (KUBERNETES_SERVICE_HOST/PORT, the service account's
+    token and CA under /var/run/secrets/kubernetes.io/serviceaccount), laid out in a mount namespace of
+    the agent's own."""
+    need(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare for a mount namespace")
+    account = short_tmp / "account"
+    account.mkdir()
+    (account / "token").write_text(kube.tokens["agent"])
+    (account / "ca.crt").write_bytes(kube.ca_file.read_bytes())
+    (account / "namespace").write_text("gpud-system")
+    secrets = "/run/secrets/kubernetes.io/serviceaccount"  # /var/run is /run
+    pod = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f"mount -t tmpfs pod-run /run && mkdir -p {secrets} && cp {account}/* {secrets}/ && "
+           f'exec {sys.executable} -m gpud k8s-agent "$@"', "agent"]
+    host, port = kube.url.removeprefix("https://").rsplit(":", 1)
+    node = await start_daemon(gpud_config(short_tmp))
+    await mig_settled(node)
+    agent = AgentProcess(short_tmp, kube, node.daemon.config.socket_path, in_pod=pod,
+                         env={"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port})
+    try:
+        kube.label(NODE, SHARING_LABEL, "tesla-t4")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 30, "the agent at work", interval=0.1)
+        users = {r["user"] for r in kube.requests if r["path"].startswith("/api/v1/nodes/gpu-node-1")} - {None}
+        assert AGENT_USER in users
+        assert not Path(secrets).exists() or not (Path(secrets) / "token").exists()  # it was the pod's own
+    finally:
+        await asyncio.to_thread(agent.stop)
         await stop_daemon(node)

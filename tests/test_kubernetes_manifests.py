@@ -360,3 +360,17 @@ def test_gpud_config_parses_with_gpuds_parser():
     # section (issue 22, written in parallel).
     config = parse_config(kube_manifests.gpud_config_text(), "gpud-config/gpud.yaml")
     assert config.api.socket == "/run/gpud/gpud.sock" and config.cdi.driver_files is False
+
+
+def test_every_gpud_command_in_the_manifests_is_one_gpud_accepts():
+    """Each container's `gpud ...` command line parses with gpud's own parser, as the image would run it."""
+    from gpud.cli import build_parser
+
+    commands = [container.get("command", []) + container.get("args", [])
+                for daemonset in kube_manifests.daemonsets()
+                for container in daemonset["spec"]["template"]["spec"]["containers"]]
+    gpud_commands = [argv[1:] for argv in commands if argv[:1] == ["gpud"]]
+    assert {argv[0] for argv in gpud_commands} >= {"serve", "device-plugin", "k8s-agent"}
+    for argv in gpud_commands:
+        args = build_parser().parse_args(argv)
+        assert callable(args.run), argv
