@@ -363,6 +363,12 @@ async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the
                           "the condition written once the API server is back")
         await until_async(lambda: agent_status_where(node, lambda a: a["kubernetes"]["ok"] is True), 30,
                           "the agent reporting the API server back", interval=0.2)
+        kube.delay(1.5)  # a slow API server: the agent waits on it, gpud does not
+        kube.label(NODE, SHARING_LABEL, "2080ti-12gb")
+        asked = time.monotonic()
+        assert (await node.get("/healthz"))[0] in (200, 503) and time.monotonic() - asked < 1.0
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 30, "the slow server's Event")
+        kube.delay(0)
         # RBAC without nodes/status: the agent says what it cannot do and why, and goes on with the rest
         kube.bind_agent_rbac([r for r in agent_rbac_rules() if "nodes/status" not in r["resources"]])
         gpu4 = (await node.get("/v1/gpus/4"))[1]["uuid"]
@@ -373,7 +379,7 @@ async def test_an_unreachable_or_forbidding_api_server_leaves_gpud_alone_and_the
             30, "the agent reporting the 403", interval=0.2)
         assert "deploy/kubernetes/rbac.yaml" in status["problems"]["write condition or taint"]["why"]
         kube.label(NODE, SHARING_LABEL, "tesla-t4")
-        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "labels still acted on")
+        await until_async(lambda: len(events_named(kube, "SharingConfigApplied")) == 2, 20, "labels still acted on")
         assert agent.proc.poll() is None
 
 
