@@ -51,6 +51,23 @@ for abi in "${ABIS[@]}"; do
     rm -rf "$lib/$tag/.lock" "$lib/$tag/bin" "$lib/$tag/example.py" "$lib/$tag"/multidict/_testcapi.* \
         "$lib/$tag/google/protobuf/testdata" "$lib/$tag"/yaml/_yaml.*.so
     rm -f "$lib/$tag"/*.dist-info/{RECORD,direct_url.json,INSTALLER,REQUESTED}
+    # The libraries' own tests (certifi/tests; kubernetes_asyncio's *_test.py modules and
+    # client/test_rest.py): nothing imports them. kubernetes_asyncio's wheel also installs its
+    # project files at the top of site-packages (README.md, CHANGELOG.md, CONTRIBUTING.md, LICENSE,
+    # pyproject.toml: its dist-info RECORD lists them) and the generated client's API reference
+    # (kubernetes_asyncio/README.md). Its LICENSE is the same text as its dist-info's
+    # licenses/LICENSE, which stays (packaging/copyright points there). Removed here, before the
+    # links are made below, so that no kept file links to a removed one.
+    find "$lib/$tag" -type d -name tests -prune -exec rm -rf {} +
+    rm -f "$lib/$tag"/kubernetes_asyncio/*/*_test.py "$lib/$tag"/kubernetes_asyncio/client/test_rest.py{,i} \
+        "$lib/$tag"/kubernetes_asyncio/README.md \
+        "$lib/$tag"/{README.md,CHANGELOG.md,CONTRIBUTING.md,LICENSE,pyproject.toml}
+    # tzdata: python-dateutil (>= 3.0) requires it, as its fallback for a zone that the system's
+    # /usr/share/zoneinfo lacks (dateutil.tz.gettz reads TZPATH first, tzdata second, and does
+    # without it: an ImportError is caught). gpud reaches dateutil only through kubernetes_asyncio's
+    # dateutil.parser.parse of API timestamps (UTC or a numeric offset), which loads no zone file, and
+    # nothing bundled imports zoneinfo or tzdata.
+    rm -rf "$lib/$tag"/tzdata "$lib/$tag"/tzdata-*.dist-info
 done
 find "$lib" -name __pycache__ -prune -exec rm -rf {} +
 # the C and Cython sources and headers of the compiled modules: nothing runs them
