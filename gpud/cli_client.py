@@ -217,7 +217,8 @@ def kubernetes(args: argparse.Namespace, client: Client) -> int:
     mig, sharing, health = agent.get("mig") or {}, agent.get("sharing") or {}, agent.get("health") or {}
     print(f"mig:      label {mig.get('label') or '-'}, state {mig.get('state') or '-'}"
           + (f": {mig['detail']}" if mig.get("detail") else ""))
-    print(f"sharing:  label {sharing.get('label') or '-'}" + (f": {sharing['outcome']}" if sharing.get("outcome") else ""))
+    print(f"sharing:  label {sharing.get('label') or '-'}"
+          + (f": {sharing['outcome']}" if sharing.get("outcome") else ""))
     print(f"health:   GPUHealthy {health.get('condition') or '-'} ({health.get('reason') or '-'}), "
           f"taint {'on' if health.get('taint') else 'off'}")
     print("requests: " + (", ".join(f"{verb} {count}" for verb, count in sorted((agent.get("requests") or {}).items()))

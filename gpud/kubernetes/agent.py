@@ -53,6 +53,7 @@ MIG_LATER = frozenset({"apply-in-progress", "nvml-unavailable"})  # gpud is busy
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 LABEL_VALUE_MAX = 63
 DEFAULT_SETTINGS = {"taint_unhealthy": False, "mig_busy_timeout_s": 3600.0}
+_UNSEEN = object()  # the sharing label before the Node was first read
 
 
 class Backoff:
@@ -122,7 +123,8 @@ class Agent:
         self._status_dirty = asyncio.Event()
         self._sending = asyncio.Lock()
         self.status: dict[str, Any] = {
-            "node": self.node_name, "running": True, "started_at": time.time(), "kubernetes": {"ok": None, "error": None, "since": None},
+            "node": self.node_name, "running": True, "started_at": time.time(),
+            "kubernetes": {"ok": None, "error": None, "since": None},
             "gpud": {"ok": None, "error": None}, "watch": {"resource_version": None, "restarts": 0},
             "mig": {"label": None, "state": None, "detail": None},
             "sharing": {"label": None, "outcome": None},
@@ -401,7 +403,8 @@ class Agent:
         return False
 
     async def _mig_outcome(self, value: str, state: str, event_type: str, reason: str, message: str) -> None:
-        log.info("mig_label_outcome", node=self.node_name, value=_short(value), state=state, reason=reason, message=message)
+        log.info("mig_label_outcome", node=self.node_name, value=_short(value), state=state, reason=reason,
+                 message=message)
         self._mig_done = value
         self._note("mig", detail=message)
         await self._set_state(state)
@@ -615,8 +618,6 @@ class Agent:
             return
         raise KubeError("patch node taints", 409, f"conflicts {TAINT_ATTEMPTS} times in a row")
 
-
-_UNSEEN = object()  # the sharing label before the Node was first read
 
 
 async def serve(kubeconfig: Path | None, node_name: str, gpud_socket: Path | None) -> int:
