@@ -67,3 +67,15 @@ def test_read_flood_benchmark_runs_and_prints_every_route(users):
     assert [line.split()[2] for line in lines[2:6]] == ["/metrics", "/v1/gpus", "/v1/health", "/v1/mig"]
     assert all(" p50 " in line and " max " in line and " req/s)" in line for line in lines[2:6])
     assert lines[6].startswith("worst p50 ") and lines[6].endswith(("PASS", "FAIL"))
+
+
+@pytest.mark.slow  # gpud, the API stand-in and an agent; a MIG change on 8 GPUs: about 30 s
+def test_k8s_agent_benchmark_runs_and_counts_every_request():
+    # Issue 22: the agent's requests to the API server idle and per change (figures read by people;
+    # the counts themselves are the stand-in's records, and the run fails when a goal is missed).
+    result = subprocess.run([sys.executable, "bench/k8s_agent_requests.py", "--idle-seconds", "4", "--renewals", "2"],
+                            capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "idle: " in out and "2 watch renewals: {'watch': 2} -> 1.00 requests a renewal, 0 others" in out
+    assert "MIG label change (to success): " in out and "lists of Nodes: 0" in out
