@@ -527,3 +527,24 @@ async def test_in_a_pod_the_agent_finds_the_api_server_through_its_service_accou
     finally:
         await asyncio.to_thread(agent.stop)
         await stop_daemon(node)
+
+
+async def test_bookmarks_keep_the_agents_resource_version_fresh_through_a_compaction(short_tmp, kube):
+    """Other Nodes' changes move the server's resourceVersion on; a bookmark brings the agent's along
+    (it carries no change of its own Node), so a renewal after a compaction is not a 410 and costs no GET."""
+    kube.create_node("other-node")
+    async with agent_against(short_tmp, kube) as (node, agent):
+        await until_async(lambda: condition(kube), 20, "the agent running")
+        for value in ("a", "b", "c"):
+            kube.label("other-node", "churn", value)
+        current = kube.node("other-node")["metadata"]["resourceVersion"]
+        kube.send_bookmarks()
+        await until_async(lambda: agent_status_where(node, lambda a: a["watch"]["resource_version"] == current), 10,
+                          "the bookmark's resourceVersion in the agent's status", interval=0.1)
+        kube.compact()
+        kube.end_watches()
+        kube.label(NODE, SHARING_LABEL, "tesla-t4")
+        await until_async(lambda: events_named(kube, "SharingConfigApplied"), 20, "the agent watching on")
+        calls = [(r["verb"], r["query"].get("resourceVersion"), r["status"]) for r in kube.requests
+                 if r["user"] == AGENT_USER and r["verb"] in ("get", "watch")]
+        assert calls[-1] == ("watch", current, 200) and sum(verb == "get" for verb, _, _ in calls) == 1, calls
