@@ -109,6 +109,24 @@ async def test_two_a100_80gb_offer_their_memory_in_1_gib_units_served_by_mps(mps
         await stop_daemon(node)
 
 
+@pytest.mark.parametrize(("preset", "model", "gpus"), [("hgx-h100", "H100-SXM5-80GB:1", 8),
+                                                      ("hgx-h200", "H200-SXM5-141GB:1", 8)])
+async def test_eight_gpu_boards_advertise_every_gpus_units_and_never_more_than_they_offer(short_tmp, preset, model,
+                                                                                       gpus):
+    config = gpu_memory_config(short_tmp, preset, unit_mib=1000)
+    node = await start_daemon(config.with_overrides(**{"mps.control_binary": str(short_tmp / "absent")}))
+    try:
+        _, view = await node.get("/v1/sharing")
+        resource = gpu_memory_resource(view)
+        units = expected_units(model, 1000)
+        assert resource["count"] == gpus * units and {d["units"] for d in resource["devices"]} == {units}
+        _, allocations = await node.get("/v1/allocations")
+        for device in allocations["devices"]:
+            assert device["allocatable_mib"] <= device["offered_mib"] < device["total_mib"]
+    finally:
+        await stop_daemon(node)
+
+
 async def test_a_unit_larger_than_a_device_and_a_selector_matching_nothing_are_reported(short_tmp):
     config = gpu_memory_config(short_tmp, "t4", unit_mib=1 << 20, devices=(0, "GPU-00000000-0000-0000-0000-000000000000"))
     node = await start_daemon(config.with_overrides(**{"mps.control_binary": str(short_tmp / "absent")}))
@@ -209,6 +227,9 @@ async def test_allocations_round_trip_with_metrics_labels_and_a_watch_event(shor
         assert shown.returncode == 1 and "GPU-gone" not in shown.stdout  # the unknown ID is a problem, counted
         as_json = await asyncio.to_thread(cli, "sharing", "allocations", "--json", socket=config.socket_path)
         assert json.loads(as_json.stdout)["node"] == got["node"]
+        sharing_table = await asyncio.to_thread(cli, "sharing", socket=config.socket_path)
+        assert ["aliyun.com/gpu-mem", "gpu-memory", "1024", "MiB", "units", str(2 * units), str(2 * units)] in [
+            line.split() for line in sharing_table.stdout.splitlines()], sharing_table.stdout + sharing_table.stderr
 
         label = "aliyun.com/gpu-mem.total-mib"
         _, nfd = await answer_until(node, "/v1/nfd", lambda _, body: label in body["labels"])
