@@ -14,7 +14,15 @@ behaviour names the source it copies, and none is kinder than the kubelet:
   again, removes every socket in its directory but its checkpoint (manager.go CleanupPluginDirectory).
 - Allocate and GetPreferredAllocation carry one container request (endpoint.go allocate,
   getPreferredAllocation); Allocate fails on an answer without a container response (manager.go
-  allocateContainerResources: "no containers return in allocation response").
+  allocateContainerResources: "no containers return in allocation response"). An answered Allocate
+  records the container's devices (manager.go allocateContainerResources -> podDevices.insert), which
+  the kubelet checkpoints: they outlive a kubelet restart.
+- PodResources API v1 on <directory>/../pod-resources/kubelet.sock (pkg/kubelet/apis/podresources/
+  server_v1.go List): every active pod with its containers, each with the devices allocated to it, one
+  ContainerDevices per device ID and NUMA node, without topology where the plugin gave none
+  (pkg/kubelet/cm/container_manager_linux.go containerDevicesFromResourceDeviceInstances). Here a pod
+  is active from its first Allocate until remove_pod (the kubelet lists only the containers of a pod's
+  spec; the stand-in knows those it allocated to). Get and GetAllocatableResources are not served.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, rpc
+from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, podresources_pb, podresources_rpc, rpc
 
 SUPPORTED_VERSIONS = ("v1beta1",)  # k8s.io/kubelet pkg/apis/deviceplugin/v1beta1/constants.go
 DIAL_TIMEOUT_S = 10.0  # client.go dial
@@ -62,6 +70,11 @@ class Kubelet:
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         self._server = None
+        # (namespace, pod) -> container -> resource -> device IDs: what the kubelet allocated (podDevices)
+        self.pod_devices: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
+        self.pod_resources_socket = directory.parent / "pod-resources" / "kubelet.sock"
+        self.pod_resources_socket.parent.mkdir(exist_ok=True)
+        self._pod_resources_server = None
         self.start()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -80,6 +93,15 @@ class Kubelet:
         self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
         self._server.start()
 
+        class PodResourcesLister(podresources_rpc.PodResourcesListerServicer):
+            def List(self, request, context):
+                return kubelet._list_pod_resources()
+
+        self._pod_resources_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        podresources_rpc.add_PodResourcesListerServicer_to_server(PodResourcesLister(), self._pod_resources_server)
+        self._pod_resources_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+        self._pod_resources_server.start()
+
     def release(self, resource: str) -> None:
         """Lets the resource's hanging Register go on."""
         with self._changed:
@@ -95,6 +117,7 @@ class Kubelet:
         for channel in channels:  # server.go Stop: disconnectClient for every plugin
             channel.close()
         self._server.stop(0).wait(10)
+        self._pod_resources_server.stop(0).wait(10)
 
     def restart(self) -> None:
         self.stop()
@@ -165,12 +188,41 @@ class Kubelet:
 
     # -- what tests ask --------------------------------------------------------------------------
 
-    def allocate(self, resource: str, ids: list[str], timeout: float = 5.0) -> pb.ContainerAllocateResponse:
+    def allocate(self, resource: str, ids: list[str], timeout: float = 5.0,
+                 container: tuple[str, str, str] = ("default", "pod", "main")) -> pb.ContainerAllocateResponse:
+        """Allocate for `container` (namespace, pod, container), recorded for List once answered."""
         answer = self._stub(resource).Allocate(pb.AllocateRequest(container_requests=[
             pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=timeout)
         if not answer.container_responses:
             raise AssertionError(f"no containers return in allocation response {answer}")
+        namespace, pod, name = container
+        with self._changed:
+            self.pod_devices.setdefault((namespace, pod), {}).setdefault(name, {})[resource] = list(ids)
         return answer.container_responses[0]
+
+    def remove_pod(self, namespace: str, pod: str) -> None:
+        """The pod ended: no longer active, so List leaves it out (and its devices are free again)."""
+        with self._changed:
+            self.pod_devices.pop((namespace, pod), None)
+
+    def _list_pod_resources(self) -> podresources_pb.ListPodResourcesResponse:
+        with self._changed:
+            return podresources_pb.ListPodResourcesResponse(pod_resources=[
+                podresources_pb.PodResources(namespace=namespace, name=pod, containers=[
+                    podresources_pb.ContainerResources(name=container, devices=[
+                        device for resource, ids in resources.items() for i in ids
+                        for device in self._container_devices(resource, i)])
+                    for container, resources in containers.items()])
+                for (namespace, pod), containers in self.pod_devices.items()])
+
+    def _container_devices(self, resource: str, device_id: str) -> list[podresources_pb.ContainerDevices]:
+        nodes = self.numa.get(resource, {}).get(device_id)
+        if not nodes:
+            return [podresources_pb.ContainerDevices(resource_name=resource, device_ids=[device_id])]
+        return [podresources_pb.ContainerDevices(resource_name=resource, device_ids=[device_id],
+                                                 topology=podresources_pb.TopologyInfo(
+                                                     nodes=[podresources_pb.NUMANode(ID=node)]))
+                for node in nodes]
 
     def preferred(self, resource: str, available: list[str], size: int, must_include: list[str] = (),
                   timeout: float = 5.0) -> list[str]:

@@ -1,0 +1,166 @@
+"""The gpu-memory resource of `gpud device-plugin` (issue 23): GPU memory in units, each container's
+units on one GPU or MIG device, capped by that device's MPS daemon; and which pods hold the units,
+read from the kubelet's PodResources API and reported to gpud.
+
+The unit-level tests take a GET /v1/sharing document in the shape gpud's gpu-memory resource has
+(one device entry per unit: `<device uuid>::<n>`, with `units` of its device and its `mps_daemon`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from kubelet_stand_in import Kubelet
+
+from gpud.client import Client
+from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate, preferred
+from gpud.device_plugin.api import podresources_pb, podresources_rpc
+from gpud.device_plugin.podresources import AllocationReporter, holders
+from gpud.device_plugin.state import MpsClient, NodeState, resources_from_sharing
+
+RESOURCE = "nvidia.com/gpu-memory"
+PIPE = "/run/gpud/mps/gpu0/pipe"
+
+
+def sharing_document(units: dict[str, tuple[str, int, int]], proportional_threads: bool = False,
+                     unhealthy: frozenset[str] = frozenset()) -> dict:
+    """GET /v1/sharing with the gpu-memory resource: `units` maps a GPU or MIG UUID to (its GPU's UUID,
+    the GPU's index, how many 1 GiB units it has)."""
+    devices = [{"id": f"{device}::{n}", "parent": parent, "gpu_index": index, "healthy": device not in unhealthy,
+                "device": device, "units": count, "mps_daemon": f"mps-{device}"}
+               for device, (parent, index, count) in units.items() for n in range(count)]
+    return {"resources": [{"name": RESOURCE, "strategy": "gpu-memory", "fail_requests_greater_than_one": False,
+                           "unit_mib": 1024, "proportional_threads": proportional_threads,
+                           "count": len(devices), "devices": devices}]}
+
+
+GPUS = {"gpus": [{"uuid": "GPU-0", "index": 0, "numa_node": 1}, {"uuid": "GPU-1", "index": 1, "numa_node": 0}]}
+TWO_GPUS = {"GPU-0": ("GPU-0", 0, 40), "GPU-1": ("GPU-1", 1, 40)}
+
+
+def node_state(document: dict) -> NodeState:
+    client = MpsClient("mps-GPU-0", "running", {"CUDA_MPS_PIPE_DIRECTORY": PIPE},
+                       ((PIPE, PIPE, False),), host_ipc=True)
+    return NodeState(resources_from_sharing(document, GPUS), cdi_kind="gpud.dev/gpu",
+                     cdi_names=frozenset({"GPU-0", "GPU-1", "MIG-a"}),
+                     mps_clients={"GPU-0": client, "GPU-1": MpsClient("mps-GPU-1", "running", {}, ()),
+                                  "MIG-a": MpsClient("mps-MIG-a", "running", {}, ())})
+
+
+def test_one_device_per_unit_with_its_gpus_numa_node():
+    resource = resources_from_sharing(sharing_document(TWO_GPUS), GPUS)[RESOURCE]
+    assert (resource.strategy, resource.unit_mib, len(resource.devices)) == ("gpu-memory", 1024, 80)
+    assert {(d.device, d.numa_node, d.units) for d in resource.devices} == {("GPU-0", 1, 40), ("GPU-1", 0, 40)}
+
+
+def test_allocate_of_7_units_is_its_device_with_7_gib_pinned_through_its_mps_daemon():
+    state = node_state(sharing_document(TWO_GPUS))
+    ids = [f"GPU-0::{n}" for n in range(7)]
+    given = allocate(state, state.resources[RESOURCE], ids, (DeviceListStrategy.CDI_CRI,))
+    assert given.cdi_devices == ["gpud.dev/gpu=GPU-0"]  # the device's CDI name, once for its 7 units
+    assert given.envs == {"CUDA_MPS_PIPE_DIRECTORY": PIPE, "CUDA_VISIBLE_DEVICES": "GPU-0",
+                          "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=7168M"}
+    assert given.mounts == [(PIPE, PIPE, False), ("/dev/shm", "/dev/shm", False)]
+
+
+@pytest.mark.parametrize(("units", "percent"), [(7, "18"), (1, "3"), (40, "100")])
+def test_proportional_threads_are_the_units_share_of_the_device_rounded_up(units, percent):
+    state = node_state(sharing_document(TWO_GPUS, proportional_threads=True))
+    given = allocate(state, state.resources[RESOURCE], [f"GPU-1::{n}" for n in range(units)],
+                     (DeviceListStrategy.ENVVAR,))
+    assert given.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == percent  # 7/40 = 17.5 % -> 18
+    assert given.envs["NVIDIA_VISIBLE_DEVICES"] == given.envs["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+
+
+def test_a_mig_device_is_named_by_its_own_uuid():
+    state = node_state(sharing_document({"MIG-a": ("GPU-0", 0, 10)}))
+    given = allocate(state, state.resources[RESOURCE], ["MIG-a::0", "MIG-a::1"], (DeviceListStrategy.CDI_CRI,))
+    assert given.cdi_devices == ["gpud.dev/gpu=MIG-a"]
+    assert given.envs == {"CUDA_VISIBLE_DEVICES": "MIG-a", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2048M"}
+    assert "GPU-0" not in json.dumps(given.envs)
+
+
+def test_units_of_two_devices_unknown_and_unhealthy_ones_are_refused():
+    state = node_state(sharing_document(TWO_GPUS, unhealthy=frozenset({"GPU-1"})))
+    resource = state.resources[RESOURCE]
+    healthy = node_state(sharing_document(TWO_GPUS))
+    with pytest.raises(AllocationRefused, match=r"on 2 devices \(GPU-0, GPU-1\)") as spanning:
+        allocate(healthy, healthy.resources[RESOURCE], ["GPU-0::0", "GPU-1::0"])
+    assert spanning.value.invalid  # INVALID_ARGUMENT: the kubelet fails the pod
+    with pytest.raises(AllocationRefused, match="has no devices") as unknown:
+        allocate(state, resource, ["GPU-7::0"])
+    assert unknown.value.invalid
+    with pytest.raises(AllocationRefused, match="unhealthy") as unhealthy:
+        allocate(state, resource, ["GPU-1::0"])
+    assert not unhealthy.value.invalid
+
+
+def test_preferred_keeps_a_request_on_the_fullest_device_that_holds_it():
+    resource = resources_from_sharing(sharing_document(TWO_GPUS), GPUS)[RESOURCE]
+    free0 = [f"GPU-0::{n}" for n in range(30, 40)]  # GPU 0 has 10 units left, GPU 1 all 40
+    free1 = [f"GPU-1::{n}" for n in range(40)]
+    assert preferred(resource, free0 + free1, [], 7) == [f"GPU-0::{n}" for n in range(30, 37)]
+    assert preferred(resource, free0 + free1, [], 12) == free1[:12]  # GPU 0 cannot hold 12
+    assert preferred(resource, free0 + free1, ["GPU-1::5"], 3) == ["GPU-1::5", "GPU-1::0", "GPU-1::1"]
+    # no device holds it: the most free units (the kubelet adds the rest, and Allocate says which two)
+    assert preferred(resource, free0 + free1[:20], [], 25) == free1[:20]
+
+
+def test_pod_resources_list_is_the_kubelets_wire_format():
+    """Field numbers of the published PodResources v1 API (k8s.io/kubelet podresources/v1/api.proto)."""
+    fields = {(message, f.name): f.number for message in ("PodResources", "ContainerResources", "ContainerDevices")
+              for f in podresources_pb.DESCRIPTOR.message_types_by_name[message].fields}
+    assert fields == {("PodResources", "name"): 1, ("PodResources", "namespace"): 2,
+                      ("PodResources", "containers"): 3, ("ContainerResources", "name"): 1,
+                      ("ContainerResources", "devices"): 2, ("ContainerResources", "cpu_ids"): 3,
+                      ("ContainerResources", "memory"): 4, ("ContainerResources", "dynamic_resources"): 5,
+                      ("ContainerDevices", "resource_name"): 1, ("ContainerDevices", "device_ids"): 2,
+                      ("ContainerDevices", "topology"): 3}
+    assert podresources_pb.DESCRIPTOR.package == "v1"
+    assert podresources_pb.DESCRIPTOR.services_by_name["PodResourcesLister"].full_name == "v1.PodResourcesLister"
+
+
+def test_holders_gather_a_containers_devices_of_the_resource():
+    device = podresources_pb.ContainerDevices
+    response = podresources_pb.ListPodResourcesResponse(pod_resources=[
+        podresources_pb.PodResources(namespace="ml", name="train", containers=[
+            podresources_pb.ContainerResources(name="main", devices=[
+                device(resource_name=RESOURCE, device_ids=["GPU-0::1"]),
+                device(resource_name=RESOURCE, device_ids=["GPU-0::0"]),
+                device(resource_name="nvidia.com/gpu", device_ids=["GPU-1"])]),
+            podresources_pb.ContainerResources(name="sidecar")])])
+    assert holders(response, RESOURCE) == [
+        {"namespace": "ml", "pod": "train", "container": "main", "device_ids": ["GPU-0::0", "GPU-0::1"]}]
+    assert holders(response, "example.com/other") == []
+
+
+def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_reporter_goes_on(short_tmp):
+    """No pod-resources socket: the report is logged and tried again later, nothing raised."""
+    reporter = AllocationReporter(short_tmp / "absent.sock", Client(short_tmp / "no-gpud.sock"), lambda: [RESOURCE])
+    asyncio.run(asyncio.wait_for(reporter.report(), 10))
+    assert reporter._reported == {}
+
+    kubelet_dir = short_tmp / "k"
+    kubelet_dir.mkdir()
+    kubelet = Kubelet(kubelet_dir)
+    try:
+        kubelet.pod_devices[("ml", "train")] = {"main": {RESOURCE: ["GPU-0::0"]}}
+        kubelet.numa[RESOURCE] = {"GPU-0::0": [1]}
+        with grpc.insecure_channel(f"unix://{kubelet.pod_resources_socket}") as channel:
+            listed = podresources_rpc.PodResourcesListerStub(channel).List(
+                podresources_pb.ListPodResourcesRequest(), timeout=5)
+        (pod,) = listed.pod_resources
+        (container,) = pod.containers
+        (devices,) = container.devices
+        assert (pod.namespace, pod.name, container.name) == ("ml", "train", "main")
+        assert (devices.resource_name, list(devices.device_ids), [n.ID for n in devices.topology.nodes]) == (
+            RESOURCE, ["GPU-0::0"], [1])
+        # the kubelet answers, gpud does not: tried again next time, nothing recorded as reported
+        reporter = AllocationReporter(kubelet.pod_resources_socket, Client(short_tmp / "no-gpud.sock"),
+                                      lambda: [RESOURCE])
+        asyncio.run(asyncio.wait_for(reporter.report(), 10))
+        assert reporter._reported == {}
+    finally:
+        kubelet.stop()
