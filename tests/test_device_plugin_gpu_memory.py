@@ -138,7 +138,8 @@ def test_holders_gather_a_containers_devices_of_the_resource():
 
 def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_reporter_goes_on(short_tmp):
     """No pod-resources socket: the report is logged and tried again later, nothing raised."""
-    reporter = AllocationReporter(short_tmp / "absent.sock", Client(short_tmp / "no-gpud.sock"), lambda: [RESOURCE])
+    reporter = AllocationReporter(short_tmp / "absent.sock", Client(short_tmp / "no-gpud.sock"), lambda: [RESOURCE],
+                                  lambda: None)
     asyncio.run(asyncio.wait_for(reporter.report(), 10))
     assert reporter._reported == {}
 
@@ -159,7 +160,7 @@ def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_repo
             RESOURCE, ["GPU-0::0"], [1])
         # the kubelet answers, gpud does not: tried again next time, nothing recorded as reported
         reporter = AllocationReporter(kubelet.pod_resources_socket, Client(short_tmp / "no-gpud.sock"),
-                                      lambda: [RESOURCE])
+                                      lambda: [RESOURCE], lambda: None)
         asyncio.run(asyncio.wait_for(reporter.report(), 10))
         assert reporter._reported == {}
     finally:

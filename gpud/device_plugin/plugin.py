@@ -47,7 +47,8 @@ class DevicePlugin:
         self.follower = GpudFollower(gpud_socket, self.apply, unreachable_grace_s)
         self.state = NodeState()
         self.reporter = AllocationReporter(pod_resources_socket, self.follower.client, lambda: [
-            name for name, resource in self.state.resources.items() if resource.strategy == "gpu-memory"])
+            name for name, resource in self.state.resources.items() if resource.strategy == "gpu-memory"],
+            lambda: self.follower.epoch)
         self.endpoints: dict[str, Endpoint] = {}
         self._kubelet_identity: tuple[int, int] | None = None
         self._lock = asyncio.Lock()  # one change to the endpoints at a time

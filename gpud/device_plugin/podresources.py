@@ -3,8 +3,8 @@
 The kubelet is the record of what it allocated (it checkpoints it; the plugin keeps nothing): every
 10 s, and shortly after each Allocate of a gpu-memory resource, List is read from the kubelet's
 pod-resources socket and, for each gpu-memory resource whose holders changed since the last report,
-gpud gets PUT /v1/allocations. A plugin that restarts reports again from List, so gpud's view follows
-the kubelet's. A missing socket or a failing kubelet or gpud is logged (once until it changes) and
+gpud gets PUT /v1/allocations; a gpud that restarted (a new event epoch) gets them again. A plugin
+that restarts reports again from List, so gpud's view follows the kubelet's. A missing socket or a failing kubelet or gpud is logged (once until it changes) and
 tried again next time; the endpoints go on regardless.
 """
 
@@ -46,11 +46,13 @@ def holders(response: podresources_pb.ListPodResourcesResponse, resource: str) -
 
 
 class AllocationReporter:
-    def __init__(self, socket_path: Path, gpud: Client, resources: Callable[[], list[str]]):
+    def __init__(self, socket_path: Path, gpud: Client, resources: Callable[[], list[str]],
+                 gpud_epoch: Callable[[], str | None]):
         self.socket_path = socket_path
         self.gpud = gpud
         self._resources = resources  # the gpu-memory resources gpud has now
-        self._reported: dict[str, list[dict[str, Any]]] = {}  # resource -> holders gpud last accepted
+        self._gpud_epoch = gpud_epoch  # the gpud run the plugin follows
+        self._reported: dict[str, tuple[str | None, list[dict[str, Any]]]] = {}  # resource -> (epoch, holders)
         self._wake = asyncio.Event()
         self._last_problem: str | None = None
 
@@ -77,10 +79,11 @@ class AllocationReporter:
             response = await self._list()
             for resource in resources:
                 found = holders(response, resource)
-                if self._reported.get(resource) != found:
+                epoch = self._gpud_epoch()
+                if self._reported.get(resource) != (epoch, found):
                     body = {"resource": resource, "read_at": time.time(), "pods": found}
                     await asyncio.to_thread(self.gpud.request, "PUT", "/v1/allocations", body)
-                    self._reported[resource] = found
+                    self._reported[resource] = (epoch, found)
                     log.info("allocations_reported", resource=resource, containers=len(found),
                              units=sum(len(p["device_ids"]) for p in found))
         except (grpc.aio.AioRpcError, DaemonUnreachable, ApiFailure) as exc:
