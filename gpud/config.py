@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from gpud.nvml.driver import driver_branch
-from gpud.sharing.config import check_config_name
+from gpud.sharing.config import check_config_name, check_extended_resource_name
 from gpud.yamlfile import compose_yaml, read_yaml_text
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
@@ -170,6 +170,23 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class GpuMemoryConfig:
+    # Advertise GPU memory as a resource for the device plugin, in units of unit_mib: a pod asking for
+    # k units gets k * unit_mib of one device's memory, enforced as an MPS client limit. The devices
+    # covered run MPS daemons (also when mps.enabled is false) whose limits are set per client.
+    enabled: bool = False
+    # The extended resource name pods request, e.g. aliyun.com/gpu-mem as Alibaba's ACK names it.
+    resource: str = field(default="nvidia.com/gpu-memory", metadata={"check": check_extended_resource_name})
+    # MiB in one unit (at least 1). A device offers floor(its memory less what the driver reserves / unit_mib).
+    unit_mib: int = field(default=1024, metadata=_bounded(1, 1 << 30))
+    # "all": every GPU not in MIG mode. Or a list of GPU indices, GPU UUIDs (a GPU in MIG mode: each
+    # of its MIG devices) and MIG device UUIDs: MIG devices are covered only where listed.
+    devices: tuple[str | int, ...] = field(default=("all",), metadata={"or_word": "all"})
+    # Allocate also sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the units' share of the device's memory.
+    proportional_threads: bool = False
+
+
+@dataclass(frozen=True)
 class SharingFileConfig:
     # Time-slicing and MPS replicas in the k8s-device-plugin config format. A missing file: no sharing.
     file: str = "/etc/gpud/sharing.yaml"
@@ -265,6 +282,7 @@ class Config:
     mig: MigConfig = MigConfig()
     mps: MpsConfig = MpsConfig()
     sharing: SharingFileConfig = SharingFileConfig()
+    gpu_memory: GpuMemoryConfig = GpuMemoryConfig()
     health: HealthConfig = HealthConfig()
     metrics: MetricsConfig = MetricsConfig()
     cdi: CdiConfig = CdiConfig()
@@ -481,6 +499,9 @@ def _check_consistency(config: Config, source: str) -> Config:
     if config.mps.pinned_memory_limit_mib is not None and config.mps.pinned_memory_limit_percent is not None:
         raise ConfigError(source, "mps.pinned_memory_limit_percent",
                           "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
+    if not config.gpu_memory.devices:
+        raise ConfigError(source, "gpu_memory.devices", "names no device: give `all` or a list of GPU indices, "
+                                                        "GPU UUIDs and MIG device UUIDs")
     if config.api.admin_reserved_connections >= config.api.max_connections:
         raise ConfigError(source, "api.admin_reserved_connections", "must be less than api.max_connections")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:

@@ -47,6 +47,7 @@ from gpud.processes.monitor import ProcessMonitor
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
+from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.systemd import Notifier, inherited_socket
@@ -83,14 +84,16 @@ class Daemon:
         self.sharing_configs = SharingConfigs(settings.file, settings.configs_dir, settings.default_config,
                                               config.state_path / "sharing-choice.json")
         self.sharing_configs.select(at_start=True)
+        self.gpu_memory = GpuMemory(config.gpu_memory, notify=self.bus.publish)
         self.sharing = SharingView(self.sharing_configs.config, self.sharing_configs.in_force.path,
                                    unhealthy=self._unhealthy_devices, notify=self.bus.publish,
-                                   about=self.sharing_configs.view())
+                                   about=self.sharing_configs.view(), gpu_memory=self.gpu_memory)
         self._sharing_changes = asyncio.Lock()  # a choice, a reload and the directory's poll take turns
         self.kubernetes_agent = KubernetesAgentStatus()
         self.inventory.subscribe(self.sharing.update)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=lambda inventory: mps_replicas(self.sharing.config, inventory),
+                              per_client=self.gpu_memory.per_client_devices,
                               notify=self.bus.publish, restarts_path=config.state_path / "mps-restarts.json")
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,

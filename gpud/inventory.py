@@ -87,6 +87,9 @@ class Gpu:
     error: str | None = None  # what went wrong reading this GPU, if anything
     # Fields NVML refused to this user (NO_PERMISSION), each "field: why"; the rest is read.
     unreadable: tuple[str, ...] = ()
+    # Memory the driver keeps for itself (memory info v2 `reserved`, rounded up to whole MiB): no
+    # process can allocate it. None where the driver has no memory info v2.
+    memory_reserved_mib: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gpud.config import MpsConfig
-from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice
 from gpud.logs import get_logger
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
@@ -72,15 +72,20 @@ def client_env(daemon: DaemonState, memory_mib: int | None = None, threads_perce
             "host_ipc": True}  # MPS clients and the server share memory through /dev/shm
 
 
-def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None
-                  ) -> dict[str, DaemonSpec]:
+def daemon_name(gpu: Gpu, mig: MigDevice | None = None) -> str:
+    """The name of the daemon serving a whole GPU or one MIG device (its pipe directory's name)."""
+    return f"gpu{gpu.index}-gi{mig.gi_id}-ci{mig.ci_id}" if mig else f"gpu{gpu.index}"
+
+
+def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None,
+                  per_client: frozenset[str] = frozenset()) -> dict[str, DaemonSpec]:
     """The daemons the config asks for on this node, by name. replicas (device UUID -> MPS replicas
     from the sharing config) set the limits the mps section leaves unset: each replica gets
-    100/replicas of the SMs and total/replicas of the memory, as the device plugin splits them."""
+    100/replicas of the SMs and total/replicas of the memory, as the device plugin splits them.
+    per_client: device UUIDs that get a daemon whatever the mps section says (gpu_memory covers
+    them), with no default limits: each client is given its own."""
     replicas = replicas or {}
-    if not config.enabled:
-        return {}
-    wanted = {str(d) for d in config.devices}
+    wanted = {str(d) for d in config.devices} if config.enabled else set()
     specs = {}
     for gpu in inventory.gpus:
         if gpu.lost:
@@ -88,20 +93,22 @@ def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, i
         whole = "all" in wanted or str(gpu.index) in wanted or gpu.uuid in wanted
         if gpu.mig.mode == "enabled":
             for dev in gpu.mig.devices:
-                if whole or dev.uuid in wanted:
-                    name = f"gpu{gpu.index}-gi{dev.gi_id}-ci{dev.ci_id}"
+                if whole or dev.uuid in wanted or dev.uuid in per_client:
+                    name = daemon_name(gpu, dev)
                     specs[name] = _spec(config, name, gpu, (dev.uuid,), (dev.memory_total_mib,), (),
-                                        replicas.get(dev.uuid))
-        elif whole:
-            name = f"gpu{gpu.index}"
+                                        replicas.get(dev.uuid), dev.uuid in per_client)
+        elif whole or gpu.uuid in per_client:
+            name = daemon_name(gpu)
             specs[name] = _spec(config, name, gpu, (gpu.uuid,), (gpu.memory_total_mib,), (gpu.index,),
-                                replicas.get(gpu.uuid))
+                                replicas.get(gpu.uuid), gpu.uuid in per_client)
     return specs
 
 
 def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memory: tuple[int, ...],
-          gpu_indices: tuple[int, ...], replicas: int | None) -> DaemonSpec:
-    if config.pinned_memory_limit_mib is not None:
+          gpu_indices: tuple[int, ...], replicas: int | None, per_client: bool) -> DaemonSpec:
+    if per_client:  # each client comes with its own limits (gpu_memory: the device plugin's Allocate)
+        pinned: tuple[int | None, ...] = tuple(None for _ in memory)
+    elif config.pinned_memory_limit_mib is not None:
         pinned = tuple(min(config.pinned_memory_limit_mib, m) for m in memory)
     elif config.pinned_memory_limit_percent is not None:
         pinned = tuple(int(m * config.pinned_memory_limit_percent / 100) for m in memory)
@@ -109,9 +116,12 @@ def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memo
         pinned = tuple(m // replicas for m in memory)
     else:
         pinned = tuple(None for _ in memory)
-    threads = config.active_thread_percentage
-    if threads is None and replicas:
+    if per_client:
+        threads = None
+    elif config.active_thread_percentage is None and replicas:
         threads = float(100 // replicas)  # integer division, as the device plugin does (3 replicas: 33)
+    else:
+        threads = config.active_thread_percentage
     return DaemonSpec(name=name, devices=devices, device_memory_mib=memory, gpu_indices=gpu_indices,
                       parent_uuids=(gpu.uuid,), active_thread_percentage=threads, pinned_mib=pinned)
 
@@ -119,6 +129,7 @@ def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memo
 class MpsManager:
     def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
                  pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None,
+                 per_client: Callable[[Inventory], frozenset[str]] | None = None,
                  notify: Callable[[str, dict], object] = lambda kind, data: None,
                  restarts_path: Path | None = None):
         self.session = session
@@ -131,6 +142,7 @@ class MpsManager:
         self._lock = asyncio.Lock()
         self._checks = 0
         self._replicas = replicas or (lambda inventory: {})
+        self._per_client = per_client or (lambda inventory: frozenset())  # desired_specs' per_client
         self._notify = notify  # the watch stream
         # Restarts by daemon name, kept across gpud restarts: a daemon that keeps dying shows it.
         self._restarts_path = restarts_path
@@ -150,7 +162,7 @@ class MpsManager:
             inventory = self.inventory.current
             if inventory is None:
                 return
-            wanted = desired_specs(self.config, inventory, self._replicas(inventory))
+            wanted = desired_specs(self.config, inventory, self._replicas(inventory), self._per_client(inventory))
             for name in [n for n in self.daemons if n not in wanted]:
                 await self._stop(self.daemons.pop(name), f"no longer configured ({reason})")
             for name, spec in wanted.items():

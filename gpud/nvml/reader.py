@@ -155,6 +155,7 @@ class NodeReader:
             minor_number=optional("minor_number", lambda: nvml.nvmlDeviceGetMinorNumber(handle)),
             numa_node=self._numa_node(nvml, uuid, text(pci.busId)),
             mig=self._read_mig(nvml, handle, _Identity(index, uuid, pci_device_id, memory_mib, driver), optional),
+            memory_reserved_mib=optional("memory_reserved", lambda: _reserved_mib(nvml, handle)),
             unreadable=tuple(unreadable),
         )
 
@@ -254,6 +255,16 @@ class _Identity:
     pci_device_id: str
     memory_mib: int
     driver_version: str
+
+
+def _reserved_mib(nvml: Any, handle: Any) -> int | None:
+    """What the driver reserves of the GPU's memory (nvmlDeviceGetMemoryInfo_v2 `reserved`), rounded up
+    so that what is offered from the rest is never more than there is. None without memory info v2."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is None:
+        return None
+    reserved = nvml.nvmlDeviceGetMemoryInfo(handle, version=version).reserved
+    return -(-reserved // MIB)
 
 
 class _Optional:

@@ -72,6 +72,35 @@ def check_config_name(name: str) -> str:
     return name
 
 
+# Kubernetes' IsQualifiedName (k8s.io/apimachinery pkg/util/validation): the name after the prefix.
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_MAX_QUALIFIED_NAME_LENGTH = 63
+
+
+def check_extended_resource_name(name: str) -> str:
+    """The name, or ValueError saying why Kubernetes refuses it as an extended resource name
+    (k8s.io/kubernetes pkg/apis/core/helper IsExtendedResourceName): <domain>/<name>, not in the
+    kubernetes.io domain (IsNativeResource), not starting with "requests.", and a qualified name
+    once "requests." goes before it, as resource quotas name it."""
+    if "/" not in name:
+        raise ValueError(f"{name[:80]!r} has no domain: an extended resource is named <domain>/<name>, "
+                         "such as nvidia.com/gpu-memory")
+    if "kubernetes.io/" in name:
+        raise ValueError(f"{name[:80]!r} is in the kubernetes.io domain, which is Kubernetes' own")
+    if name.startswith("requests."):
+        raise ValueError(f"{name[:80]!r} starts with 'requests.', which resource quotas put before names")
+    prefix, short = f"requests.{name}".split("/", 1)
+    if "/" in short:
+        raise ValueError(f"{name[:80]!r} has more than one '/'")
+    if len(prefix) > _MAX_DNS_SUBDOMAIN_LENGTH or not _DNS_SUBDOMAIN.fullmatch(prefix):
+        raise ValueError(f"the domain of {name[:80]!r} is not a lower-case DNS subdomain of at most "
+                         f"{_MAX_DNS_SUBDOMAIN_LENGTH - len('requests.')} characters")
+    if len(short) > _MAX_QUALIFIED_NAME_LENGTH or not _QUALIFIED_NAME.fullmatch(short):
+        raise ValueError(f"the name of {name[:80]!r} is not 1-63 letters, digits, '-', '_' or '.' "
+                         "between letters or digits")
+    return name
+
+
 class SharingConfigError(ValueError):
     """A sharing file gpud will not use; the message names the file and the key."""
 

@@ -32,7 +32,7 @@ class _SingleLayoutError(SharingError):
 
 
 @dataclass(frozen=True)
-class _Device:
+class Device:
     """A device a plugin advertises whole: a GPU, or a MIG device on one."""
 
     gpu: Gpu
@@ -63,7 +63,7 @@ class _Device:
 
 
 # Each base resource's devices, each with the sharing entry that replicates it (None: not shared).
-_Assignments = dict[str, list[tuple[_Device, SharedResource | None]]]
+_Assignments = dict[str, list[tuple[Device, SharedResource | None]]]
 
 
 def compute_sharing(config: SharingConfig | None, inventory: Inventory,
@@ -115,25 +115,25 @@ def _active_sharing(config: SharingConfig) -> ReplicatedResources | None:
 # -- base resources, by MIG strategy ---------------------------------------------------------------
 
 
-def _base_resources(mig_strategy: str, gpus: tuple[Gpu, ...]) -> dict[str, list[_Device]]:
+def _base_resources(mig_strategy: str, gpus: tuple[Gpu, ...]) -> dict[str, list[Device]]:
     if mig_strategy == "mixed":
         return _mixed_resources(gpus)
     if mig_strategy == "single" and any(_mig_enabled(gpu) for gpu in gpus):
         return {GPU_RESOURCE: _single_devices(gpus)}
     # none, or single without MIG: whole GPUs, MIG mode or not
-    return {GPU_RESOURCE: [_Device(gpu) for gpu in gpus]}
+    return {GPU_RESOURCE: [Device(gpu) for gpu in gpus]}
 
 
-def _mixed_resources(gpus: tuple[Gpu, ...]) -> dict[str, list[_Device]]:
+def _mixed_resources(gpus: tuple[Gpu, ...]) -> dict[str, list[Device]]:
     """Whole GPUs with MIG off, plus one resource per MIG profile whose compute instance fills its GPU instance."""
-    resources = {GPU_RESOURCE: [_Device(gpu) for gpu in gpus if not _mig_enabled(gpu)]}
+    resources = {GPU_RESOURCE: [Device(gpu) for gpu in gpus if not _mig_enabled(gpu)]}
     for device in _mig_devices(gpus):
         if _fills_gpu_instance(device.mig.profile):
             resources.setdefault(MIG_RESOURCE_PREFIX + _profile_for_names(device.mig.profile), []).append(device)
     return resources
 
 
-def _single_devices(gpus: tuple[Gpu, ...]) -> list[_Device]:
+def _single_devices(gpus: tuple[Gpu, ...]) -> list[Device]:
     """MIG devices as nvidia.com/gpu, refusing the layouts the plugin refuses."""
     disabled = [gpu.index for gpu in gpus if not _mig_enabled(gpu)]
     if disabled:
@@ -151,8 +151,8 @@ def _single_devices(gpus: tuple[Gpu, ...]) -> list[_Device]:
     return devices
 
 
-def _mig_devices(gpus: tuple[Gpu, ...]) -> list[_Device]:
-    return [_Device(gpu, mig) for gpu in gpus if _mig_enabled(gpu) for mig in gpu.mig.devices]
+def _mig_devices(gpus: tuple[Gpu, ...]) -> list[Device]:
+    return [Device(gpu, mig) for gpu in gpus if _mig_enabled(gpu) for mig in gpu.mig.devices]
 
 
 def _mig_enabled(gpu: Gpu) -> bool:
@@ -179,7 +179,7 @@ def _listed(indices: list[int]) -> str:
 # -- sharing ---------------------------------------------------------------------------------------
 
 
-def _assign(base: dict[str, list[_Device]], entries: tuple[SharedResource, ...]) -> _Assignments:
+def _assign(base: dict[str, list[Device]], entries: tuple[SharedResource, ...]) -> _Assignments:
     chosen: dict[str, SharedResource] = {}  # device UUID -> the entry replicating it
     for entry in entries:
         if not base.get(entry.name):
@@ -191,7 +191,7 @@ def _assign(base: dict[str, list[_Device]], entries: tuple[SharedResource, ...])
     return {name: [(device, chosen.get(device.uuid)) for device in devices] for name, devices in base.items()}
 
 
-def _selected(entry: SharedResource, devices: list[_Device]) -> list[_Device]:
+def _selected(entry: SharedResource, devices: list[Device]) -> list[Device]:
     if entry.devices == "all":
         return devices
     if isinstance(entry.devices, int):
@@ -228,7 +228,7 @@ def _below_7_5(gpu: Gpu) -> bool:
 
 def _resources(assignments: _Assignments, config: SharingConfig, unhealthy: frozenset[str]) -> list[dict]:
     """One entry per advertised name (a renamed entry's replicas move to its new name), sorted by name."""
-    members: dict[str, list[tuple[_Device, int]]] = {}
+    members: dict[str, list[tuple[Device, int]]] = {}
     for name, pairs in assignments.items():
         for device, entry in pairs:
             advertised = (entry.rename or name) if entry else name
@@ -239,7 +239,7 @@ def _resources(assignments: _Assignments, config: SharingConfig, unhealthy: froz
             for name, devices in sorted(members.items())]
 
 
-def _resource(name: str, members: list[tuple[_Device, int]], strategy: str, fail_requests: bool,
+def _resource(name: str, members: list[tuple[Device, int]], strategy: str, fail_requests: bool,
               unhealthy: frozenset[str]) -> dict:
     devices = [entry for device, replicas in members for entry in _device_entries(device, replicas, unhealthy)]
     replica_counts = {replicas for _, replicas in members}
@@ -249,8 +249,13 @@ def _resource(name: str, members: list[tuple[_Device, int]], strategy: str, fail
             "count": len(devices), "fail_requests_greater_than_one": shared and fail_requests, "devices": devices}
 
 
-def _device_entries(device: _Device, replicas: int, unhealthy: frozenset[str]) -> list[dict]:
-    healthy = not device.gpu.lost and not {device.uuid, device.gpu.uuid} & unhealthy
+def device_healthy(device: Device, unhealthy: frozenset[str]) -> bool:
+    """A device is served unhealthy when it or its GPU is lost or unhealthy."""
+    return not device.gpu.lost and not {device.uuid, device.gpu.uuid} & unhealthy
+
+
+def _device_entries(device: Device, replicas: int, unhealthy: frozenset[str]) -> list[dict]:
+    healthy = device_healthy(device, unhealthy)
     ids = [device.uuid] if replicas == 1 else [f"{device.uuid}::{n}" for n in range(replicas)]
     return [{"id": id_, "parent": device.gpu.uuid, "gpu_index": device.gpu.index, "replicas": replicas,
              "healthy": healthy} for id_ in ids]
@@ -276,17 +281,17 @@ def _resource_labels(assignments: _Assignments, gpus: tuple[Gpu, ...], strategy:
     elif all(_mig_enabled(gpu) for gpu in gpus):
         # GFD labels MIG-enabled GPUs without sharing, replicas 0 (mig-strategy.go newGPULabelers,
         # NewGPUResourceLabelerWithoutSharing; resource.go getReplicas)
-        labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), [], strategy) | {
+        labels = _labels_for(GPU_RESOURCE, len(gpus), Device(gpus[0]), [], strategy) | {
             f"{GPU_RESOURCE}.replicas": "0"}
     else:  # GFD counts every physical GPU, and describes GPU 0
-        labels = _labels_for(GPU_RESOURCE, len(gpus), _Device(gpus[0]), gpu_pairs, strategy)
+        labels = _labels_for(GPU_RESOURCE, len(gpus), Device(gpus[0]), gpu_pairs, strategy)
     for name, pairs in assignments.items():
         if name.startswith(MIG_RESOURCE_PREFIX):
             labels |= _labels_for(name, len(pairs), pairs[0][0], pairs, strategy)
     return labels
 
 
-def _labels_for(name: str, count: int, described: _Device, pairs: list[tuple[_Device, SharedResource | None]],
+def _labels_for(name: str, count: int, described: Device, pairs: list[tuple[Device, SharedResource | None]],
                 strategy: str) -> dict[str, str]:
     """GFD's labels for one resource. Replicas is the largest replica count among its devices; the
     product gets -SHARED when some device is shared under the resource's own name (not renamed)."""
@@ -324,7 +329,7 @@ def _invalid_single_labels(gpus: tuple[Gpu, ...]) -> dict[str, str]:
     """mig-strategy.go newInvalidMigStrategyLabeler over GFD's GPU labels, whose sharing strategy is
     none: MIG-enabled GPUs are labelled unshared. (Shared MIG-disabled GPUs beside them, where GFD
     would name the strategy, are not modelled.)"""
-    model = _Device(next(gpu for gpu in gpus if _mig_enabled(gpu))).product
+    model = Device(next(gpu for gpu in gpus if _mig_enabled(gpu))).product
     return {f"{GPU_RESOURCE}.product": f"{model}-MIG-INVALID", f"{GPU_RESOURCE}.count": "0",
             f"{GPU_RESOURCE}.replicas": "0", f"{GPU_RESOURCE}.memory": "0",
             f"{GPU_RESOURCE}.sharing-strategy": "none"}

@@ -10,6 +10,7 @@ from gpud.encoding import encode
 from gpud.inventory import Inventory
 from gpud.logs import get_logger
 from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
+from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.resources import SharingError, compute_sharing
 from gpud.sharing.timeslice import apply_time_slice
 
@@ -37,8 +38,10 @@ class SharingView:
     """Recomputes the sharing document whenever the inventory or the sharing config changes."""
 
     def __init__(self, config: SharingConfig | None, source: Path, *, unhealthy: Callable[[], set[str]] = set,
-                 notify: Callable[[str, dict], object] = lambda kind, data: None, about: dict | None = None):
+                 notify: Callable[[str, dict], object] = lambda kind, data: None, about: dict | None = None,
+                 gpu_memory: GpuMemory | None = None):
         self.config = config
+        self.gpu_memory = gpu_memory  # gpud.yaml's gpu_memory: one more resource, beside the sharing config's
         self.source = source
         self.about = about  # which config is in force and why: the document's `config` block
         self.document: dict | None = None
@@ -70,6 +73,8 @@ class SharingView:
                         "error": str(exc)}
         document = {**computed, "source": str(self.source) if self.config else None, "time_slice": self.time_slice,
                     "warnings": list(self.config.warnings) if self.config else [], "config": self.about}
+        if self.gpu_memory:
+            self._add_gpu_memory(document, inventory)
         if document != self.document:
             if self.document is not None:
                 log.info("sharing_changed", reason=reason or "inventory", strategy=document["strategy"],
@@ -81,6 +86,22 @@ class SharingView:
                                      "resources": {r["name"]: r["count"] for r in document["resources"]},
                                      "unhealthy": sum(not d["healthy"] for r in document["resources"]
                                                       for d in r["devices"])})
+
+    def _add_gpu_memory(self, document: dict, inventory: Inventory) -> None:
+        """gpu_memory's resource, label and warnings, whatever the sharing config says (it advertises
+        devices of its own: memory units), unless the sharing config advertises the same name."""
+        gpu_memory = self.gpu_memory
+        gpu_memory.update(inventory)
+        resource = gpu_memory.resource(frozenset(self._unhealthy()))
+        if resource is None:
+            return
+        document["warnings"] = document["warnings"] + gpu_memory.warnings
+        if any(existing["name"] == resource["name"] for existing in document["resources"]):
+            document["warnings"].append(f"gpu_memory.resource: {resource['name']} is also a resource of the sharing "
+                                        "config; it is advertised as the sharing config says")
+            return
+        document["resources"] = document["resources"] + [resource]
+        document["labels"] = dict(sorted((document["labels"] | gpu_memory.labels()).items()))
 
     async def apply_time_slice(self, inventory: Inventory | None) -> None:
         """Sets the configured time-slice length on the GPUs (at start and after a reload)."""

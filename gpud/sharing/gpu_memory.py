@@ -1,0 +1,226 @@
+"""GPU memory as a schedulable resource (gpud.yaml `gpu_memory`), as Alibaba ACK's aliyun.com/gpu-mem
+and HAMi's nvidia.com/gpumem offer it: the devices it covers, the units of unit_mib each offers, the
+/v1/sharing entry that advertises them (one ID per unit), and the allocations the device plugin reports
+from the kubelet. A pod's k units are k * unit_mib of one device's memory, enforced as the MPS client
+limit CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: the covered devices run MPS daemons with no default limits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from gpud.config import GpuMemoryConfig
+from gpud.dcgm_labels import gpu_labels, instance_labels
+from gpud.errors import GpudError
+from gpud.inventory import Inventory
+from gpud.mps.manager import daemon_name
+from gpud.samples import Family
+from gpud.sharing.resources import Device, device_healthy
+
+STRATEGY = "gpu-memory"
+# A report's bounds: a node's units are a few thousand at 1 GiB units (8 GPUs of 141 GiB: 1128);
+# these leave room for small units while keeping a hostile report's cost bounded.
+MAX_REPORTED_IDS = 100_000
+MAX_REPORTED_PODS = 10_000
+MAX_NAME_LENGTH = 253  # Kubernetes' longest namespace, pod or container name is a DNS subdomain
+MAX_ID_LENGTH = 512
+MAX_PROBLEMS_LISTED = 100
+MAX_UNKNOWN_LISTED = 100
+
+
+@dataclass(frozen=True)
+class CoveredDevice:
+    """A device gpu_memory covers, what it offers and the units that make of it."""
+
+    device: Device
+    offered_mib: int
+    units: int
+
+
+def offered_mib(device: Device) -> int:
+    """What a device offers processes: a GPU's memory less what the driver reserves for itself (memory
+    info v2 `reserved`; the whole memory where the driver has no v2, as nothing says how much is kept).
+    A MIG device's memory is its GPU instance's, which NVML gives net of the driver's own."""
+    if device.mig:
+        return device.mig.memory_total_mib
+    return max(device.gpu.memory_total_mib - (device.gpu.memory_reserved_mib or 0), 0)
+
+
+def covered_devices(config: GpuMemoryConfig, inventory: Inventory) -> tuple[list[CoveredDevice], list[str]]:
+    """The devices `devices` selects (`all`: every GPU not in MIG mode; a GPU in MIG mode by its index or
+    UUID: each of its MIG devices; MIG devices by UUID), with their units, and warnings ("key: why") of
+    selectors that match nothing and devices smaller than a unit."""
+    if not config.enabled:
+        return [], []
+    candidates = [Device(gpu) for gpu in inventory.gpus if gpu.mig.mode != "enabled"] + [
+        Device(gpu, mig) for gpu in inventory.gpus if gpu.mig.mode == "enabled" for mig in gpu.mig.devices]
+    selectors = [str(selector) for selector in config.devices]
+    warnings = [f"gpu_memory.devices: {selector!r} matches no GPU or MIG device on this node" for selector in selectors
+                if selector != "all" and not any(device.matches(selector) for device in candidates)]
+    covered = []
+    for device in candidates:
+        if not (("all" in selectors and device.mig is None) or any(device.matches(s) for s in selectors)):
+            continue
+        offered = offered_mib(device)
+        units = offered // config.unit_mib
+        if units == 0:
+            warnings.append(f"gpu_memory.unit_mib: {config.unit_mib} MiB is more than device {device.uuid} offers "
+                            f"({offered} MiB): it gets no units")
+        covered.append(CoveredDevice(device, offered, units))
+    return covered, warnings
+
+
+def unit_ids(covered: CoveredDevice) -> list[str]:
+    return [f"{covered.device.uuid}::{n}" for n in range(covered.units)]
+
+
+class GpuMemory:
+    """gpu_memory as gpud serves it: the devices covered (recomputed with the sharing document, on every
+    inventory or health change) and the allocations the device plugin last reported. Reports are kept
+    in memory only: the kubelet holds the record, and the plugin reports again after a gpud restart."""
+
+    def __init__(self, config: GpuMemoryConfig, notify: Callable[[str, dict], object] = lambda kind, data: None):
+        self.config = config
+        self.covered: list[CoveredDevice] = []
+        self.warnings: list[str] = []
+        self._driver_version = ""
+        self._notify = notify  # the watch stream
+        self._report: dict | None = None  # the last PUT /v1/allocations, with when it came
+
+    def per_client_devices(self, inventory: Inventory) -> frozenset[str]:
+        """Device UUIDs whose MPS daemons gpu_memory needs, with limits set per client."""
+        return frozenset(c.device.uuid for c in covered_devices(self.config, inventory)[0])
+
+    def update(self, inventory: Inventory) -> None:
+        self.covered, self.warnings = covered_devices(self.config, inventory)
+        self._driver_version = inventory.driver_version
+
+    def resource(self, unhealthy: frozenset[str]) -> dict | None:
+        """The /v1/sharing entry: one device per unit, `<device uuid>::<n>`; None when not enabled."""
+        if not self.config.enabled:
+            return None
+        devices = [{"id": id_, "parent": c.device.gpu.uuid, "gpu_index": c.device.gpu.index,
+                    "healthy": device_healthy(c.device, unhealthy), "device": c.device.uuid, "units": c.units,
+                    "mps_daemon": daemon_name(c.device.gpu, c.device.mig)}
+                   for c in self.covered for id_ in unit_ids(c)]
+        return {"name": self.config.resource, "strategy": STRATEGY, "fail_requests_greater_than_one": False,
+                "unit_mib": self.config.unit_mib, "proportional_threads": self.config.proportional_threads,
+                "count": len(devices), "devices": devices}
+
+    def labels(self) -> dict[str, str]:
+        """NFD's label of the memory the node offers as the resource, in MiB (as GFD's <resource>.memory)."""
+        if not self.config.enabled:
+            return {}
+        return {f"{self.config.resource}.total-mib": str(sum(c.units for c in self.covered) * self.config.unit_mib)}
+
+    # -- allocations ---------------------------------------------------------------------------
+
+    def report(self, body: dict) -> dict:
+        """Takes PUT /v1/allocations' body (its top-level types checked by the API): what the device
+        plugin read from the kubelet's PodResources API. GpudError 400 names what is wrong."""
+        if body["resource"] != self.config.resource:
+            raise GpudError(409, "wrong-resource", f"this node advertises GPU memory as "
+                            f"{self.config.resource!r}, not {body['resource'][:80]!r}")
+        read_at = body["read_at"]
+        if not 0 <= read_at < 1e11:
+            raise GpudError(400, "invalid-field", "field 'read_at' must be a Unix time in seconds")
+        pods = body["pods"]
+        if len(pods) > MAX_REPORTED_PODS:
+            raise GpudError(400, "too-many-pods", f"at most {MAX_REPORTED_PODS} pods in a report, got {len(pods)}")
+        holders, ids = [], 0
+        for position, pod in enumerate(pods):
+            holders.append(_holder(pod, position))
+            ids += len(holders[-1]["device_ids"])
+            if ids > MAX_REPORTED_IDS:
+                raise GpudError(400, "too-many-ids", f"at most {MAX_REPORTED_IDS} device IDs in a report")
+        report = {"read_at": float(read_at), "pods": holders}
+        changed = self._report is None or {**self._report, "reported_at": None} != {**report, "reported_at": None}
+        self._report = {**report, "reported_at": time.time()}
+        document = self.view()
+        if changed:
+            self._notify("allocations", {"resource": self.config.resource, "pods": document["node"]["pods"],
+                                         "allocated_mib": document["node"]["allocated_mib"],
+                                         "unknown_ids": len(document["unknown_ids"])})
+        return document
+
+    def view(self) -> dict:
+        """GET /v1/allocations: per covered device what is allocatable and who holds what of it."""
+        unit = self.config.unit_mib
+        by_id = {id_: c for c in self.covered for id_ in unit_ids(c)}
+        held: dict[str, dict[tuple, int]] = {}  # device UUID -> (namespace, pod, container) -> units
+        unknown: list[str] = []
+        pods = set()
+        for holder in (self._report or {}).get("pods", []):
+            who = (holder["namespace"], holder["pod"], holder["container"])
+            for id_ in holder["device_ids"]:
+                covered = by_id.get(id_)
+                if covered is None:
+                    unknown.append(id_)
+                    continue
+                owners = held.setdefault(covered.device.uuid, {})
+                owners[who] = owners.get(who, 0) + 1
+                pods.add(who[:2])
+        devices = [self._device_view(c, held.get(c.device.uuid, {})) for c in self.covered]
+        problems = list(self.warnings)
+        problems += [f"{d['device']}: {d['allocated_units']} units allocated of {d['allocatable_units']}"
+                     for d in devices if d["allocated_units"] > d["allocatable_units"]]
+        if unknown:
+            problems.append(f"{len(unknown)} reported device IDs are no unit of {self.config.resource} on this node")
+        return {"resource": self.config.resource, "enabled": self.config.enabled, "unit_mib": unit,
+                "reported_at": self._report["reported_at"] if self._report else None,
+                "read_at": self._report["read_at"] if self._report else None, "devices": devices,
+                "node": {"allocatable_mib": sum(d["allocatable_mib"] for d in devices),
+                         "allocated_mib": sum(d["allocated_mib"] for d in devices), "pods": len(pods)},
+                "unknown_ids": unknown[:MAX_UNKNOWN_LISTED], "unknown_id_count": len(unknown),
+                "problems": problems[:MAX_PROBLEMS_LISTED]}
+
+    def _device_view(self, covered: CoveredDevice, owners: dict[tuple, int]) -> dict:
+        unit, device = self.config.unit_mib, covered.device
+        allocated = sum(owners.values())
+        return {"device": device.uuid, "gpu_index": device.gpu.index, "mig": device.mig is not None,
+                "total_mib": device.mig.memory_total_mib if device.mig else device.gpu.memory_total_mib,
+                "offered_mib": covered.offered_mib, "allocatable_units": covered.units,
+                "allocatable_mib": covered.units * unit, "allocated_units": allocated, "allocated_mib": allocated * unit,
+                "holders": [{"namespace": ns, "pod": pod, "container": container, "units": units, "mib": units * unit}
+                            for (ns, pod, container), units in sorted(owners.items())]}
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Family]:
+        """Per covered device the memory allocatable as the resource and the memory allocated, in bytes."""
+        allocatable = Family("gpud_gpu_memory_allocatable_bytes",
+                             "GPU memory the device offers as the gpu_memory resource (whole units).", "gauge")
+        allocated = Family("gpud_gpu_memory_allocated_bytes",
+                           "GPU memory of the gpu_memory resource the kubelet allocated to containers, "
+                           "as the device plugin last reported it.", "gauge")
+        view = {d["device"]: d for d in self.view()["devices"]}
+        for covered in self.covered:
+            device = covered.device
+            labels = gpu_labels(device.gpu, self._driver_version)
+            if device.mig:
+                labels = instance_labels(labels, device.gpu, device.mig)
+            allocatable.add(labels, view[device.uuid]["allocatable_mib"] << 20)
+            allocated.add(labels, view[device.uuid]["allocated_mib"] << 20)
+        yield allocatable
+        yield allocated
+
+
+def _holder(pod: Any, position: int) -> dict:
+    where = f"pods[{position}]"
+    if not isinstance(pod, dict):
+        raise GpudError(400, "invalid-field", f"{where} must be an object")
+    unknown = sorted(set(pod) - {"namespace", "pod", "container", "device_ids"})
+    if unknown:
+        raise GpudError(400, "unknown-field", f"{where}: unknown field(s) {', '.join(unknown)[:200]}")
+    for key in ("namespace", "pod", "container"):
+        value = pod.get(key)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_LENGTH:
+            raise GpudError(400, "invalid-field", f"{where}.{key} must be a string of 1 to {MAX_NAME_LENGTH} "
+                                                  "characters")
+    ids = pod.get("device_ids")
+    if not isinstance(ids, list) or not all(isinstance(id_, str) and 0 < len(id_) <= MAX_ID_LENGTH for id_ in ids):
+        raise GpudError(400, "invalid-field", f"{where}.device_ids must be a list of strings of 1 to "
+                                              f"{MAX_ID_LENGTH} characters")
+    return {"namespace": pod["namespace"], "pod": pod["pod"], "container": pod["container"], "device_ids": ids}
