@@ -70,7 +70,7 @@ class Node:
             self.plugin = subprocess.Popen(
                 [sys.executable, "-m", "gpud", "device-plugin", "--socket", str(self.gpud.socket), "--kubelet-dir",
                  str(self.kubelet_dir), "--unhealthy-after", str(unhealthy_after), "--log-format", "json",
-                 *strategy_args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                 "--pod-resources-socket", str(self.kubelet.pod_resources_socket), *strategy_args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def start_gpud(self) -> GpudProcess:
         gpud = GpudProcess(self.tmp, *self.gpud_args)

@@ -3,7 +3,9 @@ units on one GPU or MIG device, capped by that device's MPS daemon; and which po
 read from the kubelet's PodResources API and reported to gpud.
 
 The unit-level tests take a GET /v1/sharing document in the shape gpud's gpu-memory resource has
-(one device entry per unit: `<device uuid>::<n>`, with `units` of its device and its `mps_daemon`)."""
+(one device entry per unit: `<device uuid>::<n>`, with `units` of its device and its `mps_daemon`);
+the end-to-end ones run gpud on a simulated node with NVIDIA's real nvidia-cuda-mps-control, the
+plugin as its own process and the kubelet stand-in (test_device_plugin.py's Node)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import json
 
 import grpc
 import pytest
+from helpers import running_daemons
 from kubelet_stand_in import Kubelet
+from test_device_plugin import Node
 
 from gpud.client import Client
 from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate, preferred
@@ -165,3 +169,47 @@ def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_repo
         assert reporter._reported == {}
     finally:
         kubelet.stop()
+
+
+# -- end to end: gpud, the plugin and the kubelet stand-in --------------------------------------------
+
+
+@pytest.fixture
+def gpu_memory_node(mps_tmp):
+    # envvar: with gpu_memory enabled, gpud (g23-daemon 4c4b80b) has not written its CDI spec yet; the
+    # CDI names are the unit tests'
+    node = Node(mps_tmp, "A100-SXM4-80GB:2", "version: v1\n", strategy="envvar",
+                config=f"gpu_memory:\n  enabled: true\nmps:\n  pipe_root: {mps_tmp / 'mps'}\n"
+                       f"  log_root: {mps_tmp / 'mpslog'}\n")
+    yield node
+    node.close()
+
+
+@pytest.mark.slow
+def test_gpu_memory_units_are_listed_preferred_and_allocated_on_one_device(gpu_memory_node):
+    node = gpu_memory_node
+    daemons = {d["devices"][0]: d for d in running_daemons(node.gpud, 2)}
+    gpus = node.gpud.client.get("/v1/gpus")["gpus"]
+    ids = node.sharing_ids(RESOURCE)
+    assert len(ids) == 2 * 79  # 80 GiB less the driver's reserve, in 1 GiB units, on each GPU
+    node.kubelet.frame_where(RESOURCE, lambda f: [i for i, _ in f] == ids, what="one device per unit")
+    assert node.kubelet.options[RESOURCE].get_preferred_allocation_available
+
+    gpu0, gpu1 = (gpu["uuid"] for gpu in gpus)
+    taken = [f"{gpu0}::{n}" for n in range(70)]  # GPU 0 has 9 units left, GPU 1 all 79
+    available = [i for i in ids if i not in taken]
+    chosen = node.kubelet.preferred(RESOURCE, available, 7)
+    assert chosen == [f"{gpu0}::{n}" for n in range(70, 77)]  # the fullest device that holds 7
+    assert {i.split("::")[0] for i in node.kubelet.preferred(RESOURCE, available, 12)} == {gpu1}
+
+    given = node.deadline_allocate(RESOURCE, chosen)  # once the plugin has read the MPS daemons
+    client_env = node.gpud.client.get(f"/v1/mps/{daemons[gpu0]['name']}/client-env")
+    assert dict(given.envs) == {**client_env["env"], "NVIDIA_VISIBLE_DEVICES": gpu0, "CUDA_VISIBLE_DEVICES": gpu0,
+                                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=7168M"}
+    assert [(m.host_path, m.container_path, m.read_only) for m in given.mounts] == [
+        (m["source"], m["target"], m["read_only"]) for m in client_env["mounts"]] + [("/dev/shm", "/dev/shm", False)]
+
+    with pytest.raises(grpc.RpcError) as spanning:
+        node.kubelet.allocate(RESOURCE, [f"{gpu0}::78", f"{gpu1}::0"])
+    assert spanning.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert gpu0 in spanning.value.details() and gpu1 in spanning.value.details()
