@@ -63,6 +63,7 @@ class Kubelet:
         self.options: dict[str, pb.DevicePluginOptions] = {}
         self.frames: dict[str, list[list[tuple[str, str]]]] = {}
         self.frame_times: dict[str, list[float]] = {}
+        self.frame_bytes: dict[str, list[int]] = {}  # each frame's encoded size (the kubelet's limit is 4 MiB)
         self.devices: dict[str, dict[str, str]] = {}  # resource -> ID -> health, as the device manager holds them
         self.numa: dict[str, dict[str, list[int]]] = {}  # resource -> ID -> its NUMA nodes (Device.topology)
         self.streams_ended: dict[str, int] = {}
@@ -175,6 +176,7 @@ class Kubelet:
                 with self._changed:
                     self.frames.setdefault(resource, []).append([(d.ID, d.health) for d in frame.devices])
                     self.frame_times.setdefault(resource, []).append(time.monotonic())
+                    self.frame_bytes.setdefault(resource, []).append(frame.ByteSize())
                     self.devices[resource] = {d.ID: d.health for d in frame.devices}
                     self.numa[resource] = {d.ID: [n.ID for n in d.topology.nodes] for d in frame.devices}
                     self._changed.notify_all()
