@@ -23,6 +23,8 @@ behaviour names the source it copies, and none is kinder than the kubelet:
   (pkg/kubelet/cm/container_manager_linux.go containerDevicesFromResourceDeviceInstances). Here a pod
   is active from its first Allocate until remove_pod (the kubelet lists only the containers of a pod's
   spec; the stand-in knows those it allocated to). Get and GetAllocatableResources are not served.
+  Calls beyond 100 a second (a burst of 10) are refused RESOURCE_EXHAUSTED "rejected by rate limit"
+  (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS, DefaultBurstTokens).
 """
 
 from __future__ import annotations
@@ -40,6 +42,26 @@ from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, podresources_pb, podr
 SUPPORTED_VERSIONS = ("v1beta1",)  # k8s.io/kubelet pkg/apis/deviceplugin/v1beta1/constants.go
 DIAL_TIMEOUT_S = 10.0  # client.go dial
 CHECKPOINT = "kubelet_internal_checkpoint"  # devicemanager's checkpoint file, kept by CleanupPluginDirectory
+POD_RESOURCES_QPS, POD_RESOURCES_BURST = 100, 10  # podresources/grpc/ratelimit.go
+
+
+class TokenBucket:
+    """golang.org/x/time/rate Limiter.Allow: `rate` tokens a second, at most `burst` held."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
 
 
 def extended_resource_name(name: str) -> bool:
@@ -94,8 +116,12 @@ class Kubelet:
         self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
         self._server.start()
 
+        limiter = TokenBucket(POD_RESOURCES_QPS, POD_RESOURCES_BURST)
+
         class PodResourcesLister(podresources_rpc.PodResourcesListerServicer):
             def List(self, request, context):
+                if not limiter.allow():
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
                 return kubelet._list_pod_resources()
 
         self._pod_resources_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))

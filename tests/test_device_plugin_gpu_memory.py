@@ -162,6 +162,12 @@ def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_repo
         assert (pod.namespace, pod.name, container.name) == ("ml", "train", "main")
         assert (devices.resource_name, list(devices.device_ids), [n.ID for n in devices.topology.nodes]) == (
             RESOURCE, ["GPU-0::0"], [1])
+        # the kubelet's rate limit (100 calls a second, a burst of 10): 50 calls at once cannot all pass
+        with grpc.insecure_channel(f"unix://{kubelet.pod_resources_socket}") as channel:
+            calls = [podresources_rpc.PodResourcesListerStub(channel).List.future(
+                podresources_pb.ListPodResourcesRequest(), timeout=5) for _ in range(50)]
+            codes = [call.code() for call in calls]
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
         # the kubelet answers, gpud does not: tried again next time, nothing recorded as reported
         reporter = AllocationReporter(kubelet.pod_resources_socket, Client(short_tmp / "no-gpud.sock"),
                                       lambda: [RESOURCE], lambda: None)
@@ -176,18 +182,25 @@ def test_the_stand_ins_list_without_a_kubelet_socket_is_unavailable_and_the_repo
 
 @pytest.fixture
 def gpu_memory_node(mps_tmp):
-    # envvar: with gpu_memory enabled, gpud (g23-daemon 4c4b80b) has not written its CDI spec yet; the
-    # CDI names are the unit tests'
-    node = Node(mps_tmp, "A100-SXM4-80GB:2", "version: v1\n", strategy="envvar",
-                config=f"gpu_memory:\n  enabled: true\nmps:\n  pipe_root: {mps_tmp / 'mps'}\n"
-                       f"  log_root: {mps_tmp / 'mpslog'}\n")
-    yield node
-    node.close()
+    """gpud with gpu_memory (`devices`: its setting, e.g. "[1]"), the plugin and the kubelet stand-in."""
+    nodes = []
+
+    def make(preset: str, devices: str = "all") -> Node:
+        # envvar: with gpu_memory enabled, gpud (g23-daemon 4c4b80b) has not written its CDI spec yet; the
+        # CDI names are the unit tests'
+        nodes.append(Node(mps_tmp, preset, "version: v1\n", strategy="envvar",
+                          config=f"gpu_memory:\n  enabled: true\n  devices: {devices}\n"
+                                 f"mps:\n  pipe_root: {mps_tmp / 'mps'}\n  log_root: {mps_tmp / 'mpslog'}\n"))
+        return nodes[-1]
+
+    yield make
+    for node in nodes:
+        node.close()
 
 
 @pytest.mark.slow
 def test_gpu_memory_units_are_listed_preferred_and_allocated_on_one_device(gpu_memory_node):
-    node = gpu_memory_node
+    node = gpu_memory_node("A100-SXM4-80GB:2")
     daemons = {d["devices"][0]: d for d in running_daemons(node.gpud, 2)}
     gpus = node.gpud.client.get("/v1/gpus")["gpus"]
     ids = node.sharing_ids(RESOURCE)
@@ -213,3 +226,17 @@ def test_gpu_memory_units_are_listed_preferred_and_allocated_on_one_device(gpu_m
         node.kubelet.allocate(RESOURCE, [f"{gpu0}::78", f"{gpu1}::0"])
     assert spanning.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert gpu0 in spanning.value.details() and gpu1 in spanning.value.details()
+
+
+@pytest.mark.slow
+def test_a_mig_change_re_advertises_the_units_of_the_new_devices(gpu_memory_node):
+    node = gpu_memory_node("A100-SXM4-40GB:2", devices="[1]")  # GPU 1, and its MIG devices once it has them
+    before = node.sharing_ids(RESOURCE)
+    node.kubelet.frame_where(RESOURCE, lambda f: [i for i, _ in f] == before, what="GPU 1's units")
+    status, _ = node.gpud.client.request("PUT", "/v1/mig?wait=true", {"layout": "all-1g.5gb"})
+    assert status == 200
+    migs = {m["uuid"] for m in node.gpud.client.get("/v1/gpus")["gpus"][1]["mig"]["devices"]}
+    frame = node.kubelet.frame_where(RESOURCE, lambda f: {i.split("::")[0] for i, _ in f} == migs,
+                                     what="the MIG devices' units")
+    assert [i for i, _ in frame] == node.sharing_ids(RESOURCE)
+    assert node.kubelet.registered(RESOURCE) == 1  # the same endpoint, new devices
