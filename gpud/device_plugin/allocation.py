@@ -88,8 +88,10 @@ def _gpu_memory(state: NodeState, resource: Resource, devices: list[PluginDevice
     allocation = _named(state, resource, devices, targets, strategies)
     _add_mps_client(allocation, _mps_client(state, resource, targets))
     units = len({d.id for d in devices})
-    # CUDA takes a GPU's or a MIG device's UUID (MIG-<uuid>) in CUDA_VISIBLE_DEVICES since CUDA 11.1 / R470;
-    # the UUID, not an index, stays right however the runtime numbers the container's devices
+    # CUDA_VISIBLE_DEVICES takes UUIDs as `nvidia-smi -L` prints them (CUDA Programming Guide, CUDA
+    # environment variables): GPU-<uuid>, and a MIG device's MIG-<uuid> (the form drivers since R470 print
+    # and NVML reports). A UUID, unlike an index, stays right however the runtime numbers the container's
+    # devices, and MPS's guide recommends UUIDs for its clients for the same reason.
     allocation.envs["CUDA_VISIBLE_DEVICES"] = target
     allocation.envs[PINNED_MEMORY_LIMIT] = f"0={units * resource.unit_mib}M"
     if resource.proportional_threads:
