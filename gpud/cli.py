@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
     watch.add_argument("--epoch", help="the gpud run that sequence number is of (each event's 'epoch'): "
                                        "after a restart, gpud says so and replays the new run from its start")
-    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory,kubernetes")
+    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory,kubernetes,allocations")
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
@@ -329,6 +329,9 @@ def _add_sharing(commands: Any) -> None:
     which.add_argument("name", nargs="?", help="the config's name (its file in sharing.configs_dir)")
     which.add_argument("--default", action="store_true", help="back to sharing.default_config")
     use.add_argument("--reason", help="why, kept with the choice and shown by gpud sharing")
+    _add_client(sub, "allocations", cli_client.sharing_allocations,
+                "gpu_memory's units per device: allocated/total GiB and the pods holding them, as the device "
+                "plugin reported the kubelet allocated them (exit 1 on a problem)")
     validate = sub.add_parser(
         "validate", help="check a device-plugin sharing file (exit 0 valid, 2 invalid)")
     validate.add_argument("path", type=Path)

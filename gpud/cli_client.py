@@ -495,12 +495,44 @@ def sharing(args: argparse.Namespace, client: Client) -> int:
     rows = [("RESOURCE", "STRATEGY", "REPLICAS", "COUNT", "HEALTHY")]
     for resource in view["resources"]:
         healthy = sum(d["healthy"] for d in resource["devices"])
-        replicas = "mixed" if resource["replicas"] is None else str(resource["replicas"])
+        if resource["strategy"] == "gpu-memory":  # gpu_memory's units, not replicas
+            replicas = f"{resource['unit_mib']} MiB units"
+        else:
+            replicas = "mixed" if resource["replicas"] is None else str(resource["replicas"])
         rows.append((resource["name"], resource["strategy"], replicas, str(resource["count"]), str(healthy)))
     print(table(rows))
     for text in view.get("warnings", []):
         warn(text)
     return EXIT_PROBLEM if view["error"] else EXIT_OK
+
+
+def sharing_allocations(args: argparse.Namespace, client: Client) -> int:
+    """gpu_memory's units per device, allocated of allocatable in GiB, as kubectl inspect cgpu shows them."""
+    view = client.get("/v1/allocations")
+    if args.json:
+        print_json(view)
+        return EXIT_PROBLEM if view["problems"] else EXIT_OK
+    if not view["enabled"]:
+        print(f"gpu_memory is not enabled (gpud.yaml gpu_memory.enabled); resource {view['resource']}")
+        return EXIT_OK
+    reported = "never (the device plugin has not reported)" if view["reported_at"] is None else \
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view["reported_at"]))
+    print(f"resource: {view['resource']}  unit: {view['unit_mib']} MiB  reported: {reported}")
+    rows = [("DEVICE", "ALLOCATED/TOTAL (GiB)", "PODS")]
+    for device in view["devices"]:
+        name = f"GPU {device['gpu_index']}" + (f" {device['device']}" if device["mig"] else "")
+        pods = len({(h["namespace"], h["pod"]) for h in device["holders"]})
+        rows.append((name, f"{_gib(device['allocated_mib'])}/{_gib(device['allocatable_mib'])}", str(pods)))
+    node = view["node"]
+    rows.append(("node", f"{_gib(node['allocated_mib'])}/{_gib(node['allocatable_mib'])}", str(node["pods"])))
+    print(table(rows))
+    for problem in view["problems"]:
+        warn(problem)
+    return EXIT_PROBLEM if view["problems"] else EXIT_OK
+
+
+def _gib(mib: int) -> str:
+    return f"{round(mib / 1024, 1):g}"
 
 
 def sharing_use(args: argparse.Namespace, client: Client) -> int:

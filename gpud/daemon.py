@@ -23,7 +23,7 @@ from gpud.api.mps import MpsRoutes
 from gpud.api.nfd import NfdRoutes
 from gpud.api.reload import ReloadRoute
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
-from gpud.api.sharing import SharingRoutes
+from gpud.api.sharing import AllocationRoutes, SharingRoutes
 from gpud.api.sim import SimRoutes, register_not_simulated
 from gpud.cdi.writer import CdiWriter, remove_spec
 from gpud.config import Config, ConfigError
@@ -132,6 +132,7 @@ class Daemon:
         self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
+                                     "gpu_memory": self.gpu_memory,
                                      "latency": self.latency, "processes": self.processes},
                                     # what makes a cached render stale before its max age
                                     changes=lambda: (self.bus.sequence, self.health.readings, self.processes.current))
@@ -144,6 +145,7 @@ class Daemon:
                                                        self.processes).register,
             MpsRoutes(self.mps).register,
             SharingRoutes(self.sharing, self.choose_sharing_config, body_timeout_s).register,
+            AllocationRoutes(self.gpu_memory, body_timeout_s).register,
             KubernetesRoutes(lambda: self.config.kubernetes, self.kubernetes_agent, body_timeout_s).register,
             NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi).register,

@@ -20,6 +20,8 @@ def test_readers_read_admins_change_others_cannot_connect(run_gpud, short_tmp, u
     for method, path, body in (("POST", "/v1/reload", None), ("POST", "/v1/health/0/clear", {}),
                                ("POST", "/v1/sim/xid", {"gpu": 0, "xid": 79}),
                                ("PUT", "/v1/sharing/config", {"name": "six"}),
+                               ("PUT", "/v1/allocations", {"resource": "nvidia.com/gpu-memory", "read_at": 1,
+                                                           "pods": []}),
                                ("PUT", "/v1/kubernetes/agent", {"node": "gpu-7"})):
         assert curl_as("gpudt-reader", gpud.socket, method, path, body)[0] == 403, path
 
@@ -29,6 +31,10 @@ def test_readers_read_admins_change_others_cannot_connect(run_gpud, short_tmp, u
     assert curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/kubernetes/agent", {"node": "gpu-7"})[0] == 200
     # past the admin check: this gpud has no sharing.configs_dir to choose from
     assert curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/sharing/config", {"name": "six"})[0] == 409
+    # past the admin check: this gpud has no gpu_memory to report allocations of
+    assert curl_as("gpudt-admin", gpud.socket, "PUT", "/v1/allocations",
+                   {"resource": "nvidia.com/gpu-memory", "read_at": 1, "pods": []})[0] == 409
+    assert curl_as("gpudt-reader", gpud.socket, "GET", "/v1/allocations")[0] == 200
     assert curl_as("gpudt-reader", gpud.socket, "GET", "/v1/kubernetes")[0] == 200
 
     assert curl_as("gpudt-other", gpud.socket, "GET", "/v1/gpus")[0] == 0  # the socket refuses the connection

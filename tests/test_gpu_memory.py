@@ -5,10 +5,11 @@ them, MIG devices only where listed, and the allocations the device plugin repor
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
-from helpers import mig_config, put_layout, start_daemon, stop_daemon
+from helpers import answer_until, cli, mig_config, put_layout, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.config import ConfigError, parse_config
@@ -144,5 +145,123 @@ async def test_mig_devices_are_covered_only_where_listed_and_a_mig_change_re_adv
         _, view = await node.get("/v1/sharing")
         assert {d["device"] for d in gpu_memory_resource(view)["devices"]} == {gpu1["uuid"]}
         assert await running_daemon_names(node, 1) == ["gpu1"]
+    finally:
+        await stop_daemon(node)
+
+
+# -- allocations -----------------------------------------------------------------------------------
+
+
+async def put_allocations(node, body, raw: bytes | None = None):
+    kwargs = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
+    async with node.http.put("http://localhost/v1/allocations", **kwargs) as response:
+        return response.status, await response.json()
+
+
+async def test_allocations_round_trip_with_metrics_labels_and_a_watch_event(short_tmp):
+    config = gpu_memory_config(short_tmp, "A100-SXM4-80GB:2", resource="aliyun.com/gpu-mem")
+    node = await start_daemon(config.with_overrides(**{"mps.control_binary": str(short_tmp / "absent")}))
+    try:
+        status, before = await node.get("/v1/allocations")
+        assert status == 200
+        assert_matches_openapi("GET", "/v1/allocations", 200, before)
+        assert before["reported_at"] is None and all(d["holders"] == [] for d in before["devices"])
+        units = expected_units("A100-SXM4-80GB:1", 1024)
+        assert [d["allocatable_units"] for d in before["devices"]] == [units, units]
+        _, sharing = await node.get("/v1/sharing")
+        ids = [d["id"] for d in gpu_memory_resource(sharing)["devices"]]
+        gpu0 = before["devices"][0]["device"]
+        report = {"resource": "aliyun.com/gpu-mem", "read_at": 1_790_000_000.5, "pods": [
+            {"namespace": "ml", "pod": "train-0", "container": "main", "device_ids": ids[:7]},
+            {"namespace": "ml", "pod": "infer-1", "container": "main", "device_ids": [*ids[7:9], "GPU-gone::3"]}]}
+        status, after = await put_allocations(node, report)
+        assert status == 200, after
+        assert_matches_openapi("PUT", "/v1/allocations", 200, after)
+        _, got = await node.get("/v1/allocations")
+        assert got == after and got["read_at"] == 1_790_000_000.5 and got["reported_at"] is not None
+        first = got["devices"][0]
+        assert first["device"] == gpu0 and first["allocated_units"] == 9 and first["allocated_mib"] == 9 * 1024
+        assert first["holders"] == [
+            {"namespace": "ml", "pod": "infer-1", "container": "main", "units": 2, "mib": 2048},
+            {"namespace": "ml", "pod": "train-0", "container": "main", "units": 7, "mib": 7 * 1024}]
+        assert got["node"] == {"allocatable_mib": 2 * units * 1024, "allocated_mib": 9 * 1024, "pods": 2}
+        assert got["unknown_ids"] == ["GPU-gone::3"] and got["unknown_id_count"] == 1
+        assert any("1 reported device IDs" in p for p in got["problems"])
+
+        async with node.http.get("http://localhost/metrics") as response:
+            metrics = await response.text()
+        allocated = [line for line in metrics.splitlines() if line.startswith("gpud_gpu_memory_allocated_bytes{")]
+        assert len(allocated) == 2
+        assert any(f'UUID="{gpu0}"' in line and line.endswith(f" {9 * 1024 << 20}") for line in allocated)
+        assert 'modelName="NVIDIA A100-SXM4-80GB"' in allocated[0] and 'gpu="0"' in allocated[0]
+        assert metrics.count("gpud_gpu_memory_allocatable_bytes{") == 2
+
+        async with node.http.get("http://localhost/v1/watch?since=0&types=allocations") as response:
+            line = await asyncio.wait_for(response.content.readline(), 5)
+        event = json.loads(line)
+        assert event["type"] == "allocations" and event["data"]["pods"] == 2
+
+        shown = await asyncio.to_thread(cli, "sharing", "allocations", socket=config.socket_path)
+        lines = shown.stdout.splitlines()
+        assert lines[1].split() == ["DEVICE", "ALLOCATED/TOTAL", "(GiB)", "PODS"], shown.stdout
+        assert lines[2].split() == ["GPU", "0", f"9/{units}", "2"] and lines[3].split() == ["GPU", "1", f"0/{units}", "0"]
+        assert lines[4].split() == ["node", f"9/{2 * units}", "2"]
+        assert shown.returncode == 1 and "GPU-gone" not in shown.stdout  # the unknown ID is a problem, counted
+        as_json = await asyncio.to_thread(cli, "sharing", "allocations", "--json", socket=config.socket_path)
+        assert json.loads(as_json.stdout)["node"] == got["node"]
+
+        label = "aliyun.com/gpu-mem.total-mib"
+        _, nfd = await answer_until(node, "/v1/nfd", lambda _, body: label in body["labels"])
+        assert nfd["labels"][label] == str(2 * units * 1024)
+    finally:
+        await stop_daemon(node)
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    ({"resource": RESOURCE, "read_at": "now", "pods": []}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": {}}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1}, "missing-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [], "extra": 1}, "unknown-field"),
+    ({"resource": RESOURCE, "read_at": -5, "pods": []}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": ["ml/train"]}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "ml", "pod": "p", "container": "c"}]},
+     "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "ml", "pod": "p", "container": "c",
+                                                    "device_ids": [7]}]}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "", "pod": "p", "container": "c",
+                                                    "device_ids": []}]}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "n" * 254, "pod": "p", "container": "c",
+                                                    "device_ids": []}]}, "invalid-field"),
+    ({"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "ml", "pod": "p", "container": "c",
+                                                    "device_ids": [], "uid": "x"}]}, "unknown-field"),
+    ({"resource": "nvidia.com/gpu", "read_at": 1, "pods": []}, "wrong-resource"),
+])
+async def test_hostile_allocation_reports_are_refused_and_change_nothing(short_tmp, body, code):
+    config = gpu_memory_config(short_tmp, "t4").with_overrides(**{"mps.control_binary": str(short_tmp / "absent")})
+    node = await start_daemon(config)
+    try:
+        status, answer = await put_allocations(node, body)
+        assert status in (400, 409) and answer["error"]["code"] == code, answer
+        _, view = await node.get("/v1/allocations")
+        assert view["reported_at"] is None
+    finally:
+        await stop_daemon(node)
+
+
+async def test_huge_allocation_reports_are_refused(short_tmp):
+    config = gpu_memory_config(short_tmp, "t4").with_overrides(**{"mps.control_binary": str(short_tmp / "absent")})
+    node = await start_daemon(config)
+    try:
+        pod = {"namespace": "ml", "pod": "p", "container": "c", "device_ids": ["x"] * 60_000}
+        status, answer = await put_allocations(node, {"resource": RESOURCE, "read_at": 1, "pods": [pod, pod]})
+        assert status == 400 and answer["error"]["code"] in ("too-many-ids", "body-too-complex"), answer
+        many = {"resource": RESOURCE, "read_at": 1, "pods": [{"namespace": "n", "pod": f"p{i}", "container": "c",
+                                                              "device_ids": []} for i in range(10_001)]}
+        status, answer = await put_allocations(node, many)
+        assert status == 400 and answer["error"]["code"] in ("too-many-pods", "body-too-complex"), answer
+        status, answer = await put_allocations(node, None, raw=b'{"pods": [' + b"[]," * 300_000 + b"[]]}")
+        assert status in (400, 413), answer
+        _, view = await node.get("/v1/allocations")
+        assert view["reported_at"] is None
     finally:
         await stop_daemon(node)

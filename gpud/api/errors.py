@@ -26,7 +26,8 @@ MAX_BODY_DEPTH = 32
 # json's C parser holds the GIL for the whole parse, on a parser thread too: a 1 MiB body of empty
 # lists stops the event loop for ~55 ms. No route takes more than a few hundred values (an inline
 # config is one string), so a body with more brackets and commas than this (strings' own included:
-# a cheap count, not a parse) is refused before it is parsed; parsing this many takes ~3 ms.
+# a cheap count, not a parse) is refused before it is parsed; parsing this many takes ~3 ms. PUT
+# /v1/allocations, a list of device IDs, sets its own bounds.
 MAX_BODY_VALUES = 50_000
 # One kind of request error is logged at most this many times a window (see RequestErrorLog).
 REQUEST_ERRORS_LOGGED = 5
@@ -111,12 +112,14 @@ def _too_deep() -> ApiError:
     return ApiError(400, "invalid-json", f"the request body nests lists or objects more than {MAX_BODY_DEPTH} deep")
 
 
-async def read_json_object(request: web.Request, timeout_s: float, fields: dict[str, tuple]) -> dict:
+async def read_json_object(request: web.Request, timeout_s: float, fields: dict[str, tuple], *,
+                           limit: int = MAX_BODY_BYTES, max_values: int = MAX_BODY_VALUES) -> dict:
     """The request body as a JSON object whose keys are in `fields` (name -> accepted types).
 
     A key whose types include None is optional. Unknown keys are refused, so a typo never passes silently.
+    limit and max_values: for the one route whose body is a list of many IDs (PUT /v1/allocations).
     """
-    return await off_the_loop(_json_object, await _read_body(request, timeout_s, MAX_BODY_BYTES), fields)
+    return await off_the_loop(_json_object, await _read_body(request, timeout_s, limit), fields, max_values)
 
 
 async def read_any_json_object(request: web.Request, timeout_s: float, limit: int) -> dict:
@@ -143,9 +146,9 @@ async def _read_body(request: web.Request, timeout_s: float, limit: int) -> byte
     return raw
 
 
-def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
+def _json_object(raw: bytes, fields: dict[str, tuple], max_values: int) -> dict:
     """read_json_object's parse and checks, on a body-parser thread."""
-    body = _parsed_object(raw)
+    body = _parsed_object(raw, max_values)
     unknown = sorted(set(body) - set(fields))
     if unknown:
         raise ApiError(400, "unknown-field", f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(fields)}")
@@ -161,13 +164,14 @@ def _json_object(raw: bytes, fields: dict[str, tuple]) -> dict:
     return body
 
 
-def _parsed_object(raw: bytes) -> dict:
+def _parsed_object(raw: bytes, max_values: int = MAX_BODY_VALUES) -> dict:
     """The body as a JSON object, on a body-parser thread: 400 when it is not one, or is too complex
     or too deep to take safely."""
     values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    if values > MAX_BODY_VALUES:
+    if values > max_values:
+        why = " (gpud's requests hold a few values)" if max_values == MAX_BODY_VALUES else ""
         raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
-                                                f"are limited to {MAX_BODY_VALUES} (gpud's requests hold a few values)")
+                                                f"are limited to {max_values}{why}")
     try:
         body = json.loads(raw, parse_constant=_not_json, parse_float=_finite) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -205,7 +209,8 @@ def _nesting_exceeds(value: Any, levels: int) -> bool:
     return any(_nesting_exceeds(item, levels - 1) for item in items if isinstance(item, (list, dict)))
 
 
-_JSON_TYPES = {int: "an integer", str: "a string", list: "a list", bool: "true or false", dict: "an object"}
+_JSON_TYPES = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false",
+               dict: "an object"}
 
 
 class RequestErrorLog(logging.Filter):

@@ -120,6 +120,9 @@ class GpuMemory:
     def report(self, body: dict) -> dict:
         """Takes PUT /v1/allocations' body (its top-level types checked by the API): what the device
         plugin read from the kubelet's PodResources API. GpudError 400 names what is wrong."""
+        if not self.config.enabled:
+            raise GpudError(409, "gpu-memory-disabled", "gpu_memory is not enabled on this node (gpud.yaml "
+                                                        "gpu_memory.enabled)")
         if body["resource"] != self.config.resource:
             raise GpudError(409, "wrong-resource", f"this node advertises GPU memory as "
                             f"{self.config.resource!r}, not {body['resource'][:80]!r}")
