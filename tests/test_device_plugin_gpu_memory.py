@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import grpc
 import pytest
@@ -240,3 +241,36 @@ def test_a_mig_change_re_advertises_the_units_of_the_new_devices(gpu_memory_node
                                      what="the MIG devices' units")
     assert [i for i, _ in frame] == node.sharing_ids(RESOURCE)
     assert node.kubelet.registered(RESOURCE) == 1  # the same endpoint, new devices
+
+
+def holders_by_device(node: Node) -> dict[str, list[tuple[str, str, str, int]]]:
+    view = node.gpud.client.get("/v1/allocations")
+    return {d["device"]: [(h["namespace"], h["pod"], h["container"], h["units"]) for h in d["holders"]]
+            for d in view["devices"] if d["holders"]}
+
+
+@pytest.mark.slow
+def test_the_kubelets_pod_resources_reach_gpud_and_restarts_of_either_report_them_again(gpu_memory_node):
+    node = gpu_memory_node("A100-SXM4-80GB:2")
+    running_daemons(node.gpud, 2)
+    gpu0, gpu1 = (gpu["uuid"] for gpu in node.gpud.client.get("/v1/gpus")["gpus"])
+    node.kubelet.frame_where(RESOURCE, lambda f: len(f) == 2 * 79, what="the units")
+    node.deadline_allocate(RESOURCE, [f"{gpu0}::{n}" for n in range(7)], container=("ml", "train", "main"))
+    node.kubelet.allocate(RESOURCE, [f"{gpu1}::{n}" for n in range(3)], container=("ml", "infer", "server"))
+    wanted = {gpu0: [("ml", "train", "main", 7)], gpu1: [("ml", "infer", "server", 3)]}
+    # shortly after the Allocate, not at the next 10 s read
+    node.gpud.wait_for(lambda: holders_by_device(node) == wanted, timeout=5, what="the allocations in gpud")
+    first = node.gpud.client.get("/v1/allocations")["reported_at"]
+
+    node.plugin.send_signal(signal.SIGTERM)
+    assert node.plugin.wait(10) == 0
+    node.plugin = node.start_plugin()  # the kubelet is the record: the new plugin reads List and reports it
+    node.gpud.wait_for(lambda: node.gpud.client.get("/v1/allocations")["reported_at"] > first, timeout=10,
+                       what="a report from the restarted plugin")
+    assert holders_by_device(node) == wanted
+
+    # gpud keeps reports in memory: a restarted gpud gets them again from the plugin, unasked
+    assert node.gpud.stop() == 0
+    node.gpud = node.start_gpud()  # same simulated node: same UUIDs
+    node.gpud.wait_for(lambda: holders_by_device(node) == wanted, timeout=10, what="the allocations after a restart")
+    assert "allocations_reported" in {e["event"] for e in node.log_events()}

@@ -95,11 +95,12 @@ class DevicePlugin:
                     await self.endpoints[name].update(resource)
                     continue
                 endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state, self.strategies,
-                                    self.reporter.allocated)
+                                    self.reporter.read_soon)
                 await endpoint.start()
                 self.endpoints[name] = endpoint
                 if self._kubelet_identity is not None:
                     endpoint.register_soon(self.kubelet_socket)
+            self.reporter.gpud_read()
 
     async def _watch_kubelet(self) -> None:
         while True:

@@ -1,11 +1,12 @@
 """Which pods hold the gpu-memory units, from the kubelet's PodResources API, reported to gpud.
 
-The kubelet is the record of what it allocated (it checkpoints it; the plugin keeps nothing): every
-10 s, and shortly after each Allocate of a gpu-memory resource, List is read from the kubelet's
-pod-resources socket and, for each gpu-memory resource whose holders changed since the last report,
-gpud gets PUT /v1/allocations; a gpud that restarted (a new event epoch) gets them again. A plugin
-that restarts reports again from List, so gpud's view follows the kubelet's. A missing socket or a failing kubelet or gpud is logged (once until it changes) and
-tried again next time; the endpoints go on regardless.
+The kubelet is the record of what it allocated (it checkpoints it; the plugin keeps nothing): List
+is read from the kubelet's pod-resources socket every 10 s, shortly after each Allocate of a gpu-memory
+resource, and as soon as the plugin knows of a gpu-memory resource it has not reported to this gpud run
+(the plugin started, or gpud restarted: a new event epoch). For each gpu-memory resource whose holders
+changed since the last report to this gpud run, gpud gets PUT /v1/allocations, so gpud's view follows
+the kubelet's across restarts of either. A missing socket or a failing kubelet or gpud is logged (once
+until it changes) and tried again next time; the endpoints go on regardless.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ class AllocationReporter:
         self._wake = asyncio.Event()
         self._last_problem: str | None = None
 
-    def allocated(self) -> None:
+    def read_soon(self) -> None:
         """An Allocate of a gpu-memory resource was answered: read List shortly."""
         self._wake.set()
+
+    def gpud_read(self) -> None:
+        """The plugin read gpud's state again: a gpu-memory resource not yet reported to this gpud run is
+        read soon (the plugin started, or gpud restarted and has no report)."""
+        epoch = self._gpud_epoch()
+        if any(resource not in self._reported or self._reported[resource][0] != epoch
+               for resource in self._resources()):
+            self._wake.set()
 
     async def run(self) -> None:
         while True:
