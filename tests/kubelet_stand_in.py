@@ -21,8 +21,8 @@ behaviour names the source it copies, and none is kinder than the kubelet:
   server_v1.go List): every active pod with its containers, each with the devices allocated to it, one
   ContainerDevices per device ID and NUMA node, without topology where the plugin gave none
   (pkg/kubelet/cm/container_manager_linux.go containerDevicesFromResourceDeviceInstances). Here a pod
-  is active from its first Allocate until remove_pod (the kubelet lists only the containers of a pod's
-  spec; the stand-in knows those it allocated to). Get and GetAllocatableResources are not served.
+  is active from its first Allocate on, and has the containers it was allocated to (the kubelet lists
+  the containers of the pod's spec, devices or not; pods that end leave the list). Get and GetAllocatableResources are not served.
   Calls beyond 100 a second (a burst of 10) are refused RESOURCE_EXHAUSTED "rejected by rate limit"
   (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS, DefaultBurstTokens).
 """
@@ -227,11 +227,6 @@ class Kubelet:
         with self._changed:
             self.pod_devices.setdefault((namespace, pod), {}).setdefault(name, {})[resource] = list(ids)
         return answer.container_responses[0]
-
-    def remove_pod(self, namespace: str, pod: str) -> None:
-        """The pod ended: no longer active, so List leaves it out (and its devices are free again)."""
-        with self._changed:
-            self.pod_devices.pop((namespace, pod), None)
 
     def _list_pod_resources(self) -> podresources_pb.ListPodResourcesResponse:
         with self._changed:
