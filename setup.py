@@ -1,4 +1,4 @@
-"""Builds gpud with the kubelet device plugin API's Python modules generated from its .proto (grpcio-tools,
+"""Builds gpud with the kubelet APIs' Python modules (device plugin, PodResources) generated from their .proto (grpcio-tools,
 a build requirement in pyproject.toml): wheels, `pip install -e .` and packaging/build.sh all generate them.
 Everything else about the package is in pyproject.toml."""
 
@@ -8,16 +8,18 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-PROTO = Path("gpud/device_plugin/api.proto")
+# the kubelet's device plugin API v1beta1, and its PodResources API v1 (which pods hold which devices)
+PROTOS = (Path("gpud/device_plugin/api.proto"), Path("gpud/device_plugin/podresources.proto"))
 
 
 def generate_grpc_modules() -> None:
-    """api_pb2.py and api_pb2_grpc.py beside the .proto, importable as gpud.device_plugin.api_pb2."""
+    """<name>_pb2.py and <name>_pb2_grpc.py beside each .proto, importable as gpud.device_plugin.api_pb2."""
     from grpc_tools import protoc
 
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}", str(PROTO)]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
+    for proto in PROTOS:
+        args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}", str(proto)]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {proto}")
 
 
 class BuildPyWithGrpc(build_py):

@@ -216,7 +216,7 @@ def _add_serve(commands: Any) -> None:
 
 
 def _add_device_plugin(commands: Any) -> None:
-    from gpud.device_plugin import DEFAULT_KUBELET_DIR
+    from gpud.device_plugin import DEFAULT_KUBELET_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
     plugin = commands.add_parser("device-plugin", help="run a kubelet device plugin that follows gpud's shared "
                                                        "resources (a client of gpud's socket)")
@@ -231,6 +231,9 @@ def _add_device_plugin(commands: Any) -> None:
                         help="how Allocate names devices to the container runtime, as NVIDIA's plugin: envvar "
                              "(NVIDIA_VISIBLE_DEVICES, for NVIDIA's container runtime), cdi-annotations (any "
                              "kubelet; a CDI-enabled runtime), cdi-cri (kubelet 1.29+); default cdi-annotations")
+    plugin.add_argument("--pod-resources-socket", type=Path, default=DEFAULT_POD_RESOURCES_SOCKET,
+                        help="the kubelet's PodResources API, read to tell gpud which pods hold gpu-memory units "
+                             f"(default {DEFAULT_POD_RESOURCES_SOCKET})")
     plugin.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     plugin.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     _local_command(plugin, _device_plugin)  # --json: its usage errors as JSON, as every command's
@@ -397,7 +400,8 @@ def _device_plugin(args: argparse.Namespace) -> int:
 
     _refuse_json(args)
     configure_logging(args.log_level, args.log_format)
-    return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy)
+    return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy,
+               args.pod_resources_socket)
 
 
 def _k8s_agent(args: argparse.Namespace) -> int:

@@ -14,7 +14,17 @@ behaviour names the source it copies, and none is kinder than the kubelet:
   again, removes every socket in its directory but its checkpoint (manager.go CleanupPluginDirectory).
 - Allocate and GetPreferredAllocation carry one container request (endpoint.go allocate,
   getPreferredAllocation); Allocate fails on an answer without a container response (manager.go
-  allocateContainerResources: "no containers return in allocation response").
+  allocateContainerResources: "no containers return in allocation response"). An answered Allocate
+  records the container's devices (manager.go allocateContainerResources -> podDevices.insert), which
+  the kubelet checkpoints: they outlive a kubelet restart.
+- PodResources API v1 on <directory>/../pod-resources/kubelet.sock (pkg/kubelet/apis/podresources/
+  server_v1.go List): every active pod with its containers, each with the devices allocated to it, one
+  ContainerDevices per device ID and NUMA node, without topology where the plugin gave none
+  (pkg/kubelet/cm/container_manager_linux.go containerDevicesFromResourceDeviceInstances). Here a pod
+  is active from its first Allocate on, and has the containers it was allocated to (the kubelet lists
+  the containers of the pod's spec, devices or not; pods that end leave the list). Get and GetAllocatableResources are not served.
+  Calls beyond 100 a second (a burst of 10) are refused RESOURCE_EXHAUSTED "rejected by rate limit"
+  (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS, DefaultBurstTokens).
 """
 
 from __future__ import annotations
@@ -27,11 +37,31 @@ from pathlib import Path
 
 import grpc
 
-from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, rpc
+from gpud.device_plugin.api import HEALTHY, UNHEALTHY, pb, podresources_pb, podresources_rpc, rpc
 
 SUPPORTED_VERSIONS = ("v1beta1",)  # k8s.io/kubelet pkg/apis/deviceplugin/v1beta1/constants.go
 DIAL_TIMEOUT_S = 10.0  # client.go dial
 CHECKPOINT = "kubelet_internal_checkpoint"  # devicemanager's checkpoint file, kept by CleanupPluginDirectory
+POD_RESOURCES_QPS, POD_RESOURCES_BURST = 100, 10  # podresources/grpc/ratelimit.go
+
+
+class TokenBucket:
+    """golang.org/x/time/rate Limiter.Allow: `rate` tokens a second, at most `burst` held."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
 
 
 def extended_resource_name(name: str) -> bool:
@@ -55,6 +85,7 @@ class Kubelet:
         self.options: dict[str, pb.DevicePluginOptions] = {}
         self.frames: dict[str, list[list[tuple[str, str]]]] = {}
         self.frame_times: dict[str, list[float]] = {}
+        self.frame_bytes: dict[str, list[int]] = {}  # each frame's encoded size (the kubelet's limit is 4 MiB)
         self.devices: dict[str, dict[str, str]] = {}  # resource -> ID -> health, as the device manager holds them
         self.numa: dict[str, dict[str, list[int]]] = {}  # resource -> ID -> its NUMA nodes (Device.topology)
         self.streams_ended: dict[str, int] = {}
@@ -62,6 +93,11 @@ class Kubelet:
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         self._server = None
+        # (namespace, pod) -> container -> resource -> device IDs: what the kubelet allocated (podDevices)
+        self.pod_devices: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
+        self.pod_resources_socket = directory.parent / "pod-resources" / "kubelet.sock"
+        self.pod_resources_socket.parent.mkdir(exist_ok=True)
+        self._pod_resources_server = None
         self.start()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -80,6 +116,19 @@ class Kubelet:
         self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
         self._server.start()
 
+        limiter = TokenBucket(POD_RESOURCES_QPS, POD_RESOURCES_BURST)
+
+        class PodResourcesLister(podresources_rpc.PodResourcesListerServicer):
+            def List(self, request, context):
+                if not limiter.allow():
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+                return kubelet._list_pod_resources()
+
+        self._pod_resources_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        podresources_rpc.add_PodResourcesListerServicer_to_server(PodResourcesLister(), self._pod_resources_server)
+        self._pod_resources_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+        self._pod_resources_server.start()
+
     def release(self, resource: str) -> None:
         """Lets the resource's hanging Register go on."""
         with self._changed:
@@ -95,6 +144,7 @@ class Kubelet:
         for channel in channels:  # server.go Stop: disconnectClient for every plugin
             channel.close()
         self._server.stop(0).wait(10)
+        self._pod_resources_server.stop(0).wait(10)
 
     def restart(self) -> None:
         self.stop()
@@ -152,6 +202,7 @@ class Kubelet:
                 with self._changed:
                     self.frames.setdefault(resource, []).append([(d.ID, d.health) for d in frame.devices])
                     self.frame_times.setdefault(resource, []).append(time.monotonic())
+                    self.frame_bytes.setdefault(resource, []).append(frame.ByteSize())
                     self.devices[resource] = {d.ID: d.health for d in frame.devices}
                     self.numa[resource] = {d.ID: [n.ID for n in d.topology.nodes] for d in frame.devices}
                     self._changed.notify_all()
@@ -165,12 +216,36 @@ class Kubelet:
 
     # -- what tests ask --------------------------------------------------------------------------
 
-    def allocate(self, resource: str, ids: list[str], timeout: float = 5.0) -> pb.ContainerAllocateResponse:
+    def allocate(self, resource: str, ids: list[str], timeout: float = 5.0,
+                 container: tuple[str, str, str] = ("default", "pod", "main")) -> pb.ContainerAllocateResponse:
+        """Allocate for `container` (namespace, pod, container), recorded for List once answered."""
         answer = self._stub(resource).Allocate(pb.AllocateRequest(container_requests=[
             pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=timeout)
         if not answer.container_responses:
             raise AssertionError(f"no containers return in allocation response {answer}")
+        namespace, pod, name = container
+        with self._changed:
+            self.pod_devices.setdefault((namespace, pod), {}).setdefault(name, {})[resource] = list(ids)
         return answer.container_responses[0]
+
+    def _list_pod_resources(self) -> podresources_pb.ListPodResourcesResponse:
+        with self._changed:
+            return podresources_pb.ListPodResourcesResponse(pod_resources=[
+                podresources_pb.PodResources(namespace=namespace, name=pod, containers=[
+                    podresources_pb.ContainerResources(name=container, devices=[
+                        device for resource, ids in resources.items() for i in ids
+                        for device in self._container_devices(resource, i)])
+                    for container, resources in containers.items()])
+                for (namespace, pod), containers in self.pod_devices.items()])
+
+    def _container_devices(self, resource: str, device_id: str) -> list[podresources_pb.ContainerDevices]:
+        nodes = self.numa.get(resource, {}).get(device_id)
+        if not nodes:
+            return [podresources_pb.ContainerDevices(resource_name=resource, device_ids=[device_id])]
+        return [podresources_pb.ContainerDevices(resource_name=resource, device_ids=[device_id],
+                                                 topology=podresources_pb.TopologyInfo(
+                                                     nodes=[podresources_pb.NUMANode(ID=node)]))
+                for node in nodes]
 
     def preferred(self, resource: str, available: list[str], size: int, must_include: list[str] = (),
                   timeout: float = 5.0) -> list[str]:

@@ -55,6 +55,20 @@ def test_device_plugin_benchmark_runs():
     assert lines[3].startswith("ratio hanging/idle (p50): ")
 
 
+def test_gpu_memory_plugin_benchmark_runs(mps_tmp):  # mps_tmp: needs nvidia-cuda-mps-control (skips, or fails in CI)
+    # Issue 23 point 7: Allocate of the gpu-memory resource on 8 x 80 GB at 1 GiB units (gpud, its MPS
+    # daemons (CI has nvidia-cuda-mps: scripts/test-all), the plugin and the kubelet stand-in), and its
+    # ListAndWatch frame against the kubelet's receive limit (figures read by people).
+    result = subprocess.run([sys.executable, "bench/gpu_memory_plugin.py", "--allocations", "20"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("8 GPUs of 81920 MiB at 1024 MiB units = 632 devices"), result.stdout  # 79 a GPU
+    assert lines[1].startswith("Allocate (1-8 units of one GPU, over gRPC): n=20 p50 ")
+    frame_bytes = int(lines[2].split("ListAndWatch frame: ")[1].split(" bytes")[0])
+    assert 0 < frame_bytes < 4 * 1024 * 1024
+
+
 @pytest.mark.slow  # gpud's start with 56 MIG devices and four 1 s floods: about 15 s
 def test_read_flood_benchmark_runs_and_prints_every_route(users):
     # Issue 20 item 4: root's /healthz while a reader floods each read route, beside the unloaded

@@ -66,11 +66,15 @@ class Node:
         self.kubelet = Kubelet(self.kubelet_dir, **(kubelet or {}))
         self.plugin_log = tmp / "plugin.log"
         strategy_args = ["--device-list-strategy", strategy] if strategy else []
-        with self.plugin_log.open("w") as log:
-            self.plugin = subprocess.Popen(
-                [sys.executable, "-m", "gpud", "device-plugin", "--socket", str(self.gpud.socket), "--kubelet-dir",
-                 str(self.kubelet_dir), "--unhealthy-after", str(unhealthy_after), "--log-format", "json",
-                 *strategy_args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.plugin_args = [sys.executable, "-m", "gpud", "device-plugin", "--socket", str(self.gpud.socket),
+                            "--kubelet-dir", str(self.kubelet_dir), "--unhealthy-after", str(unhealthy_after),
+                            "--log-format", "json", "--pod-resources-socket", str(self.kubelet.pod_resources_socket),
+                            *strategy_args]
+        self.plugin = self.start_plugin()
+
+    def start_plugin(self) -> subprocess.Popen:
+        with self.plugin_log.open("a") as log:
+            return subprocess.Popen(self.plugin_args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def start_gpud(self) -> GpudProcess:
         gpud = GpudProcess(self.tmp, *self.gpud_args)
@@ -82,12 +86,12 @@ class Node:
         (entry,) = [r for r in document["resources"] if r["name"] == resource]
         return [d["id"] for d in entry["devices"]]
 
-    def deadline_allocate(self, resource: str, ids: list[str], timeout: float = 10.0):
+    def deadline_allocate(self, resource: str, ids: list[str], timeout: float = 10.0, **allocate):
         """Allocate once the plugin has read what it needs (it follows gpud's events)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.kubelet.allocate(resource, ids)
+                return self.kubelet.allocate(resource, ids, **allocate)
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, \
                     exc.details()

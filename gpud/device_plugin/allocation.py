@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import uuid
 from collections import Counter
 from collections.abc import Mapping
@@ -14,11 +15,12 @@ from gpud.device_plugin.state import MpsClient, NodeState, PluginDevice, Resourc
 
 
 class AllocationRefused(Exception):
-    """An Allocate the plugin refuses; `unknown` says whether the IDs were unknown (else unusable)."""
+    """An Allocate the plugin refuses; `invalid` says whether the request itself is wrong (IDs unknown, or
+    IDs that cannot go together: INVALID_ARGUMENT), else its devices are unusable now (FAILED_PRECONDITION)."""
 
-    def __init__(self, message: str, unknown: bool = False):
+    def __init__(self, message: str, invalid: bool = False):
         super().__init__(message)
-        self.unknown = unknown
+        self.invalid = invalid
 
 
 class DeviceListStrategy(str, enum.Enum):
@@ -41,6 +43,10 @@ CDI_ANNOTATION_PLUGIN = "gpud-device-plugin"
 # with them through /dev/shm. Allocate cannot set hostIPC, so it mounts the host's /dev/shm as NVIDIA's
 # plugin mounts its MPS daemons' shm directory (k8s-device-plugin internal/plugin/mps.go updateReponse).
 HOST_SHM = "/dev/shm"
+# gpu-memory: MPS caps each client's device memory with this variable, `<device ordinal>=<limit>`; the
+# container sees its one device as ordinal 0 (the same format as gpud/mps/manager.py client_env).
+PINNED_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 @dataclass
@@ -57,10 +63,45 @@ def allocate(state: NodeState, resource: Resource, ids: list[str],
     device's own UUID, never its GPU's), two replicas of one device giving that device once, as NVIDIA's
     plugin does (internal/plugin/server.go deviceIDsFromAnnotatedDeviceIDs)."""
     devices = _known_healthy(resource, ids)
+    if resource.strategy == "gpu-memory":
+        return _gpu_memory(state, resource, devices, strategies)
     if resource.fail_requests_greater_than_one and len(ids) > 1:
         # the NVIDIA plugin's words for the same refusal (k8s-device-plugin internal/rm/rm.go ValidateRequest)
         raise AllocationRefused(f"{resource.name}: maximum request size for shared resources is 1, got {len(ids)}")
     targets = list(dict.fromkeys(d.device for d in devices))
+    allocation = _named(state, resource, devices, targets, strategies)
+    if resource.served_by_mps:
+        _add_mps_client(allocation, _mps_client(state, resource, targets))
+    return allocation
+
+
+def _gpu_memory(state: NodeState, resource: Resource, devices: list[PluginDevice],
+                strategies: tuple[DeviceListStrategy, ...]) -> ContainerAllocation:
+    """k units of one GPU or MIG device: that device, as a client of its MPS daemon with k units of its
+    memory pinned (and, with proportional_threads, k/units of its SMs). Units of two devices are refused:
+    MPS caps a client's memory per device, so such a pod would get neither device's share as asked."""
+    targets = list(dict.fromkeys(d.device for d in devices))
+    if len(targets) > 1:
+        raise AllocationRefused(f"{resource.name}: the units are on {len(targets)} devices ({', '.join(targets)}); "
+                                "a container's units must all be on one device", invalid=True)
+    (target,) = targets
+    allocation = _named(state, resource, devices, targets, strategies)
+    _add_mps_client(allocation, _mps_client(state, resource, targets))
+    units = len({d.id for d in devices})
+    # CUDA_VISIBLE_DEVICES takes UUIDs as `nvidia-smi -L` prints them (CUDA Programming Guide, CUDA
+    # environment variables): GPU-<uuid>, and a MIG device's MIG-<uuid> (the form drivers since R470 print
+    # and NVML reports). A UUID, unlike an index, stays right however the runtime numbers the container's
+    # devices, and MPS's guide recommends UUIDs for its clients for the same reason.
+    allocation.envs["CUDA_VISIBLE_DEVICES"] = target
+    allocation.envs[PINNED_MEMORY_LIMIT] = f"0={units * resource.unit_mib}M"
+    if resource.proportional_threads:
+        allocation.envs[ACTIVE_THREAD_PERCENTAGE] = str(max(1, math.ceil(units * 100 / devices[0].units)))
+    return allocation
+
+
+def _named(state: NodeState, resource: Resource, devices: list[PluginDevice], targets: list[str],
+           strategies: tuple[DeviceListStrategy, ...]) -> ContainerAllocation:
+    """The devices named to the container runtime as the device list strategies say."""
     allocation = ContainerAllocation()
     if DeviceListStrategy.ENVVAR in strategies:
         allocation.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(targets)
@@ -71,23 +112,24 @@ def allocate(state: NodeState, resource: Resource, ids: list[str],
         if DeviceListStrategy.CDI_ANNOTATIONS in strategies:
             key = f"{CDI_ANNOTATION_PREFIX}{CDI_ANNOTATION_PLUGIN}_{uuid.uuid4()}"
             allocation.annotations[key] = ",".join(names)
-    if resource.strategy == "mps":
-        client = _mps_client(state, resource, targets)
-        allocation.envs.update(client.env)
-        allocation.mounts.extend(client.mounts)
-        if client.host_ipc:
-            allocation.mounts.append((HOST_SHM, HOST_SHM, False))
     return allocation
+
+
+def _add_mps_client(allocation: ContainerAllocation, client: MpsClient) -> None:
+    allocation.envs.update(client.env)
+    allocation.mounts.extend(client.mounts)
+    if client.host_ipc:
+        allocation.mounts.append((HOST_SHM, HOST_SHM, False))
 
 
 def _known_healthy(resource: Resource, ids: list[str]) -> list[PluginDevice]:
     if not ids:
-        raise AllocationRefused(f"{resource.name}: no device IDs in the request", unknown=True)
+        raise AllocationRefused(f"{resource.name}: no device IDs in the request", invalid=True)
     devices = [resource.device(i) for i in ids]
     unknown = [i for i, d in zip(ids, devices) if d is None]
     if unknown:
         raise AllocationRefused(f"{resource.name} has no devices {unknown} (it has {len(resource.devices)}: "
-                                "the node changed since the kubelet chose them?)", unknown=True)
+                                "the node changed since the kubelet chose them?)", invalid=True)
     unhealthy = [d.id for d in devices if not d.healthy]
     if unhealthy:
         raise AllocationRefused(f"{resource.name}: devices {unhealthy} are unhealthy (gpud health <id> says why)")
@@ -133,9 +175,31 @@ def preferred(resource: Resource, available: list[str], must_include: list[str],
     by_id = {d.id: d for d in resource.devices}
     picked = [i for i in dict.fromkeys(must_include) if i in by_id]
     free = [by_id[i] for i in dict.fromkeys(available) if i in by_id and i not in picked]
+    if resource.strategy == "gpu-memory":
+        return _one_device(by_id, picked, free, size)
     if size > 1 and all(d.id == d.gpu for d in resource.devices):  # several whole GPUs (not replicas or MIG)
         return _linked(by_id, picked, free, size, nvlink_peers or {})
     return _distributed(resource, by_id, picked, free, size)
+
+
+def _one_device(by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice], size: int) -> list[str]:
+    """gpu-memory: every unit on one GPU or MIG device (Allocate refuses units of two). The device is
+    must_include's, else the one with the FEWEST free units that still holds the request (best fit): a
+    node's free memory stays in whole devices as large as possible, so a later big request still fits
+    somewhere, where spreading (worst fit) would leave every device a little too small for it. Ties
+    go to the lowest GPU index. Where no device holds the request, the device with the most free units
+    (the kubelet adds the rest from any device, and Allocate then says which two devices it got)."""
+    by_device: dict[str, list[PluginDevice]] = {}
+    for device in free:
+        by_device.setdefault(device.device, []).append(device)
+    needed = size - len(picked)
+    if picked:
+        candidates = [by_device.get(by_id[picked[0]].device, [])]
+    else:
+        candidates = sorted(by_device.values(), key=lambda units: (units[0].gpu_index, units[0].device))
+    fitting = [units for units in candidates if len(units) >= needed]
+    chosen = (min(fitting, key=len) if fitting else max(candidates, key=len, default=[]))
+    return picked + [d.id for d in sorted(chosen, key=lambda d: _natural(d.id))[:max(0, needed)]]
 
 
 def _linked(by_id: dict[str, PluginDevice], picked: list[str], free: list[PluginDevice], size: int,

@@ -42,8 +42,10 @@ def socket_name(kubelet_dir: Path, resource_name: str) -> str:
 
 class Endpoint(rpc.DevicePluginServicer):
     def __init__(self, resource: Resource, kubelet_dir: Path, state: Callable[[], NodeState],
-                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES):
+                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES,
+                 gpu_memory_allocated: Callable[[], None] = lambda: None):
         self.resource = resource
+        self._gpu_memory_allocated = gpu_memory_allocated  # the pods holding its units are to be read again
         self.strategies = strategies
         self.kubelet_dir = kubelet_dir
         self.socket = kubelet_dir / socket_name(kubelet_dir, resource.name)
@@ -189,7 +191,7 @@ class Endpoint(rpc.DevicePluginServicer):
             except AllocationRefused as exc:
                 log.warning("allocate_refused", resource=self.resource.name, ids=list(container.devices_ids),
                             reason=str(exc))
-                code = grpc.StatusCode.INVALID_ARGUMENT if exc.unknown else grpc.StatusCode.FAILED_PRECONDITION
+                code = grpc.StatusCode.INVALID_ARGUMENT if exc.invalid else grpc.StatusCode.FAILED_PRECONDITION
                 await context.abort(code, str(exc))
             log.info("allocated", resource=self.resource.name, ids=list(container.devices_ids),
                      envs=sorted(allocation.envs), cdi_devices=allocation.cdi_devices,
@@ -199,6 +201,8 @@ class Endpoint(rpc.DevicePluginServicer):
                 cdi_devices=[pb.CDIDevice(name=n) for n in allocation.cdi_devices],
                 mounts=[pb.Mount(host_path=host, container_path=inside, read_only=read_only)
                         for host, inside, read_only in allocation.mounts]))
+        if self.resource.strategy == "gpu-memory":
+            self._gpu_memory_allocated()
         return pb.AllocateResponse(container_responses=responses)
 
     async def PreStartContainer(self, request, context):

@@ -98,7 +98,7 @@ class GpudFollower:
         written = status == 200 and cdi["enabled"] and cdi["written_at"] is not None
         cdi_kind, cdi_names = (cdi["kind"], frozenset(cdi["devices"])) if written else (None, frozenset())
         mps_clients = {}
-        if any(r.strategy == "mps" for r in resources.values()):
+        if any(r.served_by_mps for r in resources.values()):
             for daemon in self.client.get("/v1/mps")["daemons"]:
                 client = mps_client(self.client.get(f"/v1/mps/{urllib.parse.quote(daemon['name'])}/client-env"))
                 mps_clients.update({uuid: client for uuid in daemon["devices"]})

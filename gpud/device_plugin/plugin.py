@@ -9,7 +9,8 @@ the kubelet's directory is looked at: a re-created kubelet.sock (the kubelet res
 endpoint register again; an endpoint whose socket is gone (the kubelet removes plugin sockets when
 it starts) is restarted and registers again; a failed registration is retried. Each endpoint registers
 in its own task, outside the lock: a kubelet slow to answer one Register delays neither the others nor
-a device list (health) going out.
+a device list (health) going out. Where gpud has a gpu-memory resource, podresources.py reports to gpud
+which pods hold its units, read from the kubelet's PodResources API.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from gpud.device_plugin import DEFAULT_KUBELET_DIR
+from gpud.device_plugin import DEFAULT_KUBELET_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from gpud.device_plugin.allocation import DEFAULT_STRATEGIES, DeviceListStrategy
 from gpud.device_plugin.endpoint import Endpoint
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
+from gpud.device_plugin.podresources import AllocationReporter
 from gpud.device_plugin.state import NodeState
 from gpud.logs import get_logger
 
@@ -37,12 +39,16 @@ KUBELET_CHECK_S = 1.0
 class DevicePlugin:
     def __init__(self, gpud_socket: Path | None, kubelet_dir: Path = DEFAULT_KUBELET_DIR,
                  unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
-                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES):
+                 strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES,
+                 pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET):
         self.kubelet_dir = kubelet_dir
         self.strategies = strategies
         self.kubelet_socket = kubelet_dir / KUBELET_SOCKET
         self.follower = GpudFollower(gpud_socket, self.apply, unreachable_grace_s)
         self.state = NodeState()
+        self.reporter = AllocationReporter(pod_resources_socket, self.follower.client, lambda: [
+            name for name, resource in self.state.resources.items() if resource.strategy == "gpu-memory"],
+            lambda: self.follower.epoch)
         self.endpoints: dict[str, Endpoint] = {}
         self._kubelet_identity: tuple[int, int] | None = None
         self._lock = asyncio.Lock()  # one change to the endpoints at a time
@@ -56,7 +62,8 @@ class DevicePlugin:
                  gpud_socket=str(self.follower.client.socket_path),
                  device_list_strategy=[s.value for s in self.strategies])
         self._kubelet_identity = self._kubelet_identity_now()  # endpoints register with this kubelet
-        tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self._watch_kubelet())]
+        tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self._watch_kubelet()),
+                 asyncio.create_task(self.reporter.run())]
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
         for task in [*tasks, stopping]:
@@ -87,11 +94,13 @@ class DevicePlugin:
                 if name in self.endpoints:
                     await self.endpoints[name].update(resource)
                     continue
-                endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state, self.strategies)
+                endpoint = Endpoint(resource, self.kubelet_dir, lambda: self.state, self.strategies,
+                                    self.reporter.read_soon)
                 await endpoint.start()
                 self.endpoints[name] = endpoint
                 if self._kubelet_identity is not None:
                     endpoint.register_soon(self.kubelet_socket)
+            self.reporter.gpud_read()
 
     async def _watch_kubelet(self) -> None:
         while True:
@@ -124,10 +133,12 @@ class DevicePlugin:
 
 
 def run(gpud_socket: Path | None, kubelet_dir: Path, unreachable_grace_s: float,
-        strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES) -> int:
+        strategies: tuple[DeviceListStrategy, ...] = DEFAULT_STRATEGIES,
+        pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET) -> int:
     if not kubelet_dir.is_dir():
         log.error("kubelet_dir_missing", kubelet_dir=str(kubelet_dir), message=f"no directory {kubelet_dir}, where "
                   "kubelet.sock is: run on a node whose kubelet runs, or give --kubelet-dir (kubelet's --root-dir "
                   "followed by /device-plugins)")
         return 2
-    return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s, strategies).serve())
+    return asyncio.run(DevicePlugin(gpud_socket, kubelet_dir, unreachable_grace_s, strategies,
+                                    pod_resources_socket).serve())

@@ -15,6 +15,7 @@ class PluginDevice:
     gpu_index: int
     healthy: bool
     numa_node: int | None = None  # its GPU's (GET /v1/gpus): the kubelet's TopologyManager aligns CPUs with it
+    units: int | None = None  # gpu-memory: how many units its GPU or MIG device has in all
 
     @property
     def device(self) -> str:
@@ -26,9 +27,16 @@ class PluginDevice:
 @dataclass(frozen=True)
 class Resource:
     name: str
-    strategy: str  # none | time-slicing | mps
+    strategy: str  # none | time-slicing | mps | gpu-memory
     fail_requests_greater_than_one: bool
     devices: tuple[PluginDevice, ...]
+    unit_mib: int | None = None  # gpu-memory: the device memory one ID stands for
+    proportional_threads: bool = False  # gpu-memory: a client also gets its share of the device's SMs
+
+    @property
+    def served_by_mps(self) -> bool:
+        """Its containers are clients of the MPS daemon of their device."""
+        return self.strategy in ("mps", "gpu-memory")
 
     def device(self, device_id: str) -> PluginDevice | None:
         return next((d for d in self.devices if d.id == device_id), None)
@@ -69,8 +77,11 @@ def resources_from_sharing(document: dict[str, Any], gpus: dict[str, Any]) -> di
     return {entry["name"]: Resource(
         name=entry["name"], strategy=entry["strategy"],
         fail_requests_greater_than_one=bool(entry["fail_requests_greater_than_one"]),
-        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]), numa.get(d["parent"]))
-                      for d in entry["devices"]))
+        devices=tuple(PluginDevice(d["id"], d["parent"], int(d["gpu_index"]), bool(d["healthy"]), numa.get(d["parent"]),
+                                   int(d["units"]) if "units" in d else None)
+                      for d in entry["devices"]),
+        unit_mib=int(entry["unit_mib"]) if "unit_mib" in entry else None,
+        proportional_threads=bool(entry.get("proportional_threads", False)))
         for entry in document["resources"]}
 
 
