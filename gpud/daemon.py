@@ -155,6 +155,7 @@ class Daemon:
             problems=self._state_problems)
         self._node_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
+        self._crashed: dict[str, str] = {}  # background task name -> what it raised
         self._published_inventory: tuple | None = None
 
     async def start(self) -> None:
@@ -173,23 +174,37 @@ class Daemon:
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
                  state_dir=str(cfg.state_path), version=__version__)
         self._node_task = asyncio.create_task(self._run_node(), name="node")
-        self._background.append(asyncio.create_task(self.latency.run(), name="latency"))
-        self._background.append(asyncio.create_task(self.nfd.run(), name="nfd"))
-        self._background.append(asyncio.create_task(self._follow_sharing_configs(), name="sharing-configs"))
+        self._start(self.latency.run(), "latency")
+        self._start(self.nfd.run(), "nfd")
+        self._start(self._follow_sharing_configs(), "sharing-configs")
         if self.cdi:
-            self._background.append(asyncio.create_task(self.cdi.run(), name="cdi"))
+            self._start(self.cdi.run(), "cdi")
+
+    def _start(self, coroutine, name: str) -> None:
+        """A task that runs as long as gpud does; one that raises is said loudly and in /healthz."""
+        task = asyncio.create_task(coroutine, name=name)
+        task.add_done_callback(self._background_ended)
+        self._background.append(task)
+
+    def _background_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        self._crashed[task.get_name()] = f"{type(error).__name__}: {error}"
+        log.error("background_task_crashed", task=task.get_name(), error=self._crashed[task.get_name()],
+                  consequence="what it keeps current stays as it was until gpud restarts", exc_info=error)
 
     async def _run_node(self) -> None:
-        self._background.append(asyncio.create_task(self._report_status(), name="status"))
+        self._start(self._report_status(), "status")
         await self.session.initialise()
         await self.inventory.refresh("startup")
         self.health.start()
-        self._background.append(asyncio.create_task(self.health.run_checks(), name="health"))
-        self._background.append(asyncio.create_task(self.processes.run(), name="processes"))
+        self._start(self.health.run_checks(), "health")
+        self._start(self.processes.run(), "processes")
         await self.mig.converge_at_start(self.config.mig.default_layout, self._mig_layouts)
         await self.sharing.apply_time_slice(self.inventory.current)
         await self.mps.converge("startup")
-        self._background.append(asyncio.create_task(self.mps.supervise(), name="mps"))
+        self._start(self.mps.supervise(), "mps")
         await self.inventory.run()
 
     def _state_problems(self) -> list[str]:
@@ -197,7 +212,8 @@ class Daemon:
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
                    *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
         problems = [self.mig.problem, self.health.events_problem, self.nfd.problem, self.cdi and self.cdi.error]
-        return [problem for problem in problems if problem] + [file.message() for file in corrupt]
+        crashed = [f"gpud's {name} task stopped ({error}): a bug; restart gpud" for name, error in self._crashed.items()]
+        return [problem for problem in problems if problem] + [file.message() for file in corrupt] + crashed
 
     def _own_pids(self) -> set[int]:
         """gpud and the MPS daemons it started: they hold the GPUs, and go away for a reset."""

@@ -187,9 +187,7 @@ def gpu_memory_node(mps_tmp):
     nodes = []
 
     def make(preset: str, devices: str = "all") -> Node:
-        # envvar: with gpu_memory enabled, gpud (g23-daemon 4c4b80b) has not written its CDI spec yet; the
-        # CDI names are the unit tests'
-        nodes.append(Node(mps_tmp, preset, "version: v1\n", strategy="envvar",
+        nodes.append(Node(mps_tmp, preset, "version: v1\n", strategy="envvar,cdi-annotations,cdi-cri",
                           config=f"gpu_memory:\n  enabled: true\n  devices: {devices}\n"
                                  f"mps:\n  pipe_root: {mps_tmp / 'mps'}\n  log_root: {mps_tmp / 'mpslog'}\n"))
         return nodes[-1]
@@ -222,6 +220,10 @@ def test_gpu_memory_units_are_listed_preferred_and_allocated_on_one_device(gpu_m
                                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=7168M"}
     assert [(m.host_path, m.container_path, m.read_only) for m in given.mounts] == [
         (m["source"], m["target"], m["read_only"]) for m in client_env["mounts"]] + [("/dev/shm", "/dev/shm", False)]
+    cdi = node.gpud.client.get("/v1/cdi")  # the spec names the whole device; its units are not CDI devices
+    assert gpu0 in cdi["devices"] and not any("::" in name for name in cdi["devices"])
+    assert [d.name for d in given.cdi_devices] == [f"{cdi['kind']}={gpu0}"]  # once, for its 7 units
+    assert list(given.annotations.values()) == [f"{cdi['kind']}={gpu0}"]
 
     with pytest.raises(grpc.RpcError) as spanning:
         node.kubelet.allocate(RESOURCE, [f"{gpu0}::78", f"{gpu1}::0"])

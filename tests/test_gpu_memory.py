@@ -9,7 +9,8 @@ import json
 import math
 
 import pytest
-from helpers import answer_until, cli, mig_config, put_layout, start_daemon, stop_daemon
+from helpers import (answer_until, cli, kill_mps_under, mig_config, put_layout, sim_config, start_daemon, stop_daemon,
+                     until_async)
 from openapi_check import assert_matches_openapi
 
 from gpud.config import ConfigError, parse_config
@@ -286,3 +287,43 @@ async def test_huge_allocation_reports_are_refused(short_tmp):
         assert view["reported_at"] is None
     finally:
         await stop_daemon(node)
+
+
+async def test_the_cdi_spec_is_written_with_gpu_memory_and_names_whole_devices_only(short_tmp):
+    """Units of GPU memory are not CDI devices: a container gets its device's own (the spec builder
+    once stopped at the gpu-memory entry, and gpud never wrote its spec)."""
+    config = sim_config(short_tmp, "A100-SXM4-80GB:2").with_overrides(**{
+        "gpu_memory.enabled": True, "mps.pipe_root": str(short_tmp / "mps"), "mps.log_root": str(short_tmp / "ml")})
+    node = await start_daemon(config)
+    try:
+        _, cdi = await until_async(lambda: _written(node), 10, "the CDI spec written")
+        _, gpus = await node.get("/v1/gpus")
+        assert {g["uuid"] for g in gpus["gpus"]} <= set(cdi["devices"])
+        assert not any("::" in name for name in cdi["devices"])
+    finally:
+        await stop_daemon(node)
+        kill_mps_under(short_tmp)
+
+
+async def _written(node):
+    status, cdi = await node.get("/v1/cdi")
+    return (status, cdi) if cdi["written_at"] is not None else None
+
+
+async def test_a_background_task_that_raises_is_said_in_healthz(short_tmp):
+    node = await start_daemon(sim_config(short_tmp, "A100-SXM4-40GB:1"))
+
+    async def broken():
+        raise RuntimeError("probe")
+
+    try:
+        node.daemon._start(broken(), "probe")
+        status, health = await until_async(lambda: _degraded(node), 5, "/healthz degraded")
+        assert "gpud's probe task stopped (RuntimeError: probe)" in json.dumps(health)
+    finally:
+        await stop_daemon(node)
+
+
+async def _degraded(node):
+    status, health = await node.get("/healthz")
+    return (status, health) if "probe" in json.dumps(health) else None

@@ -133,6 +133,8 @@ def _replicas(sharing: dict | None, mps_clients: Mapping[str, dict], nodes_of: d
               host: HostDevices, unavailable: list[dict]) -> list[dict]:
     devices = []
     for resource in (sharing or {}).get("resources", []):
+        if resource["strategy"] == "gpu-memory":
+            continue  # units of GPU memory: a container gets its device's own CDI device, already in the spec
         mps = resource["strategy"] == "mps"
         for replica in resource["devices"]:
             if replica["replicas"] == 1:
