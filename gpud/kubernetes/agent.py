@@ -442,18 +442,18 @@ class Agent:
         reason = f"node label {SHARING_CONFIG_LABEL}=" + value if value is not None else \
             f"node label {SHARING_CONFIG_LABEL} is not set"
         problem = label_value_problem(value) if value is not None else None
+        if problem is not None:  # never sent to gpud: what no API server passes is no config name
+            await self._sharing_refused(current, "SharingConfigInvalid",
+                                        f"{SHARING_CONFIG_LABEL}={_quote(value)} {problem}")
+            return
         try:
-            if problem is not None:
-                raise ApiFailure(422, {"error": {"code": "sharing-config-name-invalid",
-                                                 "message": f"{SHARING_CONFIG_LABEL}={_quote(value)} {problem}"}})
             chosen = await self._gpud("PUT", "/v1/sharing/config", {"name": value, "reason": reason})
         except ApiFailure as exc:
-            self._note("sharing", outcome=str(exc))
             if exc.code == "sharing-config-not-found" or exc.status == 422:
-                kept = await self._sharing_default(current)
-                await self._event("Warning", "SharingConfigNotFound" if exc.status == 404 else "SharingConfigInvalid",
-                                  f"{exc}; {kept}")
+                await self._sharing_refused(current, "SharingConfigNotFound" if exc.status == 404
+                                            else "SharingConfigInvalid", str(exc))
             else:
+                self._note("sharing", outcome=str(exc))
                 await self._event("Warning", "SharingConfigRefused", f"sharing config {_quote(value)}: {exc}")
             return
         self._note("sharing", outcome=chosen.get("why"))
@@ -462,13 +462,16 @@ class Agent:
         await self._event("Normal", "SharingConfigApplied",
                           f"sharing config {chosen.get('name')!r} in force ({chosen.get('why')}); {resources}")
 
-    async def _sharing_default(self, current: dict) -> str:
-        """After a refused name: the default config is the one in force (a name chosen earlier is let go)."""
+    async def _sharing_refused(self, current: dict, reason: str, why: str) -> None:
+        """A name that cannot be used: the default config is the one in force (a name chosen earlier is
+        let go), and an Event says why and which config that is."""
+        self._note("sharing", outcome=why)
         if current.get("chosen") is not None:
             await self._gpud("PUT", "/v1/sharing/config",
                              {"name": None, "reason": "the name the node label asks for cannot be used"})
-        return f"the default config {current.get('default')!r} is in force" if current.get("default") else \
+        kept = f"the default config {current.get('default')!r} is in force" if current.get("default") else \
             "no default config (sharing.default_config): gpud's sharing.file is in force"
+        await self._event("Warning", reason, f"{why}; {kept}")
 
     # -- health --------------------------------------------------------------------------------------
 
