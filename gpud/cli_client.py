@@ -167,12 +167,17 @@ def health(args: argparse.Namespace, client: Client) -> int:
         print_json(view)
         return EXIT_OK if view["status"] == "healthy" else EXIT_PROBLEM
     print(f"node: {view['status']}")
-    rows = [("DEVICE", "STATE", "REASONS")]
+    node = view.get("node") or {"state": "healthy", "reasons": []}
+    rows = [("DEVICE", "STATE", "ACTION (DRIVER)", "REASONS"),
+            ("node", node["state"], "-", reasons_text(node["reasons"]))]
     for gpu in view["gpus"]:
-        rows.append((f"GPU {gpu['index']}", gpu["state"], reasons_text(gpu["reasons"])))
+        action = f"{gpu.get('suggested_action', 'none')} ({gpu.get('driver_action') or '-'})"
+        rows.append((f"GPU {gpu['index']}", gpu["state"], action, reasons_text(gpu["reasons"])))
         for dev in gpu["mig_devices"]:
-            rows.append((f"  └ {dev['profile']} gi {dev['gi_id']} ci {dev['ci_id']}", dev["state"],
+            rows.append((f"  └ {dev['profile']} gi {dev['gi_id']} ci {dev['ci_id']}", dev["state"], "",
                          reasons_text(dev["reasons"])))
+    for subject in view.get("subjects", []):
+        rows.append((subject["name"], subject["state"], "-", reasons_text(subject["reasons"])))
     print(table(rows))
     return EXIT_OK if view["status"] == "healthy" else EXIT_PROBLEM
 

@@ -232,6 +232,37 @@ class HealthConfig:
     # XIDs that never affect health; and XIDs that always do, even when listed as application XIDs.
     ignored_xids: tuple[int, ...] = ()
     unhealthy_xids: tuple[int, ...] = ()
+    # Read XIDs from the kernel log (host.kmsg) too, for those NVML's events missed (NVML down, before
+    # gpud started); each is counted once however many sources report it.
+    kernel_log: bool = True
+    # The same GPU needing a node reboot this many times within the window (counted across restarts)
+    # escalates to inspect-hardware: a reboot does not fix it.
+    reboot_escalation_count: int = field(default=3, metadata=_bounded(2, 100))
+    reboot_escalation_window_h: float = field(default=24.0, metadata=_bounded(1, 24 * 90))
+    # Reset a GPU by itself when the driver's recovery action is a GPU reset and nothing holds it
+    # (the reset path of POST /v1/gpus/{id}/reset, with its checks and its refusal when held), at most
+    # auto_reset_max_per_hour times an hour on the node. Never a GPU with processes.
+    auto_reset: bool = False
+    auto_reset_max_per_hour: int = field(default=2, metadata=_bounded(1, 60))
+    # InfiniBand/RoCE ports under <host.sysfs>/class/infiniband as health subjects, and GPUDirect
+    # RDMA's nvidia_peermem module checked where InfiniBand is present.
+    infiniband: bool = True
+    peermem: bool = True
+    # The Fabric Manager service checked on nodes with local NVSwitches (HGX/DGX A100, H100, B200).
+    fabric_manager_unit: str = "nvidia-fabricmanager.service"
+    # DCGM's dcgmi for `gpud check` (POST /v1/check). Unset: dcgmi on PATH.
+    dcgmi: str | None = None
+    check_timeout_s: float = field(default=1800.0, metadata=_bounded(10, 7200))
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    # Where the host's procfs, sysfs and kernel log are (node_exporter's --path.procfs/--path.sysfs),
+    # for gpud in a container with the host's mounted elsewhere. Unset: /proc, /sys and /dev/kmsg; on a
+    # simulated node the simulator's own beside its state (<sim state>.procfs, .sysfs, .kmsg).
+    procfs: str | None = None
+    sysfs: str | None = None
+    kmsg: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +315,7 @@ class Config:
     sharing: SharingFileConfig = SharingFileConfig()
     gpu_memory: GpuMemoryConfig = GpuMemoryConfig()
     health: HealthConfig = HealthConfig()
+    host: HostConfig = HostConfig()
     metrics: MetricsConfig = MetricsConfig()
     cdi: CdiConfig = CdiConfig()
     nfd: NfdConfig = NfdConfig()
@@ -296,8 +328,7 @@ class Config:
     # The NVIDIA driver version the simulated node behaves as ("535.183.01", "550.90.07", "580.65.06"):
     # driver branches differ in what NVML answers. None = the simulator's default.
     sim_driver: str | None = None
-    # Where sysfs is mounted (node_exporter's --path.sysfs): each GPU's NUMA node, and NFD's machine
-    # (DMI product name) and GPU mode (PCI class). None = /sys; on a simulated node the simulator's.
+    # The older name of host.sysfs, still read; give one of the two.
     sysfs: str | None = None
 
     def with_overrides(self, **changes: Any) -> "Config":
@@ -372,7 +403,15 @@ class Config:
 
     @property
     def sysfs_path(self) -> Path:
-        return self._node_path(self.sysfs, ".sysfs", "/sys")
+        return self._node_path(self.host.sysfs or self.sysfs, ".sysfs", "/sys")
+
+    @property
+    def procfs_path(self) -> Path:
+        return self._node_path(self.host.procfs, ".procfs", "/proc")
+
+    @property
+    def kmsg_path(self) -> Path:
+        return self._node_path(self.host.kmsg, ".kmsg", "/dev/kmsg")
 
     @property
     def mig_minors_path(self) -> Path:
@@ -506,6 +545,8 @@ def _check_consistency(config: Config, source: str) -> Config:
         raise ConfigError(source, "api.admin_reserved_connections", "must be less than api.max_connections")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
         raise ConfigError(source, "nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
+    if config.sysfs and config.host.sysfs:
+        raise ConfigError(source, "sysfs", "is the older name of host.sysfs: give one of the two")
     if config.sim_driver is not None and driver_branch(config.sim_driver) is None:
         raise ConfigError(source, "sim_driver", f"not a driver version such as 535.183.01; got {config.sim_driver!r}")
     return config

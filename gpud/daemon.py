@@ -31,7 +31,7 @@ from gpud.errors import GpudError
 from gpud.events import EventBus
 from gpud.gpu_reset import GpuResetter
 from gpud.health.catalog import load_catalog
-from gpud.health.service import HealthService
+from gpud.health.service import HealthService, HostPaths
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
 from gpud.mig.layouts import LayoutsFile
@@ -43,6 +43,7 @@ from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.processes.cgroup import CGROUPFS
+from gpud.processes.host import PROC
 from gpud.processes.monitor import ProcessMonitor
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfigError
@@ -98,9 +99,9 @@ class Daemon:
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
                                unhealthy_xids=health.unhealthy_xids)
-        self.health = HealthService(self.session, self.inventory, self.bus, catalog,
-                                    check_interval_s=health.check_interval_s,
-                                    clear_after_passes=health.clear_after_passes,
+        self.health = HealthService(self.session, self.inventory, self.bus, catalog, settings=health,
+                                    host=HostPaths(config.procfs_path, config.sysfs_path, config.kmsg_path),
+                                    reset_gpu=lambda index, why: self.mig.reset_gpus([index], why=why),
                                     mps_failures=self.mps.failures,
                                     nvlinks_path=config.state_path / "nvlinks-seen-up.json",
                                     state_path=config.state_path / "health.json",
@@ -123,8 +124,11 @@ class Daemon:
         sim_routes = SimRoutes(self.session, self.inventory, body_timeout_s).register if self.session.simulated \
             else register_not_simulated
         # the processes are the host's even on a simulated node: their cgroups too, unless sysfs is set
-        cgroupfs = Path(config.sysfs) / "fs" / "cgroup" if config.sysfs else CGROUPFS
-        self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s, cgroupfs=cgroupfs)
+        sysfs = config.host.sysfs or config.sysfs
+        cgroupfs = Path(sysfs) / "fs" / "cgroup" if sysfs else CGROUPFS
+        proc = Path(config.host.procfs) if config.host.procfs else PROC  # the host's, unless set: as cgroupfs
+        self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s, proc=proc,
+                                        cgroupfs=cgroupfs)
         self.nfd = NfdWriter(config.nfd_features_path, self._nfd_labels, self.bus, enabled=config.nfd.enabled,
                              create_directory=bool(config.nfd.features_file or config.simulate),
                              expiry_s=config.nfd.expiry_s)
@@ -174,6 +178,8 @@ class Daemon:
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
                  state_dir=str(cfg.state_path), version=__version__)
         self._node_task = asyncio.create_task(self._run_node(), name="node")
+        self.health.start_kernel_log()  # the kernel log and the node's own checks need no NVML
+        self._start(self.health.run_node_checks(), "node-health")
         self._start(self.latency.run(), "latency")
         self._start(self.nfd.run(), "nfd")
         self._start(self._follow_sharing_configs(), "sharing-configs")
@@ -211,7 +217,8 @@ class Daemon:
         """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving."""
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
                    *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
-        problems = [self.mig.problem, self.health.events_problem, self.nfd.problem, self.cdi and self.cdi.error]
+        problems = [self.mig.problem, self.health.events_problem, self.health.kernel_log_problem, self.nfd.problem,
+                    self.cdi and self.cdi.error]
         crashed = [f"gpud's {name} task stopped ({error}): a bug; restart gpud" for name, error in self._crashed.items()]
         return [problem for problem in problems if problem] + [file.message() for file in corrupt] + crashed
 

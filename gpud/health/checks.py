@@ -6,7 +6,7 @@ the tracker turns results into reasons, with hysteresis so a value near a limit 
 
 from __future__ import annotations
 
-from gpud.nvml.health import Readings
+from gpud.nvml.health import FabricReading, Readings, fabric_health_bits
 
 Problem = tuple[str, str, str] | None
 # Clock-event reasons that are the hardware slowing the GPU down, not idling or a set limit.
@@ -35,7 +35,58 @@ def check_readings(readings: Readings, previous: Readings | None = None,
         ("remapped-rows", "failed"): _flag(readings.remap_failed, "unhealthy", "inspect-hardware",
                                            "row remapping failed: the memory needs inspection"),
         ("power", "over-limit"): _power(readings),
+        ("fabric", "not-ready"): _fabric_ready(readings.fabric),
+        ("fabric", "health"): _fabric_health(readings.fabric),
     }
+
+
+# nvml.h nvmlGpuFabricState_t: NOT_SUPPORTED 0, NOT_STARTED 1, IN_PROGRESS 2, COMPLETED 3.
+FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
+FABRIC_COMPLETED = 3
+# nvml.h NVML_GPU_FABRIC_HEALTH_MASK_*: a field's TRUE is 1, FALSE 2, NOT_SUPPORTED 0; the
+# incorrect-configuration field is NONE 1, NOT_SUPPORTED 0, or the value naming what is wrong.
+_TRUE, _CONFIGURATION_NONE = 1, 1
+_CONFIGURATIONS = {2: "incorrect system GUID", 3: "incorrect chassis serial number", 4: "no partition",
+                   5: "insufficient NVLinks", 6: "incompatible GPU firmware", 7: "invalid location",
+                   8: "GPU state invalid"}
+
+
+def _fabric_ready(fabric: FabricReading | None) -> Problem:
+    """The GPU's NVLink fabric (NVSwitch systems, Hopper and later): until Fabric Manager trained it,
+    CUDA fails on the GPU ("system not yet initialized", cudaErrorSystemNotReady)."""
+    if fabric is None:
+        return None
+    if fabric.state != FABRIC_COMPLETED:
+        state = FABRIC_STATES.get(fabric.state, f"in state {fabric.state}")
+        return ("unhealthy", "reset-gpu",
+                f"the NVLink fabric is {state}: Fabric Manager has not trained it and CUDA fails on this GPU; "
+                "check that nvidia-fabricmanager runs (journalctl -u nvidia-fabricmanager), then reset the GPU")
+    if fabric.status != 0:
+        return ("unhealthy", "reset-gpu",
+                f"the GPU's NVLink fabric registration failed (NVML status {fabric.status}): read Fabric Manager's "
+                "log (/var/log/fabricmanager.log), then reset the GPU")
+    return None
+
+
+def _fabric_health(fabric: FabricReading | None) -> Problem:
+    """The fabric's health mask (nvmlGpuFabricInfo_v3 and later) on a trained fabric."""
+    if fabric is None or fabric.state != FABRIC_COMPLETED or not fabric.health_mask:
+        return None
+    bits = fabric_health_bits(fabric.health_mask)
+    configuration = bits.get("incorrect_configuration", 0)
+    if configuration not in (0, _CONFIGURATION_NONE):
+        what = _CONFIGURATIONS.get(configuration, f"code {configuration}")
+        return "unhealthy", "inspect-hardware", f"the NVLink fabric is incorrectly configured: {what}"
+    if bits.get("route_unhealthy") == _TRUE:
+        return "unhealthy", "inspect-hardware", "the NVLink fabric reports an unhealthy route"
+    if bits.get("degraded_bw") == _TRUE:
+        return "degraded", "inspect-hardware", "the NVLink fabric runs at degraded bandwidth (links or switches lost)"
+    recovering = [name for key, name in (("route_recovery", "route recovery"),
+                                          ("access_timeout_recovery", "access-timeout recovery"))
+                  if bits.get(key) == _TRUE]
+    if recovering:
+        return "degraded", "none", f"the NVLink fabric is in {' and '.join(recovering)}: the driver recovers it"
+    return None
 
 
 def _temperature(r: Readings) -> Problem:

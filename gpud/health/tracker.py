@@ -1,8 +1,13 @@
 """Device health: why each GPU and MIG device is healthy, degraded or unhealthy.
 
-A device's reasons come from XIDs, periodic checks, the inventory (a lost GPU), and go away with a
-passing check, a GPU reset or an administrator's clear. Its state is the worst of its reasons. A MIG
-device also carries its GPU's reasons: what breaks the GPU breaks every MIG device on it.
+A device's reasons come from XIDs, periodic checks, the inventory (a lost GPU), the driver's recovery
+action, and go away with a passing check, a GPU reset, the driver saying the GPU recovered, or an
+administrator's clear. Its state is the worst of its reasons. A MIG device also carries its GPU's
+reasons: what breaks the GPU breaks every MIG device on it.
+
+Beside the devices there are subjects that are no GPU's: the node itself ("node": driver mismatch,
+Fabric Manager, GPUDirect RDMA) and each InfiniBand/RoCE port ("ib:mlx5_0/1"). They are checked as
+devices are, and re-derived after a restart, so never persisted.
 
 Every input returns the Changes it caused, and only real transitions (state or set of reasons), so a
 flood of one repeated XID bumps a counter instead of flooding the watch stream.
@@ -23,6 +28,27 @@ LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
 # Reasons others re-derive after a restart, so they are not persisted: the inventory says again which
 # GPUs are lost, the MPS manager which daemons are down.
 REDERIVED_KINDS = ("lost", "mps")
+NODE = "node"  # the subject of node-level reasons
+# The driver's recovery actions (nvml.h nvmlDeviceGetFieldValues NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
+# NVML_GPU_RECOVERY_ACTION_*) by value, as gpud names them; "none": nothing needed.
+DRIVER_ACTIONS = {0: "none", 1: "gpu-reset", 2: "node-reboot", 3: "drain-p2p", 4: "drain-and-reset",
+                  5: "recover-imex-domain", 6: "bus-reset", 7: "system-reboot"}
+# What each asks of the operator: (severity, gpud's action, message). NVIDIA's "Error Recovery and
+# Response Flags" (reference health.md §D): drain P2P is the driver recovering by itself once peer
+# traffic stops; the others need the reset or reboot they name.
+_DRIVER_ACTION_REASONS = {
+    "gpu-reset": (UNHEALTHY, "reset-gpu", "the driver asks for a GPU reset"),
+    "bus-reset": (UNHEALTHY, "reset-gpu", "the driver asks for a bus reset of the GPU"),
+    "drain-and-reset": (UNHEALTHY, "reset-gpu", "the driver asks for the GPU to be drained of work, then reset"),
+    "node-reboot": (UNHEALTHY, "reboot", "the driver asks for a node reboot"),
+    "system-reboot": (UNHEALTHY, "reboot", "the driver asks for a system reboot"),
+    "drain-p2p": (DEGRADED, "restart-app", "the driver asks for peer-to-peer traffic to drain: stop the work "
+                                            "using P2P/NVLink on this GPU; the driver recovers once it stops"),
+    "recover-imex-domain": (UNHEALTHY, "restart-app", "the driver asks for the IMEX domain to be recovered "
+                                                      "(restart nvidia-imex across the domain)"),
+}
+_REBOOT_ACTIONS = ("node-reboot", "system-reboot")
+ESCALATION = "repeated-reboot"  # the recovery-action reason of a GPU a reboot does not fix
 
 Key = tuple[str, str]  # (kind, code)
 
@@ -37,23 +63,26 @@ class Reason:
     first_seen: float
     last_seen: float
     count: int
-    clears: str  # "check": checks pass again; "reset": a GPU reset (or the GPU is back); "admin": only a clear
+    # "check": checks pass again; "reset": a GPU reset, the GPU back, or the driver saying it recovered;
+    # "driver": the driver's recovery action is none again; "admin": only a clear
+    clears: str
 
 
 @dataclass(frozen=True)
 class Change:
     """One device's state transition, for the watch stream and the log."""
 
-    device: str  # UUID (GPU- or MIG-)
-    gpu_index: int
+    device: str  # UUID (GPU- or MIG-), or a subject's name ("node", "ib:mlx5_0/1")
+    gpu_index: int | None  # None for a subject
     previous: str
     state: str
     reasons: tuple[Reason, ...]  # the device's effective reasons now
+    driver_action: str | None = None  # a GPU's recovery action as the driver says it now; None: not said
 
 
 @dataclass
 class _Device:
-    gpu_index: int
+    gpu_index: int | None  # None for a subject
     parent: str | None = None  # the GPU's UUID, for a MIG device
     gi_id: int | None = None
     ci_id: int | None = None
@@ -67,11 +96,21 @@ class _Device:
 
 
 class HealthTracker:
-    def __init__(self, clear_after_passes: int = 3, clock: Callable[[], float] = time.time):
+    def __init__(self, clear_after_passes: int = 3, clock: Callable[[], float] = time.time, *, boot_id: str = "",
+                 reboot_escalation: tuple[int, float] = (3, 86400.0)):
         self._clear_after_passes = clear_after_passes
         self._clock = clock
         self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
+        self._subjects: dict[str, _Device] = {NODE: _Device(None)}  # by name: the node, InfiniBand ports
         self._restored: dict[str, dict[Key, Reason]] = {}  # persisted reasons of devices not learned yet
+        self._driver_actions: dict[str, str | None] = {}  # GPU UUID -> the driver's recovery action now
+        self._driver_acted_at: dict[str, float] = {}  # GPU UUID -> when the driver last asked for an action
+        # Reasons restored from before this boot: the driver's "none" after a reboot is their recovery.
+        self._from_earlier_boot: set[tuple[str, Key]] = set()
+        self._boot_id = boot_id
+        self._escalate_after, self._escalation_window_s = reboot_escalation
+        # GPU UUID -> {boot id: when}: the boots in which the GPU needed a node reboot (persisted)
+        self.reboot_needs: dict[str, dict[str, float]] = {}
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -84,10 +123,14 @@ class HealthTracker:
             document[uuid] = [asdict(r) for r in device.reasons.values() if r.kind not in REDERIVED_KINDS]
         return {uuid: reasons for uuid, reasons in document.items() if reasons}
 
-    def restore(self, reasons: dict[str, dict[Key, Reason]]) -> None:
+    def restore(self, reasons: dict[str, dict[Key, Reason]], *, earlier_boot: bool = False,
+                reboot_needs: dict[str, dict[str, float]] | None = None) -> None:
         """Takes what export() gave before a restart (read with parse_reasons); the devices get their
-        reasons as the inventory names them."""
+        reasons as the inventory names them. earlier_boot: saved before the node last booted."""
         self._restored = reasons
+        if earlier_boot:
+            self._from_earlier_boot = {(uuid, key) for uuid, device in reasons.items() for key in device}
+        self.reboot_needs = dict(reboot_needs or {})
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -111,6 +154,61 @@ class HealthTracker:
         before = self._summaries()
         for device in self._xid_targets(gpu_uuid, gi_id, ci_id):
             self._raise(device, reason)
+        if info.action == "reboot":
+            self._needs_reboot(gpu_uuid)
+        return self._changes_since(before)
+
+    def record_driver_action(self, gpu_uuid: str, action: str | None) -> list[Change]:
+        """The driver's recovery action read from a GPU (DRIVER_ACTIONS' names); None where the driver
+        has no such field, which changes nothing (the branch's behaviour stands).
+
+        An action other than none is a reason of its own. "none" after the driver asked for an action
+        (or after a reboot, for reasons from before it) is the GPU recovered: its XID reasons that a
+        reset clears go, on the GPU and its MIG devices."""
+        device = self._devices.get(gpu_uuid)
+        if device is None or action is None:
+            return []
+        before = self._summaries()
+        self._driver_actions[gpu_uuid] = action
+        if action != "none":
+            self._driver_acted_at[gpu_uuid] = self._clock()
+            severity, gpud_action, message = _DRIVER_ACTION_REASONS.get(
+                action, (UNHEALTHY, "reset-gpu", f"the driver asks for recovery action {action!r}"))
+            device.drop(lambda reason: reason.kind == "recovery-action" and reason.code not in (action, ESCALATION))
+            self._raise(device, self._reason("recovery-action", action, message, severity, gpud_action, "driver"))
+            if action in _REBOOT_ACTIONS:
+                self._needs_reboot(gpu_uuid)
+        else:
+            acted_at = self._driver_acted_at.get(gpu_uuid)
+            for uuid, member in self._family(gpu_uuid):
+                member.drop(lambda reason: reason.clears == "driver" or (reason.kind == "xid" and reason.clears == "reset"
+                            and ((acted_at is not None and reason.last_seen <= acted_at)
+                                 or (uuid, (reason.kind, reason.code)) in self._from_earlier_boot)))
+        return self._changes_since(before)
+
+    def _needs_reboot(self, gpu_uuid: str) -> None:
+        """Counts this boot as one in which the GPU needed a node reboot; enough of them within the
+        window escalate to inspect-hardware, which only an administrator clears."""
+        now = self._clock()
+        boots = {boot: when for boot, when in self.reboot_needs.get(gpu_uuid, {}).items()
+                 if now - when <= self._escalation_window_s}
+        boots.setdefault(self._boot_id, now)
+        self.reboot_needs[gpu_uuid] = boots
+        if len(boots) >= self._escalate_after:
+            hours = self._escalation_window_s / 3600
+            message = (f"needed a node reboot in {len(boots)} boots within {hours:g} h: a reboot does not fix it, "
+                       "inspect the hardware")
+            self._raise(self._devices[gpu_uuid], self._reason("recovery-action", ESCALATION, message, UNHEALTHY,
+                                                              "inspect-hardware", "admin"))
+
+    def set_subjects(self, prefix: str, names: Iterable[str]) -> list[Change]:
+        """The subjects whose names start with prefix are these now (InfiniBand ports come and go)."""
+        before = self._summaries()
+        names = set(names)
+        for name in [name for name in self._subjects if name.startswith(prefix) and name not in names]:
+            del self._subjects[name]
+        for name in names:
+            self._subjects.setdefault(name, _Device(None))
         return self._changes_since(before)
 
     def observe(self, device_uuid: str, kind: str, code: str,
@@ -118,7 +216,7 @@ class HealthTracker:
         """A periodic check's result: (severity, action, message), or None when it passes. A problem
         shows at once; it goes only after `clear_after_passes` passes in a row, so a value hovering
         at a limit cannot make the device flap."""
-        device = self._devices.get(device_uuid)
+        device = self._devices.get(device_uuid) or self._subjects.get(device_uuid)
         if device is None:
             return []  # a device gone since the check read it (a MIG device destroyed meanwhile)
         before = self._summaries()
@@ -150,21 +248,41 @@ class HealthTracker:
     def view(self, inventory: Inventory) -> dict:
         """The /v1/health document for the inventory's GPUs and MIG devices."""
         gpus = [self._gpu_view(gpu) for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index)]
-        return {"status": _worst(entry["state"] for gpu in gpus for entry in (gpu, *gpu["mig_devices"])),
-                "gpus": gpus}
+        node, subjects = self.subjects_view()
+        states = [entry["state"] for gpu in gpus for entry in (gpu, *gpu["mig_devices"])]
+        return {"status": _worst([*states, node["state"], *(subject["state"] for subject in subjects)]),
+                "node": node, "gpus": gpus, "subjects": subjects}
 
     def gpu_states(self) -> dict[str, str]:
         """Effective state by UUID, GPUs and MIG devices."""
         return {uuid: self._effective(device)[0] for uuid, device in self._devices.items()}
 
+    def subject_states(self) -> dict[str, str]:
+        """Effective state by subject name: the node, InfiniBand ports."""
+        return {name: self._effective(device)[0] for name, device in self._subjects.items()}
+
+    def driver_action(self, gpu_uuid: str) -> str | None:
+        return self._driver_actions.get(gpu_uuid)
+
+    def subjects_view(self) -> tuple[dict, list[dict]]:
+        """The node's health, and each other subject's (name, state, reasons), by name."""
+        views = {name: {"name": name, **self._health_view_of(device)} for name, device in self._subjects.items()}
+        node = views.pop(NODE)
+        del node["name"]
+        return node, [views[name] for name in sorted(views)]
+
     def _gpu_view(self, gpu: Gpu) -> dict:
         mig_devices = [{"uuid": mig.uuid, "profile": mig.profile, "gi_id": mig.gi_id, "ci_id": mig.ci_id,
                         **self._health_view(mig.uuid)} for mig in gpu.mig.devices]
-        return {"index": gpu.index, "uuid": gpu.uuid, **self._health_view(gpu.uuid), "mig_devices": mig_devices}
+        view = self._health_view(gpu.uuid)
+        return {"index": gpu.index, "uuid": gpu.uuid, **view, "suggested_action": _suggested(view["reasons"]),
+                "driver_action": self._driver_actions.get(gpu.uuid), "mig_devices": mig_devices}
 
     def _health_view(self, uuid: str) -> dict:
         """State and reasons; a device not learned yet has nothing recorded against it."""
-        device = self._devices.get(uuid)
+        return self._health_view_of(self._devices.get(uuid))
+
+    def _health_view_of(self, device: _Device | None) -> dict:
         state, reasons = self._effective(device) if device else (HEALTHY, ())
         return {"state": state, "reasons": [asdict(reason) for reason in reasons]}
 
@@ -206,11 +324,16 @@ class HealthTracker:
         return [device for device in self._devices.values() if device.parent == gpu_uuid]
 
     def _drop_in_family(self, uuid: str, matches: Callable[[Reason], bool]) -> list[Change]:
-        family = [self._devices[uuid], *self._children(uuid)]
+        family = [device for _, device in self._family(uuid)]
         before = self._summaries()
         for device in family:
             device.drop(matches)
         return self._changes_since(before)
+
+    def _family(self, uuid: str) -> list[tuple[str, _Device]]:
+        """The device (KeyError for one gpud does not know) and its MIG devices, with their UUIDs."""
+        device = self._devices.get(uuid) or self._subjects[uuid]
+        return [(uuid, device), *((child, member) for child, member in self._devices.items() if member.parent == uuid)]
 
     # -- reasons -----------------------------------------------------------------------------
 
@@ -240,16 +363,24 @@ class HealthTracker:
         reasons = inherited + tuple(device.reasons.values())
         return _worst(reason.severity for reason in reasons), reasons
 
-    def _summaries(self) -> dict[str, tuple[str, frozenset[Key]]]:
-        return {uuid: _summary(*self._effective(device)) for uuid, device in self._devices.items()}
+    def _all(self) -> Iterable[tuple[str, _Device]]:
+        return (*self._devices.items(), *self._subjects.items())
 
-    def _changes_since(self, before: dict[str, tuple[str, frozenset[Key]]]) -> list[Change]:
+    def _summaries(self) -> dict[str, tuple]:
+        return {uuid: self._summary(uuid, device) for uuid, device in self._all()}
+
+    def _summary(self, uuid: str, device: _Device) -> tuple:
+        state, reasons = self._effective(device)
+        return state, frozenset((reason.kind, reason.code) for reason in reasons), self._driver_actions.get(uuid)
+
+    def _changes_since(self, before: dict[str, tuple]) -> list[Change]:
         changes = []
-        for uuid, device in self._devices.items():
-            state, reasons = self._effective(device)
-            previous = before.get(uuid, (HEALTHY, frozenset()))  # a device just learned starts healthy
-            if _summary(state, reasons) != previous:
-                changes.append(Change(uuid, device.gpu_index, previous[0], state, reasons))
+        for uuid, device in self._all():
+            summary = self._summary(uuid, device)
+            previous = before.get(uuid, (HEALTHY, frozenset(), None))  # a device just learned starts healthy
+            if summary != previous:
+                state, reasons = self._effective(device)
+                changes.append(Change(uuid, device.gpu_index, previous[0], state, reasons, summary[2]))
         return changes
 
 
@@ -270,8 +401,12 @@ def _reason_from(fields: dict) -> Reason:
     return reason
 
 
-def _summary(state: str, reasons: tuple[Reason, ...]) -> tuple[str, frozenset[Key]]:
-    return state, frozenset((reason.kind, reason.code) for reason in reasons)
+_ACTION_RANK = ("none", "restart-app", "reset-gpu", "reboot", "inspect-hardware")
+
+
+def _suggested(reasons: list[dict]) -> str:
+    """gpud's suggested action for a device: the strongest its reasons ask for."""
+    return max((reason["action"] for reason in reasons), key=_ACTION_RANK.index, default="none")
 
 
 def _worst(states: Iterable[str]) -> str:

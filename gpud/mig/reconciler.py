@@ -291,12 +291,13 @@ class MigReconciler:
                                                      "mig.allow_gpu_reset: false to leave the reset to you",
                                blockers=[b.as_dict() for b in blockers], reset_gpus=list(refused.group))
 
-    async def reset_gpus(self, indices: list[int], *, force: bool = False) -> ResetOutcome:
-        """A GPU reset asked for through the API: the GPUs with their NVLink peers, MIG layouts
-        brought back afterwards (a reset destroys every MIG instance)."""
+    async def reset_gpus(self, indices: list[int], *, force: bool = False,
+                         why: str = "asked through the API") -> ResetOutcome:
+        """A GPU reset asked for through the API (or by health.auto_reset): the GPUs with their NVLink
+        peers, MIG layouts brought back afterwards (a reset destroys every MIG instance)."""
         self._claim({"operation": "reset", "gpus": sorted(indices)})
         try:
-            return await self.resetter.reset(indices, "asked through the API", force=force,
+            return await self.resetter.reset(indices, why, force=force,
                                              restore=lambda gpus, after: self._restore_after_reset(gpus, after, ()))
         finally:
             self._running = None
