@@ -228,26 +228,26 @@ class KernelLogFollower:
         self.problem = problem
         raise _Gone()
 
+    def _unreadable(self, exc: OSError, doing: str = "") -> None:
+        if isinstance(exc, FileNotFoundError):
+            self._fail(f"{self.path} does not exist (no kernel log to read XIDs from; in a container, "
+                       f"mount the host's /dev/kmsg)")
+        if isinstance(exc, PermissionError):  # EACCES, or EPERM of /dev/kmsg under dmesg_restrict
+            self._fail(f"{self.path}: permission denied; run gpud as root or give it CAP_SYSLOG")
+        self._fail(f"{self.path}: {doing}{exc.strerror or exc}")
+
     def _open(self, flags: int) -> int:
         try:
             return os.open(self.path, flags | os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            self._fail(f"{self.path} does not exist (no kernel log to read XIDs from; in a container, "
-                       f"mount the host's /dev/kmsg)")
-        except PermissionError:
-            self._fail(f"{self.path}: permission denied; run gpud as root or give it CAP_SYSLOG")
         except OSError as exc:
-            self._fail(f"{self.path}: {exc.strerror or exc}")
-        raise AssertionError("unreachable")
+            self._unreadable(exc)
+        raise AssertionError("unreachable")  # _unreadable raises
 
     def _follow(self) -> None:
         try:
             mode = os.stat(self.path).st_mode
-        except FileNotFoundError:
-            self._open(0)  # says so, the same way
-            return
         except OSError as exc:
-            self._fail(f"{self.path}: {exc.strerror or exc}")
+            self._unreadable(exc)
         if stat.S_ISCHR(mode):
             self._follow_device()
         else:
@@ -270,7 +270,7 @@ class KernelLogFollower:
                                     consequence="XIDs among them are not seen here")
                         continue
                     except OSError as exc:
-                        self._fail(f"{self.path}: read failed: {exc.strerror or exc}")
+                        self._unreadable(exc, "read failed: ")
                     if not record:
                         break
                     self._handle(record)
@@ -289,7 +289,7 @@ class KernelLogFollower:
                 try:
                     chunk = os.read(fd, 65536)
                 except OSError as exc:
-                    self._fail(f"{self.path}: read failed: {exc.strerror or exc}")
+                    self._unreadable(exc, "read failed: ")
                 if chunk:
                     offset += len(chunk)
                     pending, oversized = self._lines(pending + chunk, oversized)
