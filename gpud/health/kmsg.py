@@ -135,7 +135,12 @@ class _Gone(Exception):
 
 class KernelLogFollower:
     """Follows the kernel log at path (the /dev/kmsg character device, or a regular file of records) on
-    a thread of its own, calling deliver(KernelXid) for each XID the driver wrote there."""
+    a thread of its own, calling deliver(KernelXid) for each XID the driver wrote there.
+
+    The cursor (cursor_path) holds the last record handled in this boot: after a restart of gpud, the
+    records up to it are skipped. A file replaced while gpud was stopped, in the same boot, with records
+    numbered no higher than the cursor, is therefore skipped too; replaced while gpud runs, it is seen
+    (a sequence number going back) and read in full."""
 
     def __init__(self, path: Path, deliver: Callable[[KernelXid], None], *, cursor_path: Path | None,
                  boot_id_path: Path, poll_s: float = 0.2, retry_s: float = RETRY_OPEN_S):
@@ -160,8 +165,6 @@ class KernelLogFollower:
     # -- life ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._boot_id = _read_boot_id(self.boot_id_path)
-        self._load_cursor()
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="kmsg", daemon=True)
         self._thread.start()
@@ -206,6 +209,9 @@ class KernelLogFollower:
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        # on the thread, as all its file work: start() never blocks its caller's event loop
+        self._boot_id = _read_boot_id(self.boot_id_path)
+        self._load_cursor()
         try:
             while not self._stopping.is_set():
                 try:
