@@ -166,6 +166,8 @@ def test_counter_deltas_across_checks(tmp_path):
 def test_thresholds_are_settable_and_checked():
     with pytest.raises(ValueError, match="symbol-error"):
         IbHealth(error_deltas={"symbol-error": 1})
+    with pytest.raises(ValueError, match="link-flapped"):
+        IbHealth(error_deltas={"link-flapped": -1})
     ports = read_ports(FIXTURES / "ndr-connectx7" / "sys")
     strict = IbHealth(error_deltas={"symbol-errors": 0})
     assert strict.error_deltas["symbol-errors"] == 0 and strict.error_deltas["receive-errors"] == 10
@@ -246,8 +248,9 @@ def test_port_disabled_after_active_is_a_choice(tmp_path):
     sysfs = tree("ndr-connectx7", tmp_path) / "sys"
     health = IbHealth()
     health.check(read_ports(sysfs))
+    disabled = port_dir(FIXTURES / "down" / "sys", "mlx5_3")
     for name in ("state", "phys_state"):
-        shutil.copy(FIXTURES / "down" / "sys" / CLASS / "mlx5_3" / "ports" / "1" / name, port_dir(sysfs, "mlx5_7") / name)
+        shutil.copy(disabled / name, port_dir(sysfs, "mlx5_7") / name)
     assert health.check(read_ports(sysfs))["ib:mlx5_7/1"][("infiniband", "port-down")] is None
 
 
