@@ -314,9 +314,12 @@ def _labels(port: IbPort) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ GPUDirect RDMA
 
-# DMA-BUF registration of GPU memory with an RDMA device needs Linux 5.12 (ib_umem_dmabuf) and NVIDIA's
-# open kernel modules; NVIDIA recommends it over nvidia-peermem ("GPUDirect RDMA and GPUDirect Storage",
-# GPU Operator documentation). With it, NCCL needs no nvidia_peermem.
+# GPUDirect RDMA's kernel side is either the legacy nvidia-peermem module or DMA-BUF, which NVIDIA
+# recommends and which needs no nvidia-peermem ("GPUDirect RDMA and GPUDirect Storage", GPU Operator
+# documentation, docs.nvidia.com/datacenter/cloud-native/gpu-operator/latest/gpu-operator-rdma.html;
+# NCCL detects and uses it by itself). DMA-BUF takes NVIDIA's open kernel modules (/proc/driver/nvidia/version
+# says "Open Kernel Module", NVIDIA's kernel_open README) and RDMA dma-buf memory registration, in Linux
+# since 5.12 (the requirement oneCCL's "Enabling OFI/verbs/dmabuf Support" states for the same path).
 DMABUF_KERNEL = (5, 12)
 
 
