@@ -1,0 +1,356 @@
+"""InfiniBand and RoCE ports (<sysfs>/class/infiniband/<device>/ports/<port>/) as health subjects of
+their own, "ib:<device>/<port>", and as node_exporter's infiniband metrics.
+
+The layout and the files' formats are the kernel's (Documentation/ABI/stable/sysfs-class-infiniband):
+`state` "4: ACTIVE", `phys_state` "5: LinkUp", `rate` "400 Gb/sec (4X NDR)", `link_layer`
+"InfiniBand" or "Ethernet" (RoCE), and the port's PMA counters under `counters/` (kernels before 4.5 put
+the 64-bit ones in `counters_ext/`). sysfs is a parameter, as node_exporter's --path.sysfs, so tests and
+containers read another tree.
+
+Reading never raises for what a port says: a file missing, unreadable (EINVAL from `rate` on an unknown
+speed, a directory where a file should be), not ASCII or not of its format reads as None, and a counter
+that is not a number ("N/A (no PMA)" on iWARP devices, node_exporter issue 966) is left out. A check with
+nothing to judge passes: no reading is no alarm.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+from gpud.samples import Family
+
+Problem = tuple[str, str, str] | None  # (severity, action, message), as gpud.health.checks
+KIND = "infiniband"
+
+# IBA port states (kernel ib_port_state, the number before the colon in `state`) and physical states
+# (`phys_state`): the numbers are the standard's, the names differ across kernels, so only numbers judge.
+STATE_ACTIVE = 4
+PHYS_DISABLED = 3
+PHYS_LINK_UP = 5
+
+# Counter growth between two checks above which a check fails. infiniband-diags' own defaults
+# (rdma-core infiniband-diags/etc/error_thresholds: SymbolErrorCounter=10, LinkErrorRecoveryCounter=10,
+# PortRcvErrors=10) for the error counters; any link_downed growth counts, as each is a link that
+# failed to recover and went down, which a running NCCL job feels (a QP error or a hang).
+DEFAULT_ERROR_DELTAS: Mapping[str, int] = {
+    "link-flapped": 0,
+    "symbol-errors": 10,
+    "receive-errors": 10,
+    "link-error-recovery": 10,
+}
+# check code -> (counter file, what its growth means)
+_COUNTER_CHECKS = {
+    "link-flapped": ("link_downed", "link went down {n} times since the last check (flapping)"),
+    "symbol-errors": ("symbol_error", "{n} symbol errors since the last check: a marginal cable or transceiver"),
+    "receive-errors": ("port_rcv_errors", "{n} packets received with errors since the last check"),
+    "link-error-recovery": ("link_error_recovery",
+                            "the link retrained {n} times since the last check: a marginal cable or transceiver"),
+}
+
+
+@dataclass(frozen=True)
+class IbPort:
+    device: str
+    port: int
+    state: str | None  # "ACTIVE": the text after "N: "
+    state_id: int | None
+    phys_state: str | None  # "LinkUp"
+    phys_state_id: int | None
+    rate_gbps: float | None  # 400.0 from "400 Gb/sec (4X NDR)"
+    link_layer: str | None  # "InfiniBand" or "Ethernet"
+    # counter file name (counters/ and counters_ext/, whose names differ) -> value as the file says it:
+    # port_rcv_data and port_xmit_data are in 4-byte words there; families() turns them into bytes.
+    counters: Mapping[str, int] = field(default_factory=dict, hash=False)
+
+    @property
+    def subject(self) -> str:
+        return f"ib:{self.device}/{self.port}"
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def read_ports(sysfs: Path) -> list[IbPort]:
+    """Every port of every RDMA device, sorted by (device, port); [] without <sysfs>/class/infiniband."""
+    ports = []
+    for device_dir in _entries(Path(sysfs) / "class" / "infiniband"):
+        for port_dir in _entries(device_dir / "ports"):
+            if port_dir.name.isdigit():
+                ports.append(_read_port(device_dir.name, int(port_dir.name), port_dir))
+    return sorted(ports, key=lambda p: (p.device, p.port))
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return [entry for entry in directory.iterdir() if entry.is_dir()]
+    except OSError:  # absent, not a directory, unreadable
+        return []
+
+
+def _read_port(device: str, number: int, path: Path) -> IbPort:
+    state_id, state = _parse_state(_read_text(path / "state"))
+    phys_state_id, phys_state = _parse_state(_read_text(path / "phys_state"))
+    link_layer = _read_text(path / "link_layer")
+    counters: dict[str, int] = {}
+    for directory in ("counters", "counters_ext"):
+        for counter in _files(path / directory):
+            value = _parse_counter(_read_text(counter))
+            if value is not None:
+                counters[counter.name] = value
+    return IbPort(device=device, port=number, state=state, state_id=state_id, phys_state=phys_state,
+                  phys_state_id=phys_state_id, rate_gbps=_parse_rate(_read_text(path / "rate")),
+                  link_layer=link_layer or None, counters=counters)
+
+
+def _files(directory: Path) -> list[Path]:
+    try:
+        return sorted(entry for entry in directory.iterdir() if entry.is_file())
+    except OSError:
+        return []
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's one line, or None where it cannot be read or is not ASCII (sysfs files are)."""
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(4096)  # a sysfs attribute is at most a page
+    except OSError:  # missing, a directory, EINVAL from the driver, permission
+        return None
+    try:
+        return raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None
+
+
+def _parse_state(text: str | None) -> tuple[int | None, str | None]:
+    """"4: ACTIVE" -> (4, "ACTIVE"); anything else -> (None, None)."""
+    if text is None:
+        return None, None
+    number, colon, name = text.partition(":")
+    number, name = number.strip(), name.strip()
+    if not colon or not number.isdigit() or not name or ":" in name:
+        return None, None
+    return int(number), name
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?) Gb/sec\b")
+
+
+def _parse_rate(text: str | None) -> float | None:
+    """"400 Gb/sec (4X NDR)" -> 400.0, "2.5 Gb/sec (1X SDR)" -> 2.5."""
+    match = _RATE.match(text or "")
+    return float(match.group(1)) if match else None
+
+
+def _parse_counter(text: str | None) -> int | None:
+    if text is None or not text.isdigit() or not text.isascii():
+        return None  # "N/A (no PMA)", empty, garbage
+    return int(text)
+
+
+# ----------------------------------------------------------------------------------------------- health
+
+@dataclass
+class _Seen:
+    counters: Mapping[str, int]
+    ever_active: bool  # seen ACTIVE and LinkUp since gpud started
+
+
+class IbHealth:
+    """Keeps the previous reading of each port, so counters are judged by their deltas and a port that
+    goes down is told from one that never came up."""
+
+    def __init__(self, *, error_deltas: Mapping[str, int] | None = None) -> None:
+        unknown = set(error_deltas or {}) - set(DEFAULT_ERROR_DELTAS)
+        if unknown:
+            raise ValueError(f"unknown InfiniBand checks {sorted(unknown)}; known: {sorted(DEFAULT_ERROR_DELTAS)}")
+        self.error_deltas = {**DEFAULT_ERROR_DELTAS, **(error_deltas or {})}
+        negative = sorted(code for code, limit in self.error_deltas.items() if limit < 0)
+        if negative:
+            raise ValueError(f"InfiniBand thresholds must be 0 or more: {negative}")
+        self._seen: dict[str, _Seen] = {}
+
+    def check(self, ports: Sequence[IbPort]) -> dict[str, dict[tuple[str, str], Problem]]:
+        results = {}
+        for port in ports:
+            seen = self._seen.get(port.subject)
+            active = port.state_id == STATE_ACTIVE and port.phys_state_id == PHYS_LINK_UP
+            ever_active = active or (seen is not None and seen.ever_active)
+            problems: dict[tuple[str, str], Problem] = {
+                (KIND, "port-down"): _port_down(port, seen is not None and seen.ever_active)}
+            for code, (counter, message) in _COUNTER_CHECKS.items():
+                grown = _growth(port.counters.get(counter), seen.counters.get(counter) if seen else None)
+                problems[(KIND, code)] = None if grown <= self.error_deltas[code] else \
+                    ("degraded", "inspect-hardware", message.format(n=grown))
+            results[port.subject] = problems
+            self._seen[port.subject] = _Seen(dict(port.counters), ever_active)
+        return results
+
+    def forget(self, subject: str) -> None:
+        """A port gone for good (its HCA removed): its next appearance starts afresh."""
+        self._seen.pop(subject, None)
+
+
+def _growth(now: int | None, before: int | None) -> int:
+    """How much a counter grew. A counter lower than before was reset (HCA reset, driver reload,
+    `perfquery -R`): the reading is a new baseline, not a delta. PMA error counters saturate at their
+    maximum instead of wrapping (IBA), so a stuck maximum reads as no growth."""
+    if now is None or before is None or now < before:
+        return 0
+    return now - before
+
+
+def _port_down(port: IbPort, was_active: bool) -> Problem:
+    if port.state_id is None or port.phys_state_id is None:
+        return None  # nothing read to judge
+    if port.phys_state_id == PHYS_DISABLED:
+        return None  # an administrator disabled it (ibportstate, or a port without a cable kept off): a choice
+    if port.state_id == STATE_ACTIVE and port.phys_state_id == PHYS_LINK_UP:
+        return None
+    what = f"{port.device} port {port.port} is {port.state} (physical state {port.phys_state})"
+    if port.phys_state_id == PHYS_LINK_UP:
+        hint = "the link is up but the port is not ACTIVE: check the subnet manager (`sminfo`) and `ibstat " \
+               f"{port.device}`" if port.link_layer != "Ethernet" else \
+               f"check the switch port's configuration and `ibstat {port.device}`"
+    else:
+        hint = f"check the cable, the switch port and `ibstat {port.device}`"
+    if was_active:
+        return "unhealthy", "inspect-hardware", f"{what}, down since it was ACTIVE: {hint}"
+    # Never ACTIVE since gpud started: a port never cabled or a fabric still coming up, not a link lost
+    # under a job; worth a look, not a drained node.
+    return "degraded", "inspect-hardware", f"{what}, not ACTIVE since gpud started: {hint}"
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+# node_exporter's infiniband collector, names and types as in prometheus/node_exporter
+# collector/infiniband_linux.go (commit af65f85cb3c563988e47f7053800826c6d683a89), with the counter files
+# as prometheus/procfs sysfs/class_infiniband.go (commit cff69b9d9aa77a0793276da74310e38422864e28) maps
+# them. Labels: device, port. node_infiniband_info (board_id, fw_ver, hca_type) is not written: IbPort
+# does not carry the device's attributes.
+_GAUGES = {  # name suffix -> (help, value of a port)
+    "state_id": ("State of the InfiniBand port (0: no change, 1: down, 2: init, 3: armed, 4: active, "
+                 "5: act defer)", lambda p: p.state_id),
+    "physical_state_id": ("Physical state of the InfiniBand port (1: sleep, 2: polling, 3: disabled, "
+                          "4: port configuration training, 5: link up, 6: link error recovery, 7: phy test)",
+                          lambda p: p.phys_state_id),
+    "rate_bytes_per_second": ("The port's signalling rate in bytes per second (`rate` in Gb/s times 125000000)",
+                              lambda p: None if p.rate_gbps is None else int(p.rate_gbps * 125_000_000)),
+}
+# counter file -> (name suffix, help, multiplier). port_rcv_data and port_xmit_data (and their 64-bit
+# counters_ext twins) count 4-byte words: procfs multiplies them by 4, so do we.
+_COUNTERS = {
+    "port_multicast_rcv_packets": ("legacy_multicast_packets_received_total",
+        "Multicast packets received (counters_ext)", 1),
+    "port_multicast_xmit_packets": ("legacy_multicast_packets_transmitted_total",
+        "Multicast packets transmitted (counters_ext)", 1),
+    "port_rcv_data_64": ("legacy_data_received_bytes_total", "Bytes received on all links (counters_ext)", 4),
+    "port_rcv_packets_64": ("legacy_packets_received_total", "Packets received on all links (counters_ext)", 1),
+    "port_unicast_rcv_packets": ("legacy_unicast_packets_received_total",
+        "Unicast packets received (counters_ext)", 1),
+    "port_unicast_xmit_packets": ("legacy_unicast_packets_transmitted_total",
+        "Unicast packets transmitted (counters_ext)", 1),
+    "port_xmit_data_64": ("legacy_data_transmitted_bytes_total", "Bytes transmitted on all links (counters_ext)", 4),
+    "port_xmit_packets_64": ("legacy_packets_transmitted_total",
+        "Packets transmitted on all links (counters_ext)", 1),
+    "excessive_buffer_overrun_errors": ("excessive_buffer_overrun_errors_total",
+        "Times OverrunErrors consecutive flow control update periods each had an overrun", 1),
+    "link_downed": ("link_downed_total", "Times the link failed to recover from an error and went down", 1),
+    "link_error_recovery": ("link_error_recovery_total", "Times the link recovered from an error by retraining", 1),
+    "local_link_integrity_errors": ("local_link_integrity_errors_total",
+        "Times local physical errors exceeded the LocalPhyErrors threshold", 1),
+    "multicast_rcv_packets": ("multicast_packets_received_total", "Multicast packets received, errors included", 1),
+    "multicast_xmit_packets": ("multicast_packets_transmitted_total",
+        "Multicast packets transmitted, errors included", 1),
+    "port_rcv_constraint_errors": ("port_constraint_errors_received_total",
+        "Received packets discarded by the switch port's constraints", 1),
+    "port_xmit_constraint_errors": ("port_constraint_errors_transmitted_total",
+        "Packets not transmitted for the switch port's constraints", 1),
+    "port_rcv_data": ("port_data_received_bytes_total", "Bytes received on all links", 4),
+    "port_xmit_data": ("port_data_transmitted_bytes_total", "Bytes transmitted on all links", 4),
+    "port_rcv_discards": ("port_discards_received_total", "Inbound packets discarded: the port down or congested", 1),
+    "port_xmit_discards": ("port_discards_transmitted_total",
+        "Outbound packets discarded: the port down or congested", 1),
+    "port_rcv_errors": ("port_errors_received_total", "Packets received with an error", 1),
+    "port_rcv_packets": ("port_packets_received_total", "Packets received on all VLs, errors included", 1),
+    "port_xmit_packets": ("port_packets_transmitted_total", "Packets transmitted on all VLs, errors included", 1),
+    "port_xmit_wait": ("port_transmit_wait_total", "Ticks with data to transmit and none sent", 1),
+    "unicast_rcv_packets": ("unicast_packets_received_total", "Unicast packets received, errors included", 1),
+    "unicast_xmit_packets": ("unicast_packets_transmitted_total", "Unicast packets transmitted, errors included", 1),
+    "port_rcv_remote_physical_errors": ("port_receive_remote_physical_errors_total",
+        "Packets received marked with the EBP delimiter", 1),
+    "port_rcv_switch_relay_errors": ("port_receive_switch_relay_errors_total",
+        "Packets the switch could not forward", 1),
+    "symbol_error": ("symbol_error_total", "Minor link errors detected on one or more physical lanes", 1),
+    "VL15_dropped": ("vl15_dropped_total", "Incoming VL15 packets dropped for lack of resources", 1),
+}
+PREFIX = "node_infiniband_"
+
+
+def families(ports: Sequence[IbPort]) -> Iterator[Family]:
+    """The ports as node_exporter's infiniband collector writes them; a value not read is left out."""
+    for suffix, (help_text, value_of) in _GAUGES.items():
+        family = Family(PREFIX + suffix, help_text, "gauge")
+        for port in ports:
+            value = value_of(port)
+            if value is not None:
+                family.add(_labels(port), value)
+        if family.samples:
+            yield family
+    for counter, (suffix, help_text, multiplier) in _COUNTERS.items():
+        family = Family(PREFIX + suffix, help_text, "counter")
+        for port in ports:
+            if counter in port.counters:
+                family.add(_labels(port), port.counters[counter] * multiplier)
+        if family.samples:
+            yield family
+
+
+def _labels(port: IbPort) -> dict[str, str]:
+    return {"device": port.device, "port": str(port.port)}
+
+
+# ------------------------------------------------------------------------------------ GPUDirect RDMA
+
+# GPUDirect RDMA's kernel side is either the legacy nvidia-peermem module or DMA-BUF, which NVIDIA
+# recommends and which needs no nvidia-peermem ("GPUDirect RDMA and GPUDirect Storage", GPU Operator
+# documentation, docs.nvidia.com/datacenter/cloud-native/gpu-operator/latest/gpu-operator-rdma.html;
+# NCCL detects and uses it by itself). DMA-BUF takes NVIDIA's open kernel modules (/proc/driver/nvidia/version
+# says "Open Kernel Module", NVIDIA's kernel_open README) and RDMA dma-buf memory registration, in Linux
+# since 5.12 (the requirement oneCCL's "Enabling OFI/verbs/dmabuf Support" states for the same path).
+DMABUF_KERNEL = (5, 12)
+
+
+def peermem_problem(procfs: Path, ports: Sequence[IbPort]) -> str | None:
+    """What keeps GPUDirect RDMA from working on a host with RDMA ports, or None: no RDMA port, the NVIDIA
+    driver not loaded (another check says so), nvidia_peermem loaded, DMA-BUF available, or
+    <procfs>/modules unreadable (no reading, no alarm)."""
+    if not ports:
+        return None
+    try:
+        modules = {line.split(" ", 1)[0] for line in (Path(procfs) / "modules").read_text().splitlines()}
+    except (OSError, UnicodeDecodeError):
+        return None
+    if "nvidia" not in modules or "nvidia_peermem" in modules:
+        return None
+    open_modules = "Open Kernel Module" in (_read_text(Path(procfs) / "driver" / "nvidia" / "version") or "")
+    kernel = _kernel_version(_read_text(Path(procfs) / "sys" / "kernel" / "osrelease"))
+    if open_modules and kernel is not None and kernel >= DMABUF_KERNEL:
+        return None
+    devices = ", ".join(sorted({port.device for port in ports}))
+    why = ("the driver's proprietary kernel modules" if not open_modules else
+           f"Linux {'.'.join(map(str, kernel))}" if kernel is not None else "an unknown kernel version")
+    return (f"GPUDirect RDMA over {devices} needs the nvidia_peermem kernel module, which is not loaded, and "
+            f"DMA-BUF (NVIDIA's open kernel modules on Linux 5.12 or later) is not available with {why}: "
+            "run `modprobe nvidia-peermem` and list it in /etc/modules-load.d/ so it loads at boot")
+
+
+def _kernel_version(release: str | None) -> tuple[int, int] | None:
+    """"6.8.0-45-generic" -> (6, 8)."""
+    match = re.match(r"(\d+)\.(\d+)", release or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+__all__ = ["DEFAULT_ERROR_DELTAS", "IbHealth", "IbPort", "Problem", "families", "peermem_problem", "read_ports"]
