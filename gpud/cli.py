@@ -20,8 +20,11 @@ from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_confi
 CLIENT_TIMEOUT_S = 30.0
 CHANGE_TIMEOUT_S = 300.0  # a GPU reset ends processes and re-reads the node: it takes longer than a read
 # The kinds of health reason gpud raises (gpud/health: checks, tracker, service); a test reads them there.
-HEALTH_REASON_KINDS = ("ecc", "lost", "mps", "nvlink", "pcie", "power", "remapped-rows", "reset-required",
-                       "retired-pages", "temperature", "throttle", "xid")
+HEALTH_REASON_KINDS = ("diag", "driver", "ecc", "fabric", "fabric-manager", "infiniband", "lost", "mps", "nvlink",
+                       "pcie", "power", "rdma", "recovery-action", "remapped-rows", "reset-required", "retired-pages",
+                       "temperature", "throttle", "xid")
+# DCGM's diagnostic runs up to health.check_timeout_s (at most 2 h): the client waits that long and a minute
+CHECK_TIMEOUT_S = 7200.0 + 60.0
 
 
 class UsageError(Exception):
@@ -114,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client(commands, "status", cli_client.status, "the daemon, the node and its health (exit 1 if not healthy)")
     _add_gpus(commands)
     _add_health(commands)
+    _add_check(commands)
     _add_client(commands, "reload", cli_client.reload, "re-read the config files, as systemctl reload does",
                 timeout=CHANGE_TIMEOUT_S)
     watch = _add_client(commands, "watch", cli_client.watch, "follow the event stream, one line per event "
@@ -275,6 +279,16 @@ def _add_health(commands: Any) -> None:
     clear.add_argument("id", help="GPU index, GPU or MIG UUID, or PCI bus id")
     clear.add_argument("--kind", choices=HEALTH_REASON_KINDS, metavar="KIND",
                        help=f"clear only reasons of this kind: {', '.join(HEALTH_REASON_KINDS)}")
+
+
+def _add_check(commands: Any) -> None:
+    check = _add_client(commands, "check", cli_client.check, "run DCGM's diagnostic on the GPUs now (dcgmi diag) "
+                                                             "and fold its verdict into health; exit 1 unless it "
+                                                             "passed", timeout=CHECK_TIMEOUT_S)
+    check.add_argument("--level", type=int, choices=(1, 2), default=1,
+                       help="1: quick (dcgmi diag -r 1, seconds), 2: medium (-r 2, about two minutes)")
+    check.add_argument("--force", action="store_true", help="run even while compute processes use the GPUs")
+    check.add_argument("--last", action="store_true", help="show the last run instead of running one")
 
 
 def _add_mig(commands: Any) -> None:

@@ -182,6 +182,23 @@ def health(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK if view["status"] == "healthy" else EXIT_PROBLEM
 
 
+def check(args: argparse.Namespace, client: Client) -> int:
+    if args.last:
+        run = client.get("/v1/check/last")
+    else:
+        _status, run = client.request("POST", "/v1/check", {"level": args.level, "force": args.force})
+    if args.json:
+        print_json(run)
+    else:
+        print(f"{' '.join(run['command'])}: {run['outcome']}" + (f" — {run['error']}" if run.get("error") else ""))
+        rows = [("GPU", "TEST", "RESULT", "INFO")]
+        rows += [("-" if test["gpu_index"] is None else str(test["gpu_index"]), test["name"], test["result"],
+                  test["info"]) for test in run["tests"] if test["result"] != "pass"]
+        if len(rows) > 1:
+            print(table(rows))
+    return EXIT_OK if run["outcome"] == "pass" else EXIT_PROBLEM
+
+
 def health_clear(args: argparse.Namespace, client: Client) -> int:
     body = {"kind": args.kind} if args.kind else {}
     _status, device = client.request("POST", f"/v1/health/{_quoted(args.id)}/clear", body)

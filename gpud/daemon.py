@@ -13,6 +13,7 @@ from typing import Callable
 from gpud import __version__
 from gpud.api.gpus import GpuRoutes
 from gpud.api.cdi import CdiRoutes
+from gpud.api.check import CheckRoutes
 from gpud.api.health import HealthRoutes
 from gpud.api.kubernetes import KubernetesAgentStatus, KubernetesRoutes
 from gpud.api.latency import RequestLatency
@@ -31,6 +32,7 @@ from gpud.errors import GpudError
 from gpud.events import EventBus
 from gpud.gpu_reset import GpuResetter
 from gpud.health.catalog import load_catalog
+from gpud.health.active_check import ActiveCheck
 from gpud.health.service import HealthService, HostPaths
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
@@ -106,6 +108,7 @@ class Daemon:
                                     nvlinks_path=config.state_path / "nvlinks-seen-up.json",
                                     state_path=config.state_path / "health.json",
                                     on_change=lambda: self.sharing.update(self.inventory.current, reason="health"))
+        self.active_check = ActiveCheck(self.health, config.state_path / "check-last.json")
         around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
         self.resetter = GpuResetter(self.session, self.inventory,
                                     host_tools_for(self.session.nvml, self.session.simulated),
@@ -154,6 +157,7 @@ class Daemon:
             NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
+            CheckRoutes(self.active_check.run, self.active_check.last, body_timeout_s).register,
             self.metrics.register,
             ReloadRoute(self.reload_from_files if reread else None).register), admin_group=config.api.admin_group,
             problems=self._state_problems)

@@ -478,6 +478,17 @@ class HealthService:
             self._on_change()
             self._save_soon()
 
+    def fold_check(self, kind: str, verdicts: dict[str, tuple[str, str, str] | None]) -> None:
+        """An active check's verdict per GPU UUID: a problem is a reason (code "dcgm") until a later run
+        passes on that GPU, which takes it away at once (a run is no periodic reading to hover)."""
+        changes = []
+        for uuid, problem in verdicts.items():
+            if problem is None:
+                changes += self.tracker.clear(uuid, kind) if uuid in self.tracker.gpu_states() else []
+            else:
+                changes += self.tracker.observe(uuid, kind, "dcgm", problem)
+        self._publish(changes, "gpud check (DCGM diagnostic)")
+
     def gpu_was_reset(self, uuid: str) -> None:
         self._publish(self.tracker.record_reset(uuid), "GPU reset")
 

@@ -1,0 +1,61 @@
+"""`gpud check` (POST /v1/check): DCGM's diagnostic run on demand, its verdict folded into health.
+
+DCGM's diagnostic loads the GPUs and fails when work runs on them, and it would slow that work down:
+it never runs while a GPU has compute processes unless forced. One run at a time; the last run's
+document is kept in the state directory for `gpud check --last`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gpud.errors import GpudError
+from gpud.health.diag import DiagStore, diag_problems, find_dcgmi, run_diag
+from gpud.health.service import HealthService
+from gpud.logs import get_logger
+from gpud.nvml.reset import compute_pids
+
+log = get_logger("health")
+KIND = "diag"  # the health reasons a run leaves, one per GPU it found wrong
+
+
+class ActiveCheck:
+    def __init__(self, health: HealthService, store_path: Path):
+        self.health = health
+        self.store = DiagStore(store_path)
+        self._running = asyncio.Lock()
+
+    async def run(self, level: int, force: bool) -> dict:
+        """The run's document; GpudError when it cannot start (409 busy GPUs or a run in progress, 503
+        without NVML). A run that failed to complete is a document too, with its error."""
+        if self._running.locked():
+            raise GpudError(409, "check-in-progress", "a check is running already: wait for it (gpud check --last "
+                                                      "shows it when it is done)")
+        async with self._running:
+            inventory = self.health.inventory.current
+            if inventory is None:
+                raise GpudError(503, "nvml-unavailable", self.health.session.error or "no inventory yet")
+            gpus = [gpu for gpu in inventory.gpus if not gpu.lost]
+            busy = {}
+            for gpu in gpus:
+                pids = await self.health.session.call(compute_pids, gpu.index)
+                if pids:
+                    busy[gpu.index] = list(pids)
+            if busy and not force:
+                said = "; ".join(f"GPU {index}: PIDs {', '.join(map(str, pids))}" for index, pids in busy.items())
+                raise GpudError(409, "gpus-busy", f"compute processes run on the GPUs ({said}): DCGM's diagnostic "
+                                                  "would fail them and slow them down. Run it when they are done, "
+                                                  "or with force (gpud check --force)", busy=busy)
+            dcgmi = find_dcgmi(self.health.settings.dcgmi)
+            log.info("check_started", level=level, gpus=[gpu.index for gpu in gpus], dcgmi=dcgmi, forced=bool(busy))
+            run = await run_diag(dcgmi, level, [gpu.index for gpu in gpus], timeout_s=self.health.settings.check_timeout_s)
+            await asyncio.to_thread(self.store.save, run)
+            (log.info if run.outcome == "pass" else log.warning)("check_done", level=level, outcome=run.outcome,
+                                                                 error=run.error, exit_code=run.exit_code)
+            self.health.fold_check(KIND, {gpu.uuid: problem for index, problem in diag_problems(run).items()
+                                          for gpu in gpus if gpu.index == index})
+            return run.as_dict()
+
+    def last(self) -> dict | None:
+        return self.store.last()
