@@ -178,7 +178,7 @@ class SimControls(SimCore):
         target = self._target(gpu)
         if not self._driver.has_recovery_action:
             raise SimError(f"driver {self._driver.version} keeps no GPU recovery action (R565 and later do)")
-        if action not in _ACTION_NAMES:
+        if not isinstance(action, int) or isinstance(action, bool) or action not in _ACTION_NAMES:
             raise SimError(f"action must be one of the NVML_GPU_RECOVERY_ACTION_* values "
                            f"{sorted(_ACTION_NAMES)}, got {action!r}")
         if action != target.recovery_action:
