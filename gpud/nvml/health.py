@@ -9,8 +9,11 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import pynvml
 
 from gpud.logs import get_logger
 from gpud.nvml.reader import is_lost_error, text
@@ -221,6 +224,36 @@ class FbMemory:
 
 
 @dataclass(frozen=True)
+class FabricReading:
+    """A GPU's place in the NVLink fabric (nvmlDeviceGetGpuFabricInfo[V]): Hopper and later GPUs on
+    NVSwitch systems, registered by Fabric Manager."""
+
+    state: int  # NVML_GPU_FABRIC_STATE_*: COMPLETED once registered
+    status: int  # an nvmlReturn_t: NVML_SUCCESS when the registration worked (nvml.h: only meaningful once COMPLETED)
+    health_mask: int | None  # NVML_GPU_FABRIC_HEALTH_MASK_* (struct v2 and later); None from the v1 call
+    clique_id: int
+    cluster_uuid: str  # formatted as a UUID; "" when all zeros (no multi-node NVLink domain)
+
+
+def fabric_health_bits(mask: int) -> dict[str, int]:
+    """The health mask's conditions, each its NVML_GPU_FABRIC_HEALTH_MASK_<NAME>_* value (0: not
+    supported; for the yes/no ones 1: true, 2: false; incorrect_configuration 1: none, 2..: which), decoded
+    as nvml.h's NVML_GPU_FABRIC_HEALTH_GET does with the binding's SHIFT/WIDTH constants. Only the
+    conditions the binding defines."""
+    bits = {}
+    for name in _FABRIC_HEALTH_CONDITIONS:
+        shift = getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{name}", None)
+        width = getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{name}", None)
+        if shift is not None and width is not None:
+            bits[name.lower()] = (mask >> shift) & width
+    return bits
+
+
+_FABRIC_HEALTH_CONDITIONS = ("DEGRADED_BW", "ROUTE_RECOVERY", "ROUTE_UNHEALTHY", "ACCESS_TIMEOUT_RECOVERY",
+                             "INCORRECT_CONFIGURATION", "PARTITION_ASSIGNED", "GFM_STATE")
+
+
+@dataclass(frozen=True)
 class Readings(FbMemory):
     """One GPU's periodic health and telemetry readings; None where the GPU does not support a reading."""
 
@@ -250,6 +283,10 @@ class Readings(FbMemory):
     nvlink_data_kib: int | None = None  # NVLink data received and sent over all links since the driver loaded
     read_at: float = 0.0  # time.monotonic() when read: NVLink bandwidth is a rate between two readings
     reset_required: bool = False  # an NVML call answered RESET_REQUIRED
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (NVML_GPU_RECOVERY_ACTION_*: 0 none, 1 GPU reset, 2 node reboot,
+    # 3 drain P2P, 4 drain and reset, ...); None where the driver (before R565) or the binding lacks it
+    recovery_action: int | None = None
+    fabric: FabricReading | None = None  # None: no NVLink fabric (A100, PCIe boards, VMs, one GPU)
 
 
 def read_readings(nvml: Any, uuids: list[str]) -> dict[str, Readings | None]:
@@ -336,6 +373,8 @@ def _readings(nvml: Any, handle: Any, optional: Callable, reset_required: Callab
                                      fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)),
         read_at=time.monotonic(),
         reset_required=reset_required(),
+        recovery_action=fields.get(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)),
+        fabric=_fabric(nvml, handle, optional),
     )
 
 
@@ -367,12 +406,66 @@ def _field_values(nvml: Any, handle: Any, optional: Callable) -> dict[int, float
     TX: DcgmCacheManager.cpp ReadAndCacheNvLinkBandwidth). Only the fields that answered."""
     wanted = [nvml.NVML_FI_DEV_MEMORY_TEMP, (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
               (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS)]
+    # The driver's recovery action (R565 and later; older drivers answer this field NOT_SUPPORTED), in the
+    # same call: one nvmlDeviceGetFieldValues per GPU.
+    recovery_action = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+    if recovery_action is not None:
+        wanted.append(recovery_action)
     members = {getattr(nvml, name): member for name, member in _VALUE_MEMBERS.items()}
     answered = {}
     for value in optional(lambda: nvml.nvmlDeviceGetFieldValues(handle, wanted)) or ():
         if value.nvmlReturn == nvml.NVML_SUCCESS and value.valueType in members:
             answered[value.fieldId] = getattr(value.value, members[value.valueType])
     return answered
+
+
+# Versioned fabric structs, newest first: v3 adds healthSummary, v2 healthMask (nvml.h). Both start with
+# `version`; pynvml declares `state` as an unsigned int where nvml.h has an unsigned char followed by
+# padding, so only its low byte is the state.
+_FABRIC_VERSIONS = (("nvmlGpuFabricInfo_v3", "c_nvmlGpuFabricInfo_v3_t"),
+                    ("nvmlGpuFabricInfo_v2", "c_nvmlGpuFabricInfo_v2_t"))
+
+
+def _fabric(nvml: Any, handle: Any, optional: Callable) -> FabricReading | None:
+    """nvmlDeviceGetGpuFabricInfoV with the newest struct version the binding has, then older ones on
+    ARGUMENT_VERSION_MISMATCH (an older driver), then the unversioned v1 call where the driver lacks V.
+    None where NVML says the GPU has no fabric (NOT_SUPPORTED) or nothing answers; a lost GPU makes the
+    whole reading None (optional)."""
+    fetch = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
+    for version_name, struct_name in _FABRIC_VERSIONS if fetch else ():
+        version, struct = getattr(nvml, version_name, None), getattr(nvml, struct_name, None)
+        if version is None or struct is None:
+            continue
+        info = struct()
+        info.version = version
+        try:
+            fetch(handle, ctypes.byref(info))
+        except nvml.NVMLError as exc:
+            if exc.value == getattr(nvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", None):
+                continue  # the driver takes an older version
+            if exc.value == nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                break  # a driver without the versioned call: v1
+            return optional(_raising(exc))
+        return _fabric_reading(info, info.healthMask)
+    struct = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+    if struct is None or not hasattr(nvml, "nvmlDeviceGetGpuFabricInfo"):
+        return None
+    info = struct()
+    if optional(lambda: nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info)) or True) is None:
+        return None
+    return _fabric_reading(info, None)
+
+
+def _raising(exc: Exception) -> Callable:
+    def read():
+        raise exc
+    return read
+
+
+def _fabric_reading(info: Any, health_mask: int | None) -> FabricReading:
+    raw = bytes(info.clusterUuid)
+    return FabricReading(state=info.state & 0xFF, status=info.status, health_mask=health_mask,
+                         clique_id=info.cliqueId, cluster_uuid=str(uuid.UUID(bytes=raw)) if any(raw) else "")
 
 
 def _percent(utilization: list[int] | None) -> int | None:

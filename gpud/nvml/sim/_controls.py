@@ -6,11 +6,16 @@ work whether or not NVML is initialised here (see `sim_control`).
 
 from __future__ import annotations
 
+import uuid
+
 import pynvml
 from pynvml import NVML_ERROR_IN_USE, NVML_ERROR_NOT_SUPPORTED, NVMLError
 
 from ._core import SimCore, require_root, sim_control
+from .drivers import parse_driver
 from .errors import SimError
+from .identity import pci_bus_id_legacy
+from .kernel import append_kmsg, xid_record
 from .events import NOT_ATTRIBUTED, Event
 from .host_processes import start_time
 from .state import LOST_HOW, MIB, Gpu, Holder, MigDevice, SimProcess
@@ -18,6 +23,69 @@ from .topology import on_switches, reaches_switches
 
 
 _PROCESS_KEYS = {"pid", "used_memory_mib", "sm_percent"}
+
+# The recovery action the driver sets after an Xid, from NVIDIA's Xid catalog "Resolution Bucket
+# (Immediate Action)" (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html): RESET_GPU
+# -> GPU_RESET, RESTART_BM (reboot the bare-metal node) -> NODE_REBOOT. Kept to Xids whose pairing with
+# Xid 154 public kernel logs show (79 -> 0x2 Node Reboot Required; 119 -> 0x1 GPU Reset Required) or
+# whose catalog action and the A100 memory error guide agree (48, 95 uncontained, 140 unrecovered ECC:
+# "requires a GPU reset"); 120 (GSP error) as 119. Other Xids leave the action as it is.
+XID_RECOVERY_ACTIONS = {
+    48: pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+    79: pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
+    95: pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+    119: pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+    120: pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+    140: pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+}
+# The names Xid 154 prints (the catalog: "None, Drain P2P, Drain and Reset, GPU Reset Required, Node
+# Reboot Required"); the newer values by their nvml.h comments.
+_ACTION_NAMES = {
+    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: "None",
+    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: "GPU Reset Required",
+    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: "Node Reboot Required",
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: "Drain P2P",
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: "Drain and Reset",
+}
+for _name, _text in (("RECOVER_IMEX_DOMAIN", "Recover IMEX Domain"), ("BUS_RESET", "Bus Reset"),
+                     ("SYSTEM_REBOOT", "System Reboot")):
+    if hasattr(pynvml, "NVML_GPU_RECOVERY_ACTION_" + _name):
+        _ACTION_NAMES[getattr(pynvml, "NVML_GPU_RECOVERY_ACTION_" + _name)] = _text
+# How far an action goes: a new fault never lowers what an earlier one asked for.
+_ACTION_RANK = {
+    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: 0,
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: 1,
+    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: 2,
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: 3,
+    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: 4,
+}
+# The text after "pid=..., name=...," for a few Xids (the catalog's descriptions); others get a plain one.
+XID_TEXT = {
+    13: "Graphics Engine Exception",
+    31: "MMU Fault",
+    43: "Reset Channel Verif Error",
+    48: "An uncorrectable double bit error (DBE) has been detected on GPU",
+    79: "GPU has fallen off the bus.",
+    94: "Contained: ECC error",
+    95: "Uncontained: ECC error",
+    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP!",
+}
+
+
+def _xid_154(bus_id: str, old: int, new: int) -> str:
+    return (f"NVRM: Xid (PCI:{bus_id}): 154, GPU recovery action changed from {old:#x} "
+            f"({_ACTION_NAMES.get(old, 'Unknown')}) to {new:#x} ({_ACTION_NAMES.get(new, 'Unknown')})")
+
+
+def _process_name(pid: int | None) -> str | None:
+    """The command name of a host process (/proc/<pid>/comm); None for a PID of the simulated world."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8") as comm:
+            return comm.read().strip() or None
+    except OSError:
+        return None
 
 
 def _sim_processes(processes: list, memory_mib: int) -> list[SimProcess]:
@@ -63,22 +131,61 @@ class SimControls(SimCore):
 
     @sim_control
     def sim_inject_xid(
-        self, gpu: int | str, xid: int, gi_id: int | None = None, ci_id: int | None = None
+        self, gpu: int | str, xid: int, gi_id: int | None = None, ci_id: int | None = None, *,
+        nvml_event: bool = True,
     ) -> None:
-        """Deliver an Xid event, attributed to a GI/CI when given, to every set that wants it."""
+        """The driver reports an Xid: it logs the NVRM line to the kernel log (sim_kmsg_path) and, with
+        nvml_event (the default), delivers the Xid event, attributed to a GI/CI when given, to every set
+        that wants it; nvml_event=False is an Xid NVML's event sets missed (only the kernel log has it).
+
+        From R565 on the driver also keeps a recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): an
+        Xid whose catalog action is a GPU reset sets GPU_RESET, one that needs the node rebooted
+        NODE_REBOOT (XID_RECOVERY_ACTIONS), never lowering one already set; a change is logged as Xid 154
+        (NVIDIA's Xid catalog: "Xid 154 will be seen in conjunction with other Xids and summarizes the
+        recovery action required", "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot
+        Required)")."""
         target = self._target(gpu)
-        if not isinstance(xid, int) or xid < 0:
+        if not isinstance(xid, int) or isinstance(xid, bool) or xid < 0:
             raise SimError(f"an Xid is a non-negative integer, got {xid!r}")
+        if not isinstance(nvml_event, bool):
+            raise SimError(f"nvml_event must be true or false, got {nvml_event!r}")
         self._check_instance_ids(target, gi_id, ci_id)
-        self._publish(
-            Event(
-                target.index,
-                pynvml.nvmlEventTypeXidCriticalError,
-                xid,
-                NOT_ATTRIBUTED if gi_id is None else gi_id,
-                NOT_ATTRIBUTED if ci_id is None else ci_id,
+        bus_id = pci_bus_id_legacy(target.bus).rsplit(".", 1)[0].lower()
+        pid = next((pid for pid, _, _ in target.running_processes()), None)
+        records = [xid_record(bus_id, xid, pid, _process_name(pid), XID_TEXT.get(xid, f"Xid {xid} reported"))]
+        action = XID_RECOVERY_ACTIONS.get(xid)
+        if self._driver.has_recovery_action and action is not None and \
+                _ACTION_RANK[action] > _ACTION_RANK.get(target.recovery_action, 0):
+            records.append(_xid_154(bus_id, target.recovery_action, action))
+            target.recovery_action = action
+            self._commit()
+        append_kmsg(self.sim_kmsg_path, records)
+        if nvml_event:
+            self._publish(
+                Event(
+                    target.index,
+                    pynvml.nvmlEventTypeXidCriticalError,
+                    xid,
+                    NOT_ATTRIBUTED if gi_id is None else gi_id,
+                    NOT_ATTRIBUTED if ci_id is None else ci_id,
+                )
             )
-        )
+
+    @sim_control
+    def sim_set_recovery_action(self, gpu: int | str, action: int) -> None:
+        """Sets the GPU's recovery action (NVML_GPU_RECOVERY_ACTION_*) as the driver would after a fault,
+        logging the Xid 154 the driver prints for the change. Drivers before R565 keep none: SimError."""
+        target = self._target(gpu)
+        if not self._driver.has_recovery_action:
+            raise SimError(f"driver {self._driver.version} keeps no GPU recovery action (R565 and later do)")
+        if not isinstance(action, int) or isinstance(action, bool) or action not in _ACTION_NAMES:
+            raise SimError(f"action must be one of the NVML_GPU_RECOVERY_ACTION_* values "
+                           f"{sorted(_ACTION_NAMES)}, got {action!r}")
+        if action != target.recovery_action:
+            bus_id = pci_bus_id_legacy(target.bus).rsplit(".", 1)[0].lower()
+            append_kmsg(self.sim_kmsg_path, [_xid_154(bus_id, target.recovery_action, action)])
+            target.recovery_action = action
+            self._commit()
 
     @sim_control
     def sim_inject_ecc(self, gpu: int | str, double_bit: bool) -> None:
@@ -181,6 +288,9 @@ class SimControls(SimCore):
         if not isinstance(running, bool):
             raise SimError(f"running must be true or false, got {running!r}")
         self._node.fabric_manager = running
+        if running:  # it registers every GPU in the fabric; stopping it unregisters none (_fabric_calls.py)
+            for target in self._gpus:
+                target.fabric_registered = True
         self._commit()
 
     @sim_control
@@ -230,6 +340,8 @@ class SimControls(SimCore):
         self._check_reset(targets)
         for gpu in targets:
             gpu.reset()
+            # A reset GPU registers with the fabric again: at once where Fabric Manager runs, else not.
+            gpu.fabric_registered = self._node.fabric_manager
         self._commit()
 
     def _reset_targets(self, gpus: int | str | list[int | str]) -> list[Gpu]:
@@ -288,6 +400,72 @@ class SimControls(SimCore):
             raise SimError(f"GPU {target.index} ({target.model.name}) has no page retirement")
         target.retired_pages_pending = True
         self._commit()
+
+    # --- fabric, reboot and the driver's versions ---------------------------------------------
+
+    @sim_control
+    def sim_set_fabric(self, gpu: int | str, state: int | None = None, status: int | None = None,
+                       health_mask: int | None = None) -> None:
+        """Injects a fabric fault: what nvmlDeviceGetGpuFabricInfo[V] answers for the GPU instead of the
+        driver's own state (NVML_GPU_FABRIC_STATE_*), status (an nvmlReturn_t) and health mask
+        (NVML_GPU_FABRIC_HEALTH_MASK_*; e.g. _fabric_calls.DEGRADED_BW_MASK). Each left None keeps the
+        driver's value; all None removes the fault. It lasts until changed: a reset or a reboot does not
+        mend a fabric (a switch, a tray or a cable)."""
+        target = self._target(gpu)
+        fault = {}
+        for name, value, top in (("state", state, pynvml.NVML_GPU_FABRIC_STATE_COMPLETED),
+                                 ("status", status, 0xFFFFFFFF), ("health_mask", health_mask, 0xFFFFFFFF)):
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+                raise SimError(f"{name} must be an integer 0..{top} or None, got {value!r}")
+            fault[name] = value
+        target.fabric_fault = fault or None
+        self._commit()
+
+    @sim_control
+    def sim_reboot(self) -> None:
+        """The node reboots: every process ends (compute processes and holders), every GPU comes back as
+        after a reset (lost ones too; instances gone, a pending MIG mode applied, pending remaps applied),
+        recovery actions go back to NONE (NODE_REBOOT is mended only so: "Reboot the operating system",
+        Error Recovery and Response Flags), the kernel module of the installed driver loads (an unfinished
+        upgrade completes), a new boot id. Fabric Manager starts again if it is enabled, registering the
+        GPUs; injected fabric faults stay (sim_set_fabric). Refused while this process has NVML
+        initialised: a reboot would end it."""
+        if self._init_count:
+            raise SimError("a reboot ends every process, this one too: nvmlShutdown first")
+        for target in self._gpus:
+            target.reset()
+            target.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+            target.fabric_registered = self._node.fabric_manager
+            target.process_table = []
+            target.holders.clear()
+        self._node.kernel_module = None
+        self._node.boot_id = str(uuid.uuid4())
+        self._commit()
+        self._write_procfs()
+
+    @sim_control
+    def sim_set_kernel_module(self, version: str) -> None:
+        """The loaded kernel module becomes this driver version while the user-space library stays the
+        simulator's (what an unfinished driver upgrade leaves: new library, old module still loaded). While
+        they differ, /proc/driver/nvidia/version shows the module's version and nvmlInit raises
+        NVMLError(NVML_ERROR_LIB_RM_VERSION_MISMATCH); sim_reboot loads the library's version again, as
+        does setting it back."""
+        module = parse_driver(version).version
+        self._node.kernel_module = None if module == self._driver.version else module
+        self._commit()
+        self._write_procfs()
+
+    @sim_control
+    def sim_library_version(self) -> str:
+        """The user-space library's version: the simulated driver's (nvmlSystemGetDriverVersion's)."""
+        return self._driver.version
+
+    @sim_control
+    def sim_kernel_module_version(self) -> str:
+        """The loaded kernel module's version (what /proc/driver/nvidia/version shows)."""
+        return self._node.kernel_module or self._driver.version
 
     # --- helpers --------------------------------------------------------------------------------
 

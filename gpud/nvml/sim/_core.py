@@ -15,6 +15,7 @@ from pynvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH,
     NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
@@ -42,6 +43,8 @@ from .state import (
     restore_gpus,
     restore_node,
 )
+from .identity import pci_bus_id_legacy
+from .kernel import write_procfs
 from .sysfs import write_numa_nodes
 
 Method = TypeVar("Method", bound=Callable)
@@ -102,6 +105,10 @@ class SimCore:
         self._state_path = Path(state_path)
         # The simulated node's sysfs (the real one is /sys), where Config.sysfs_path points on a simulated node.
         self.sysfs_root = self._state_path.with_name(self._state_path.name + ".sysfs")
+        # The simulated node's kernel log, a regular file of /dev/kmsg records (kernel.py), where gpud's
+        # kmsg path points on a simulated node; and its procfs (the real one is /proc).
+        self.sim_kmsg_path = self._state_path.with_name(self._state_path.name + ".kmsg")
+        self.sim_procfs_root = self._state_path.with_name(self._state_path.name + ".procfs")
         # One lock for everything; event waits release it through the condition.
         self._lock = threading.RLock()
         self._event_signal = threading.Condition(self._lock)
@@ -128,6 +135,11 @@ class SimCore:
             self._injected_failure("nvmlInitWithFlags")
             if not self._init_count:
                 self._load()
+                if self._node.kernel_module not in (None, self._driver.version):
+                    # nvml.h: "NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18, RM detects a driver/library
+                    # version mismatch": the library is the new driver's, the loaded module the old one's.
+                    self._gpus = []
+                    raise NVMLError(NVML_ERROR_LIB_RM_VERSION_MISMATCH)
             self._init_count += 1
 
     def nvmlShutdown(self) -> None:
@@ -144,6 +156,14 @@ class SimCore:
         """The machine state from the state file, which is created on first use."""
         self._load_state()
         write_numa_nodes(self.sysfs_root, [gpu.bus for gpu in self._gpus], preset_numa_nodes(self._preset))
+        self._write_procfs()
+
+    def _write_procfs(self) -> None:
+        """The driver's procfs files as the node is now: the loaded module's version, the boot id, and
+        the NVSwitch devices the GPUs' NVLinks reach (the NVSwitch driver lists each one)."""
+        switches = sorted({link.remote_bus for gpu in self._gpus for link in gpu.links if link.peer is None})
+        write_procfs(self.sim_procfs_root, self._node.kernel_module or self._driver.version, self._node.boot_id,
+                     [pci_bus_id_legacy(bus).lower() for bus in switches])
 
     def _load_state(self) -> None:
         document = read_state_file(self._state_path)
@@ -164,6 +184,8 @@ class SimCore:
                 f"{self._state_path}: state does not fit preset {self._preset!r}: {error!r}"
             ) from None
         self._node = restore_node(document)
+        if "boot_id" not in document:  # a state file of an older gpud: the boot id it gets now is kept
+            self._save()
 
     def _dump(self) -> dict:
         return dump_state(self._preset, self._gpus, self._node)

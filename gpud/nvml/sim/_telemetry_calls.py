@@ -120,7 +120,12 @@ class TelemetryCalls(SimCore):
         NOT_SUPPORTED where the board reports none) and the NVLink throughput counters (KiB, unsigned
         long long; NOT_SUPPORTED on a board without NVLink, INVALID_ARGUMENT for a link it lacks). The
         simulated processes exchange no peer-to-peer data, so the throughput counters stay at 0. Any
-        other field answers NOT_SUPPORTED, as one the board lacks."""
+        other field answers NOT_SUPPORTED, as one the board lacks.
+
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230, unsigned int, NVML_GPU_RECOVERY_ACTION_*): the GPU's
+        recovery action from R565 on (models.yaml fields_added_in); older drivers do not know the id and
+        answer it NOT_SUPPORTED. Every model answers it: a driver field, no hardware counter (our H100 and
+        H200 captures on 580: "GPU Recovery Action : None"; nvml.h names no architecture for it)."""
         gpu = self._gpu(handle)
         if not isinstance(fieldIds, (list, tuple)) or not fieldIds:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
@@ -134,7 +139,12 @@ class TelemetryCalls(SimCore):
 
     def _field_value(self, gpu: Gpu, value: pynvml.c_nvmlFieldValue_t) -> None:
         value.nvmlReturn = NVML_SUCCESS
-        if value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP and telemetry()[gpu.model.key].memory_c is not None:
+        if not self._driver.has_field(value.fieldId):
+            value.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
+        elif value.fieldId == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+            value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            value.value.uiVal = gpu.recovery_action
+        elif value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP and telemetry()[gpu.model.key].memory_c is not None:
             value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             value.value.uiVal = telemetry()[gpu.model.key].memory_c
         elif value.fieldId in _NVLINK_THROUGHPUT_FIELDS and gpu.model.nvlinks:

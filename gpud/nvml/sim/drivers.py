@@ -34,6 +34,21 @@ class Driver:
         added_in = catalog().functions_added_in.get(name)
         return added_in is None or self.major >= added_in
 
+    def has_field(self, field_id: int) -> bool:
+        """Whether nvmlDeviceGetFieldValues knows this field id (models.yaml fields_added_in)."""
+        added_in = catalog().fields_added_in.get(field_id)
+        return added_in is None or self.major >= added_in
+
+    def takes_fabric_info_version(self, version: int) -> bool:
+        added_in = catalog().fabric_info_versions_added_in.get(version)
+        return added_in is not None and self.major >= added_in
+
+    @property
+    def has_recovery_action(self) -> bool:
+        """The driver keeps a GPU recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) and logs Xid 154
+        when it changes: both arrived with R565 (NVML change log v560 -> v565)."""
+        return self.has_field(230)
+
 
 def parse_driver(version: str | None) -> Driver:
     """The driver for a version string; None means the catalogue's default driver."""

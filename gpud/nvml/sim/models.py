@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -129,6 +130,8 @@ class Catalog:
     branches: Mapping[int, DriverBranch]
     functions_added_in: Mapping[str, int]  # pynvml function -> first driver major that has it
     models: Mapping[str, GpuModel]
+    fields_added_in: Mapping[int, int] = dataclasses.field(default_factory=dict)  # field id -> first major
+    fabric_info_versions_added_in: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache
@@ -143,6 +146,9 @@ def catalog() -> Catalog:
         branches={major: DriverBranch(**spec) for major, spec in drivers["branches"].items()},
         functions_added_in=dict(drivers["functions_added_in"]),
         models=models,
+        fields_added_in={int(key): value for key, value in drivers.get("fields_added_in", {}).items()},
+        fabric_info_versions_added_in={
+            int(key): value for key, value in drivers.get("fabric_info_versions_added_in", {}).items()},
     )
 
 

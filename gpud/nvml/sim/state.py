@@ -9,6 +9,7 @@ them only for people reading it.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,10 @@ FORMAT = 1
 # "is-lost" — they fail with NVML_ERROR_GPU_IS_LOST ("... GPU is lost. Reboot the system").
 LOST_HOW = ("unknown", "is-lost")
 MIB = 1 << 20
+# Recovery actions a GPU reset satisfies (NVML_GPU_RECOVERY_ACTION_*: nvml.h "Reset Gpu", "Drain P2P and
+# Reset Gpu").
+RESET_CLEARS = frozenset({pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET, pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET})
+FABRIC_FAULT_KEYS = ("state", "status", "health_mask")
 # What a simulated compute process holds on the GPU unless told otherwise (a CUDA context plus a little).
 DEFAULT_PROCESS_MEMORY_BYTES = 256 * MIB
 
@@ -159,6 +164,14 @@ class Gpu:
     retired_pages_pending: bool = False
     gpu_instances: dict[int, GpuInstance] = field(default_factory=dict)
     links: tuple[Link, ...] = ()  # NVLink wiring, from the preset
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: what the driver asks for after a fault (NVML_GPU_RECOVERY_ACTION_*)
+    recovery_action: int = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    # Fabric Manager registered the GPU in the NVLink fabric since the driver loaded (fabric state COMPLETED);
+    # it stays registered when FM stops afterwards (NVIDIA/NVSentinel#883, #889: the state does not revert).
+    fabric_registered: bool = True
+    # sim_set_fabric: what an injected fabric fault makes NVML answer, {"state", "status", "health_mask"}
+    # (each may be absent: the driver's own value then); None: no fault.
+    fabric_fault: dict[str, int] | None = None
 
     @property
     def processes(self) -> list[int]:
@@ -184,7 +197,12 @@ class Gpu:
     def reset(self) -> None:
         """What a GPU reset does: GPU and compute instances are destroyed (MIG instances are driver
         state), a pending MIG mode applies, a lost GPU answers again, volatile ECC counters clear,
-        pending row remaps and page retirements apply, NVLink training runs again."""
+        pending row remaps and page retirements apply, NVLink training runs again. A recovery action a
+        reset satisfies (GPU_RESET, DRAIN_AND_RESET) goes back to NONE ("Error Recovery and Response
+        Flags": "reset the GPU using nvidia-smi -r, and the GPU can be used again"); NODE_REBOOT stays
+        ("Reboot the operating system"), and so do the others a reset does not satisfy."""
+        if self.recovery_action in RESET_CLEARS:
+            self.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
         self.gpu_instances.clear()
         self.mig_current = self.mig_pending
         self.lost = None
@@ -239,6 +257,11 @@ class Node:
     # The GPUs are passed through to a virtual machine (`nvidia-smi -q`: "Virtualization Mode:
     # Pass-Through", as on the H100 of tests/fixtures/hardware): the VM sees no GPU reset.
     passthrough: bool = False
+    # The version of the loaded kernel module when it is not the user-space library's (an unfinished
+    # driver upgrade: sim_set_kernel_module); None: the library's own, as after a boot.
+    kernel_module: str | None = None
+    # /proc/sys/kernel/random/boot_id: a random UUID the kernel makes at each boot (random(4)).
+    boot_id: str = field(default_factory=lambda: str(uuid.uuid4()))
 
 
 def dump_state(preset: str, gpus: list[Gpu], node: Node) -> dict[str, Any]:
@@ -252,8 +275,14 @@ def dump_state(preset: str, gpus: list[Gpu], node: Node) -> dict[str, Any]:
 
 def restore_node(document: dict[str, Any]) -> Node:
     # The keys are absent in state files of older gpud versions: the defaults apply.
+    kernel_module = document.get("kernel_module")
+    if kernel_module is not None and not isinstance(kernel_module, str):
+        raise SimError(f"kernel_module must be a driver version or null, not {kernel_module!r}")
+    boot_id = document.get("boot_id")
     return Node(fabric_manager=bool(document.get("fabric_manager", True)),
-                passthrough=bool(document.get("passthrough", False)))
+                passthrough=bool(document.get("passthrough", False)),
+                kernel_module=kernel_module,
+                **({"boot_id": str(boot_id)} if boot_id else {}))
 
 
 def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
@@ -271,6 +300,9 @@ def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
         "pcie_replays": gpu.pcie_replays,
         "nvlinks_down": gpu.nvlinks_down,
         "retired_pages_pending": gpu.retired_pages_pending,
+        "recovery_action": gpu.recovery_action,
+        "fabric_registered": gpu.fabric_registered,
+        "fabric_fault": gpu.fabric_fault,
         "gpu_instances": [_dump_gpu_instance(gi) for _, gi in sorted(gpu.gpu_instances.items())],
     }
 
@@ -319,6 +351,14 @@ def _restore_gpu(gpu: Gpu, record: dict[str, Any], next_serial: Callable[[], int
     gpu.pcie_replays = record.get("pcie_replays", 0)  # absent in state files of older gpud versions
     gpu.nvlinks_down = list(record.get("nvlinks_down", []))
     gpu.retired_pages_pending = record.get("retired_pages_pending", False)
+    # Absent in state files of older gpud versions: no recovery action, registered, no fabric fault.
+    gpu.recovery_action = int(record.get("recovery_action", pynvml.NVML_GPU_RECOVERY_ACTION_NONE))
+    gpu.fabric_registered = bool(record.get("fabric_registered", True))
+    fault = record.get("fabric_fault")
+    if fault is not None and (not isinstance(fault, dict) or set(fault) - set(FABRIC_FAULT_KEYS)
+                              or not all(isinstance(value, int) for value in fault.values())):
+        raise ValueError(f"fabric_fault must be null or an object of {FABRIC_FAULT_KEYS} integers, not {fault!r}")
+    gpu.fabric_fault = dict(fault) if fault else None
     for gi_record in record["gpu_instances"]:
         gi = GpuInstance(
             id=gi_record["id"],
