@@ -364,6 +364,8 @@ def test_the_health_kinds_the_cli_takes_are_those_gpud_raises():
                 raised.add(node.args[where].value)
             if isinstance(node, ast.Dict) and source.name == "checks.py":  # check_readings: {(kind, code): …}
                 raised |= {key.elts[0].value for key in node.keys if isinstance(key, ast.Tuple)}
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["KIND"]:
+                raised.add(node.value.value)  # a module's one kind (infiniband, diag), named once
     assert {"xid", "ecc", "lost", "mps", "temperature"} <= raised
     assert set(HEALTH_REASON_KINDS) == raised
 

@@ -59,8 +59,9 @@ def test_an_xid_clears_once_the_driver_says_the_gpu_recovered(clock):
     tracker = tracker_for(clock)
     tracker.record_xid("GPU-1", xid_info(48), None, None)  # double-bit ECC: reset-gpu
     clock.now += 1
-    assert tracker.record_driver_action("GPU-1", "none") == []  # "none" before it ever asked: not a recovery
-    assert gpu_view(tracker, 1)["state"] == UNHEALTHY
+    changes = tracker.record_driver_action("GPU-1", "none")  # "none" before it ever asked: not a recovery
+    assert [(c.state, c.driver_action) for c in changes] == [(UNHEALTHY, "none")]  # only the driver's word is new
+    assert tracker.record_driver_action("GPU-1", "none") == []
     clock.now += 1
     tracker.record_driver_action("GPU-1", "gpu-reset")
     clock.now += 5

@@ -308,4 +308,5 @@ def test_view_document(tracker):
 
 def test_view_of_a_healthy_node(tracker):
     assert tracker.view(NODE)["status"] == HEALTHY
-    assert HealthTracker().view(inventory()) == {"status": HEALTHY, "gpus": []}
+    assert HealthTracker().view(inventory()) == {"status": HEALTHY, "node": {"state": HEALTHY, "reasons": []}, "gpus": [],
+                                                 "subjects": []}

@@ -127,7 +127,7 @@ class HealthTracker:
                 reboot_needs: dict[str, dict[str, float]] | None = None) -> None:
         """Takes what export() gave before a restart (read with parse_reasons); the devices get their
         reasons as the inventory names them. earlier_boot: saved before the node last booted."""
-        self._restored = reasons
+        self._restored = {uuid: dict(device) for uuid, device in reasons.items()}  # the tracker's own to change
         if earlier_boot:
             self._from_earlier_boot = {(uuid, key) for uuid, device in reasons.items() for key in device}
         self.reboot_needs = dict(reboot_needs or {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -109,6 +110,9 @@ class SimCore:
         # kmsg path points on a simulated node; and its procfs (the real one is /proc).
         self.sim_kmsg_path = self._state_path.with_name(self._state_path.name + ".kmsg")
         self.sim_procfs_root = self._state_path.with_name(self._state_path.name + ".procfs")
+        with contextlib.suppress(OSError):  # the kernel's log is there from boot, before any driver loads
+            self.sim_kmsg_path.parent.mkdir(parents=True, exist_ok=True)
+            self.sim_kmsg_path.touch(exist_ok=True)
         # One lock for everything; event waits release it through the condition.
         self._lock = threading.RLock()
         self._event_signal = threading.Condition(self._lock)
