@@ -499,8 +499,8 @@ def _build(cls: type, data: Any, path: tuple, source: str, lines: dict[tuple, in
 
 def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source: str, lines: dict) -> Any:
     dotted, line = ".".join(path), lines.get(path)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path, source, lines)
+    if dataclasses.is_dataclass(hint):  # a section whose keys are all commented out is its defaults
+        return _build(hint, {} if value is None else value, path, source, lines)
     lists = [t for t in _allowed_types(hint) if typing.get_origin(t) is tuple]
     if lists:  # tuple[X, ...], optionally `| None`
         if value is None and type(None) in _allowed_types(hint):

@@ -27,7 +27,8 @@ class SimRoutes:
     def register(self, app: web.Application) -> None:
         for name, handler in (("xid", self.sim_xid), ("gpu-lost", self.sim_gpu_lost),
                               ("gpu-recover", self.sim_gpu_recover), ("processes", self.sim_processes),
-                              ("holders", self.sim_holders), ("ecc", self.sim_ecc)):
+                              ("holders", self.sim_holders), ("ecc", self.sim_ecc),
+                              ("recovery-action", self.sim_recovery_action), ("fabric", self.sim_fabric)):
             app.router.add_post(f"/v1/sim/{name}", handler)
 
     @admin_only
@@ -35,12 +36,15 @@ class SimRoutes:
     async def sim_xid(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "xid": (int,),
                                                                      "gi_id": (int, type(None)),
-                                                                     "ci_id": (int, type(None))})
+                                                                     "ci_id": (int, type(None)),
+                                                                     "nvml_event": (bool, type(None))})
         if not 0 < body["xid"] < 1 << 16:
             raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
-        await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"))
+        # nvml_event false: the driver logs it to the kernel log only, as an XID NVML's event set missed
+        await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"),
+                             nvml_event=body.get("nvml_event") is not False)
         log.warning("sim_xid_injected", gpu=body["gpu"], xid=body["xid"], gi_id=body.get("gi_id"),
-                    ci_id=body.get("ci_id"))
+                    ci_id=body.get("ci_id"), nvml_event=body.get("nvml_event") is not False)
         return json_response({"injected": "xid", **body})
 
     @admin_only
@@ -109,6 +113,29 @@ class SimRoutes:
         await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
         log.warning("sim_ecc_injected", gpu=body["gpu"], double_bit=body["double_bit"])
         return json_response({"injected": "ecc", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_recovery_action(self, request: web.Request) -> web.Response:
+        """The driver's recovery action (NVML_GPU_RECOVERY_ACTION_*: 0 none, 1 GPU reset, 2 node reboot, 3 drain
+        P2P, 4 drain and reset), as the driver sets it; a driver before R565 has none to set (422)."""
+        body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "action": (int,)})
+        await self._sim_call("sim_set_recovery_action", body["gpu"], body["action"])
+        log.warning("sim_recovery_action_set", gpu=body["gpu"], action=body["action"])
+        return json_response({"injected": "recovery-action", **body})
+
+    @admin_only
+    @json_errors
+    async def sim_fabric(self, request: web.Request) -> web.Response:
+        """The GPU's NVLink fabric as the driver reports it (state, status, health mask); all null: as
+        Fabric Manager left it."""
+        body = await read_json_object(request, self.body_timeout_s, {
+            "gpu": (int, str), "state": (int, type(None)), "status": (int, type(None)),
+            "health_mask": (int, type(None))})
+        await self._sim_call("sim_set_fabric", body["gpu"], state=body.get("state"), status=body.get("status"),
+                             health_mask=body.get("health_mask"))
+        log.warning("sim_fabric_set", **body)
+        return json_response({"injected": "fabric", **body})
 
     async def _sim_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:

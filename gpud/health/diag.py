@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from gpud.health.tracker import ACTION_RANK
 from gpud.logs import get_logger
 from gpud.persist import read_json, write_json_atomic
 
@@ -65,7 +66,6 @@ HARDWARE_CATEGORIES = range(9, 16)
 # nvvs/include/PluginStrings.h: the plugins whose failures are of the GPU itself, not of the node's software
 HARDWARE_TESTS = {"memory", "pcie", "diagnostic", "pulse_test", "memtest", "memory_bandwidth", "targeted_stress",
                   "targeted_power", "sm_stress", "eud", "nvbandwidth"}
-_ACTION_RANK = {"none": 0, "restart-app": 1, "reboot": 2, "reset-gpu": 3, "inspect-hardware": 4}
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ def diag_problems(run: DiagRun) -> dict[int, tuple[str, str, str] | None]:
 def _worse(old: tuple[str, str, str] | None, new: tuple[str, str, str]) -> tuple[str, str, str]:
     if old is None:
         return new
-    rank = lambda p: ((p[0] == "unhealthy"), _ACTION_RANK[p[1]])  # noqa: E731
+    rank = lambda p: ((p[0] == "unhealthy"), ACTION_RANK.index(p[1]))  # noqa: E731
     return new if rank(new) > rank(old) else old
 
 

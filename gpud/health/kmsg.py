@@ -143,7 +143,7 @@ class KernelLogFollower:
     (a sequence number going back) and read in full."""
 
     def __init__(self, path: Path, deliver: Callable[[KernelXid], None], *, cursor_path: Path | None,
-                 boot_id_path: Path, poll_s: float = 0.2, retry_s: float = RETRY_OPEN_S):
+                 boot_id_path: Path, poll_s: float = 0.05, retry_s: float = RETRY_OPEN_S):
         self.path = Path(path)
         self.deliver = deliver
         self.cursor_path = cursor_path

@@ -72,6 +72,9 @@ XID_WINDOW_MAX = 10_000
 NO_XID = "No Error"  # dcgm-exporter's err_msg for err_code 0 (internal/pkg/collector/xid_errors.go)
 # An XID from NVML and one from the kernel log of the same GPU and number this close in time are one XID.
 SAME_XID_WINDOW_S = 10.0
+# How long a report waits for its twin from the other source: a kernel-log line read late (a busy
+# node) still finds NVML's report of the same XID.
+KEEP_SOURCES_S = 120.0
 # On a GPU in MIG mode a kernel-log XID waits this long for NVML's report of it, which names the MIG
 # device (the kernel line does not): the XID is then the MIG device's, not the whole GPU's.
 KERNEL_XID_GRACE_S = 2.0
@@ -252,7 +255,7 @@ class HealthService:
         one already counted."""
         recent = self._recent_sources.setdefault((gpu, xid), [])
         now = time.time()
-        recent[:] = [entry for entry in recent if now - entry[0] <= 2 * SAME_XID_WINDOW_S]
+        recent[:] = [entry for entry in recent if now - entry[0] <= KEEP_SOURCES_S]
         twin = next((entry for entry in recent if entry[1] != source and entry[2]
                      and abs(entry[0] - at) <= SAME_XID_WINDOW_S), None)
         if twin is not None:

@@ -401,12 +401,14 @@ def _reason_from(fields: dict) -> Reason:
     return reason
 
 
-_ACTION_RANK = ("none", "restart-app", "reset-gpu", "reboot", "inspect-hardware")
+# What a reason asks of an operator, weakest first: "fix-service" is a host service to start or install
+# (a node reason's), the rest as the XID catalog's actions.
+ACTION_RANK = ("none", "restart-app", "fix-service", "reset-gpu", "reboot", "inspect-hardware")
 
 
 def _suggested(reasons: list[dict]) -> str:
     """gpud's suggested action for a device: the strongest its reasons ask for."""
-    return max((reason["action"] for reason in reasons), key=_ACTION_RANK.index, default="none")
+    return max((reason["action"] for reason in reasons), key=ACTION_RANK.index, default="none")
 
 
 def _worst(states: Iterable[str]) -> str:

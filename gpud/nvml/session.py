@@ -36,6 +36,8 @@ class SessionState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+# nvml.h NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM detects a driver/library version mismatch"
+LIB_RM_VERSION_MISMATCH = 18
 # Said wherever the real NVML cannot start: the way to try gpud on a machine without a GPU.
 NO_GPU_HINT = "no NVIDIA GPU or driver here? try gpud on a simulated node: gpud serve --simulate dgx-a100"
 
@@ -115,6 +117,9 @@ class NvmlSession:
                 continue
             except Exception as exc:  # NVMLError, OSError from ctypes, a bad simulator state file
                 hint = "" if self.simulated else f" ({NO_GPU_HINT})"
+                if getattr(exc, "value", None) == LIB_RM_VERSION_MISMATCH:
+                    hint = (": the kernel module and the user-space driver are of different versions, an unfinished "
+                            "driver upgrade; GET /v1/health's node reason names both; reboot to finish it")
                 self._unavailable(f"NVML initialisation failed: {describe_error(exc)}{hint}", log.error,
                                   "nvml_init_failed", delay)
                 await asyncio.sleep(delay)
