@@ -590,3 +590,51 @@ def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_
         leftover = _mps_daemon_in(root, pipe)
         if leftover is not None:
             os.kill(leftover, signal.SIGKILL)
+
+
+FABRIC_MANAGER_CHECK = """
+import json, os, sys
+lib = "/usr/lib/gpud"
+sys.path[:0] = [os.path.join(lib, "cp%d%d" % sys.version_info[:2]), os.path.join(lib, "common")]
+from gpud.health.node import fabric_manager_problem, fabric_manager_unit
+unit = "nvidia-fabricmanager.service"
+properties = fabric_manager_unit(unit)
+print(json.dumps([properties, fabric_manager_problem(unit, properties)]))
+"""
+
+
+@pytest.mark.parametrize("container", ["bookworm"], indirect=True)
+def test_the_fabric_manager_check_reads_real_systemd(container):
+    """gpud's Fabric Manager check, as packaged, asks the container's real systemd: a unit not installed,
+    one that failed, one that runs."""
+    box = container
+    if box.run("dpkg", "-s", "gpud").returncode != 0:
+        install = box.run("dpkg", "-i", "/root/gpud.deb")
+        assert install.returncode == 0, install.stdout + install.stderr
+
+    def check() -> tuple[dict | None, list | None]:
+        done = box.run("python3", "-I", "-c", FABRIC_MANAGER_CHECK)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return tuple(json.loads(done.stdout))
+
+    properties, problem = check()
+    assert properties["LoadState"] == "not-found" and problem[0] == "unhealthy" and "not installed" in problem[2]
+    unit = box.root / "etc/systemd/system/nvidia-fabricmanager.service"
+    try:
+        unit.write_text("[Service]\nExecStart=/bin/false\n")
+        box.run("systemctl", "daemon-reload", check=True)
+        box.run("systemctl", "start", "nvidia-fabricmanager")
+        box.wait_for(lambda: box.run("systemctl", "is-failed", "nvidia-fabricmanager").stdout.strip() == "failed",
+                     "the unit failed")
+        properties, problem = check()
+        assert properties["ActiveState"] == "failed" and "is failed/failed, result exit-code" in problem[2], problem
+        unit.write_text("[Service]\nExecStart=/bin/sleep infinity\n")
+        box.run("systemctl", "daemon-reload", check=True)
+        box.run("systemctl", "reset-failed", "nvidia-fabricmanager")
+        box.run("systemctl", "start", "nvidia-fabricmanager", check=True)
+        properties, problem = check()
+        assert properties["ActiveState"] == "active" and problem is None
+    finally:
+        box.run("systemctl", "stop", "nvidia-fabricmanager")
+        unit.unlink(missing_ok=True)
+        box.run("systemctl", "daemon-reload")

@@ -227,6 +227,12 @@ async def test_mig_reads_failing_during_an_apply_say_why_the_rollback_could_not_
         await stop_daemon(node)
 
 
+def nvml_events_only(short_tmp):
+    """A simulated node whose XIDs reach health through NVML events alone: the driver writes each to the
+    kernel log too, which would report them while the events fail (tests/test_health_closed_loop.py)."""
+    return sim_config(short_tmp, "A100-SXM4-40GB:2").with_overrides(**{"health.kernel_log": False})
+
+
 async def xid_seen(node, gpu: int, tries: int = 150) -> bool:
     """Injects XID 79 on the GPU until health calls it unhealthy: whether NVML events arrive."""
     for _ in range(tries):
@@ -241,7 +247,7 @@ async def xid_seen(node, gpu: int, tries: int = 150) -> bool:
 async def test_events_failing_are_reported_and_xids_arrive_once_they_work(short_tmp, raised, prefix):
     # Guards a finding of this matrix: with the event set failing, XIDs went unseen while /healthz
     # answered "ok"; only the log said so.
-    node = await start_daemon(sim_config(short_tmp, "A100-SXM4-40GB:2"))
+    node = await start_daemon(nvml_events_only(short_tmp))
     try:
         node.daemon.session.nvml.sim_fail_calls("nvmlEventSetWait", NVML_ERROR_UNKNOWN, 1)  # the set is made anew
         node.daemon.session.nvml.sim_fail_calls(prefix, NVML_ERROR_UNKNOWN, FOREVER)
@@ -267,7 +273,7 @@ async def test_events_failing_are_reported_and_xids_arrive_once_they_work(short_
 @pytest.mark.slow  # a GPU that could not be registered is tried again after RETRY_UNREGISTERED_S (5 s)
 @pytest.mark.parametrize("prefix", ["nvmlDeviceRegisterEvents", "nvmlDeviceGetSupportedEventTypes"])
 async def test_a_gpu_whose_event_registration_failed_is_registered_again(short_tmp, raised, prefix):
-    node = await start_daemon(sim_config(short_tmp, "A100-SXM4-40GB:2"))
+    node = await start_daemon(nvml_events_only(short_tmp))
     try:
         node.daemon.session.nvml.sim_fail_calls(prefix, NVML_ERROR_UNKNOWN, 1)
         node.daemon.session.nvml.sim_fail_calls("nvmlEventSetWait", NVML_ERROR_UNKNOWN, 1)  # a new set: GPU 0 fails

@@ -238,6 +238,9 @@ async def test_infiniband_ports_are_subjects_with_node_exporters_metrics(short_t
         await health.check_node_once()
         subject = next(s for s in (await health_view(node))["subjects"] if s["name"] == "ib:mlx5_0/1")
         assert subject["state"] == "unhealthy" and subject["reasons"][0]["code"] == "port-down"
+        # The node is unhealthy for its port; NFD's GPU health label is the GPUs' (and the node's own)
+        assert (await health_view(node))["status"] == "unhealthy"
+        assert node.daemon._nfd_labels()["nvidia.com/gpu.health"] == "healthy"
         shutil.rmtree(sysfs / "class" / "infiniband")  # the HCAs went away (driver unloaded)
         await health.check_node_once()
         view = await health_view(node)

@@ -331,7 +331,10 @@ class HealthService:
         if self.host is None:
             return
         while True:
-            await self.check_node_once()
+            try:
+                await self.check_node_once()
+            except Exception:  # a host file of a shape nobody foresaw: said, and the next pass tries again
+                log.exception("node_checks_failed", retry_in_s=self.check_interval_s)
             await asyncio.sleep(self.check_interval_s)
 
     async def check_node_once(self) -> None:

@@ -72,7 +72,7 @@ def node_labels(inventory: Inventory, sysfs: Path, machine: str, sharing: dict |
     if mig["layout"]:  # no layout chosen: no MIG config to report
         labels[MIG_CONFIG] = mig["layout"]
         labels[MIG_CONFIG_STATE] = MIG_END_STATE_LABEL.get(mig["state"], "pending")
-    labels[GPU_HEALTH] = health["status"]
+    labels[GPU_HEALTH] = _gpu_health(health)
     labels[GPU_HEALTHY] = str(sum(_gpu_healthy(gpu) for gpu in health["gpus"]))
     return labels
 
@@ -157,6 +157,16 @@ def _architecture_family(major: int, minor: int) -> str:
         return "ampere" if minor < 9 else "ada-lovelace"
     return {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
             10: "blackwell", 12: "blackwell"}.get(major, "undefined")
+
+
+def _gpu_health(health: dict) -> str:
+    """The GPUs' health with the node's own reasons (a driver mismatch, Fabric Manager down: they break
+    every GPU), not the InfiniBand ports': a port down is the network's, and GPU jobs that need no RDMA
+    still run."""
+    states = [entry["state"] for gpu in health["gpus"] for entry in (gpu, *gpu["mig_devices"])]
+    states.append((health.get("node") or {}).get("state", "healthy"))
+    worst = max(states, key=("healthy", "degraded", "unhealthy").index)
+    return "unknown" if worst == "healthy" and health["status"] == "unknown" else worst
 
 
 def _gpu_healthy(gpu: dict) -> bool:

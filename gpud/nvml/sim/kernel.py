@@ -91,14 +91,18 @@ def xid_record(bus_id: str, xid: int, pid: int | None, name: str | None, text: s
 
 
 def write_if_changed(path: Path, text: str) -> None:
-    """Writes only what differs (a reader may not be allowed to write where root staged the file)."""
+    """Writes only what differs. A user who may not write where root staged the node (gpud doctor as
+    nobody on root's simulated node) leaves root's files as they are: a kernel's procfs is not theirs."""
     try:
         if path.read_text() == text:
             return
     except OSError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text, durable=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text, durable=False)
+    except PermissionError:
+        return
 
 
 def write_procfs(root: Path, module_version: str, boot_id: str, nvswitch_bus_ids: list[str]) -> None:
