@@ -182,7 +182,8 @@ class Daemon:
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
                  state_dir=str(cfg.state_path), version=__version__)
         self._node_task = asyncio.create_task(self._run_node(), name="node")
-        self.health.start_kernel_log()  # the kernel log and the node's own checks need no NVML
+        if not self.session.simulated:  # a simulated node's kernel comes with its simulator: once NVML is up
+            self.health.start_kernel_log()  # the kernel log and the node's own checks need no NVML
         self._start(self.health.run_node_checks(), "node-health")
         self._start(self.latency.run(), "latency")
         self._start(self.nfd.run(), "nfd")

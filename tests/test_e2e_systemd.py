@@ -347,7 +347,7 @@ def test_a_gpu_process_in_a_systemd_run_scope_is_owned_by_that_scope(container):
 
 # linux/capability.h: the bit of each capability gpud.service keeps.
 CAPABILITY_BITS = {"CAP_CHOWN": 0, "CAP_DAC_READ_SEARCH": 2, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7,
-                   "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21, "CAP_MKNOD": 27}
+                   "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21, "CAP_MKNOD": 27, "CAP_SYSLOG": 34}
 
 
 def _sandbox_of(box: Container, pid: str) -> dict[str, str]:

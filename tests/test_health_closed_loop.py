@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from gpud.config import Config, HealthConfig, HostConfig
+from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim._fabric_calls import HEALTHY_MASK
 from helpers import (MOCK_NVML_CONFIGS, REPO, GpudProcess, cli, mock_nvml_library, need, sim_config, start_daemon,
                      stop_daemon, until_async)
@@ -126,12 +127,17 @@ async def test_kernel_log_xids_are_not_counted_again_after_a_restart(short_tmp):
         await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 1, what="the XID")
     finally:
         await stop_daemon(node)
+    driver = SimulatedNvml(config.simulate, config.sim_state_path, driver=config.sim_driver)
+    driver.nvmlInit()  # while gpud is stopped, the driver logs an XID that no NVML client hears
+    driver.sim_inject_xid(0, 13, nvml_event=False)
+    driver.nvmlShutdown()
     node = await start_daemon(config)
     try:
+        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 1, what="the XID while stopped")
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 43, nvml_event=False))
-        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 1, what="the new XID")
+        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 2, what="the new XID")
         counts = node.daemon.health.xid_counts
-        assert sorted(xid for _, xid in counts) == [31, 43] and set(counts.values()) == {1}
+        assert sorted(xid for _, xid in counts) == [13, 31, 43] and set(counts.values()) == {1}
     finally:
         await stop_daemon(node)
 

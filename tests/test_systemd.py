@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI, MPS_CONTROL, REPO, SYSTEM_PATH, kill_mps_under, real_nvml_library_present
+from helpers import IN_CI, MPS_CONTROL, REPO, SYSTEM_PATH, kill_mps_under, need, real_nvml_library_present
 
 from gpud.client import Client, DaemonUnreachable
 
@@ -255,6 +255,30 @@ def test_without_either_proc_capability_the_holder_is_invisible(another_users_pr
     kept = [cap for cap in unit_values("gpud.service", "CapabilityBoundingSet")[0].split() if cap != dropped]
     result = bounded(kept, sys.executable, "-c", _FIND_AND_SIGNAL, str(another_users_process.pid))
     assert result.stdout.split("\n")[0] == "not found", result.stdout + result.stderr
+
+
+# What gpud does to read the kernel log: open /dev/kmsg and read one record.
+_READ_KMSG = """
+import os
+fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+print("read" if os.read(fd, 8192) else "empty")
+"""
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_capabilities_gpud_keeps_let_it_read_the_kernel_log(drop):
+    """/dev/kmsg under kernel.dmesg_restrict 1 needs CAP_SYSLOG (syslog(2)): read with the unit's
+    bounding set, refused without it (which shows the check can fail)."""
+    need(Path("/dev/kmsg").exists(), "a kernel with /dev/kmsg")
+    if drop and Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1":
+        pytest.skip("kernel.dmesg_restrict is 0 on this kernel: reading /dev/kmsg needs no capability here")
+    kept = [cap for cap in unit_values("gpud.service", "CapabilityBoundingSet")[0].split()
+            if not (drop and cap == "CAP_SYSLOG")]
+    result = bounded(kept, sys.executable, "-c", _READ_KMSG)
+    if drop:
+        assert result.returncode != 0 and "PermissionError" in result.stderr, result.stdout + result.stderr
+    else:
+        assert result.stdout.strip() == "read", result.stdout + result.stderr
 
 
 def test_the_mps_control_socket_stays_open_to_every_user_under_the_units_umask(short_tmp):

@@ -78,6 +78,7 @@ KEEP_SOURCES_S = 120.0
 # On a GPU in MIG mode a kernel-log XID waits this long for NVML's report of it, which names the MIG
 # device (the kernel line does not): the XID is then the MIG device's, not the whole GPU's.
 KERNEL_XID_GRACE_S = 2.0
+KERNEL_XIDS_WAITING = 1000
 FABRIC_MANAGER_EVERY_S = 30.0  # systemctl is asked at most this often
 AUTO_RESET_ACTIONS = ("gpu-reset", "drain-and-reset")  # the driver's actions a GPU reset answers
 
@@ -123,6 +124,9 @@ class HealthService:
         self._loop: asyncio.AbstractEventLoop | None = None
         # (GPU UUID, XID) -> [(when, source, counted)] of the last SAME_XID_WINDOW_S: one XID, two sources
         self._recent_sources: dict[tuple[str, int], list[list]] = {}
+        # Kernel-log XIDs read before the first inventory (the ring buffer replayed at start, NVML not up
+        # yet): they wait for it, as many as a storm of them would leave worth keeping.
+        self._kernel_xids_waiting: deque[KernelXid] = deque(maxlen=KERNEL_XIDS_WAITING)
         self.xids_by_source: dict[str, int] = {"nvml": 0, "kernel-log": 0, "both": 0}
         self.ib_ports: list[infiniband.IbPort] = []
         self._ib = infiniband.IbHealth()
@@ -161,12 +165,15 @@ class HealthService:
 
     def _on_inventory(self, inventory: Inventory) -> None:
         self._publish(self.tracker.set_inventory(inventory), "inventory")
+        while self._kernel_xids_waiting:  # read from the kernel log before NVML named the GPUs
+            self._on_kernel_xid(self._kernel_xids_waiting.popleft())
 
     def start(self) -> None:
         """Starts the NVML event thread (NVML must be initialised)."""
         self._loop = asyncio.get_running_loop()
         self._listener = EventListener(self.session.nvml, self._from_thread)
         self._listener.start()
+        self.start_kernel_log()
 
     def start_kernel_log(self) -> None:
         """Starts following the kernel log, if configured: it needs no NVML, so it starts before it."""
@@ -234,11 +241,13 @@ class HealthService:
 
     def _on_kernel_xid(self, line: KernelXid) -> None:
         inventory = self.inventory.current
-        gpu = next((g for g in inventory.gpus if normal_bus_id(g.pci_bus_id) == line.pci_bus_id), None) \
-            if inventory else None
+        if inventory is None:
+            self._kernel_xids_waiting.append(line)
+            return
+        gpu = next((g for g in inventory.gpus if normal_bus_id(g.pci_bus_id) == line.pci_bus_id), None)
         if gpu is None:
             log.warning("kernel_xid_unknown_gpu", bus_id=line.pci_bus_id, xid=line.xid, detail=line.detail,
-                        why="no GPU of the inventory has this PCI bus id (yet)")
+                        why="no GPU of the inventory has this PCI bus id")
             return
         if gpu.mig.mode == "enabled" and self._listener and self._listener.running and not self._listener.failing:
             self._loop.call_later(KERNEL_XID_GRACE_S, self._count_xid, gpu.uuid, line.xid, line.at, "kernel-log",
