@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, NamedTuple
 
 from gpud.config import HealthConfig
-
 from gpud.dcgm_labels import gpu_labels, instance_labels
 from gpud.events import EventBus
+from gpud.health import infiniband, node
 from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
-from gpud.health import infiniband, node
 from gpud.health.kmsg import KernelLogFollower, KernelXid
 from gpud.health.tracker import DRIVER_ACTIONS, NODE, Change, HealthTracker, Key, Reason, parse_reasons
 from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice, normal_bus_id
@@ -349,7 +348,8 @@ class HealthService:
     async def check_node_once(self) -> None:
         host = self.host
         module = await asyncio.to_thread(node.module_version, host.procfs)
-        library = await asyncio.to_thread(node.library_version, self.session.nvml)
+        # the library gpud mapped stays what it is while gpud runs: read until found
+        library = self.driver_versions["library"] or await asyncio.to_thread(node.library_version, self.session.nvml)
         self.driver_versions = {"kernel_module": module, "library": library}
         changes = self.tracker.observe(NODE, "driver", "mismatch", node.driver_mismatch(module, library))
         if time.monotonic() - self._fabric_manager_checked >= FABRIC_MANAGER_EVERY_S:
