@@ -223,7 +223,10 @@ def _add_device_plugin(commands: Any) -> None:
     from gpud.device_plugin import DEFAULT_KUBELET_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
     plugin = commands.add_parser("device-plugin", help="run a kubelet device plugin that follows gpud's shared "
-                                                       "resources (a client of gpud's socket)")
+                                                       "resources (a client of gpud's socket)",
+                                 epilog="It needs grpcio's compiled module: on a Python that the package has no "
+                                        "compiled libraries for (gpud runs on pure-Python ones there) it says so "
+                                        "and exits 127.")
     plugin.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
                                                     "your own)")
     plugin.add_argument("--kubelet-dir", type=Path, default=DEFAULT_KUBELET_DIR,
@@ -409,10 +412,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _device_plugin(args: argparse.Namespace) -> int:
-    from gpud.device_plugin.plugin import run
     from gpud.logs import configure_logging
+    from gpud.python_libraries import EXIT_NO_LIBRARIES, grpc_missing_message
 
     _refuse_json(args)
+    try:  # grpcio has no pure-Python build: a Python the package has no compiled tree for runs without it
+        import grpc  # noqa: F401
+    except ImportError as exc:
+        print(grpc_missing_message("device-plugin", exc), file=sys.stderr)
+        return EXIT_NO_LIBRARIES
+    from gpud.device_plugin.plugin import run
+
     configure_logging(args.log_level, args.log_format)
     return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy,
                args.pod_resources_socket)

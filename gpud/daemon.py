@@ -47,6 +47,7 @@ from gpud.nvml.session import NvmlSession, load_backend
 from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC
 from gpud.processes.monitor import ProcessMonitor
+from gpud.python_libraries import describe as describe_python
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
@@ -79,8 +80,10 @@ class Daemon:
         self.inventory = InventoryService(lambda known: self.session.call(reader.read, known),
                                           config.inventory.refresh_interval_s,
                                           config.state_path / "known-gpus.json")
+        self.python = describe_python()  # aiohttp is imported by now: its compiled modules, or not
         node_base = {"hostname": socket.gethostname(), "gpud_version": __version__,
-                     "backend": self.session.backend_name, "simulated_preset": config.simulate}
+                     "backend": self.session.backend_name, "simulated_preset": config.simulate,
+                     "python": {key: self.python[key] for key in ("version", "implementation", "libraries")}}
         self.bus = EventBus(sequence_path=config.state_path / "watch-sequence.json")
         self.latency = RequestLatency()
         settings = config.sharing
@@ -178,6 +181,11 @@ class Daemon:
                              max_connections_per_peer=api.max_connections_per_peer,
                              admin_reserved_connections=api.admin_reserved_connections)
         cfg = self.config
+        python = self.python
+        log.info("python_libraries", mode=python["libraries"], python=python["version"],
+                 implementation=python["implementation"], path=python["libraries_path"], pure=python["pure"],
+                 **({"note": "pure-Python aiohttp: the API serves fewer requests a second; gpud device-plugin "
+                             "cannot run on this Python (no grpcio)"} if python["libraries"] != "compiled" else {}))
         log.info("listening", socket=str(cfg.socket_path), backend=self.session.backend_name,
                  simulate=cfg.simulate, sim_state=str(cfg.sim_state_path) if cfg.simulate else None,
                  state_dir=str(cfg.state_path), version=__version__)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds dist/gpud_<version>_amd64.deb and dist/gpud-<version>-1.x86_64.rpm from packaging/nfpm.yaml.
-# One package for every CPython 3.10-3.13: the libraries gpud needs are inside it (offline installs
-# work), their compiled parts once per CPython ABI under /usr/lib/gpud/cp3XY/, the rest once under
+# One package for every CPython >= 3.10: the libraries gpud needs are inside it (offline installs
+# work), their compiled parts once per CPython ABI under /usr/lib/gpud/cp3XY/ (3.10-3.13), their
+# pure-Python builds under /usr/lib/gpud/pure/ (any other CPython >= 3.10), the rest once under
 # /usr/lib/gpud/common/; /usr/bin/gpud picks the tree of the interpreter it finds (packaging/README.md).
 # GPUD_VERSION=X.Y.Z overrides the version (the checkout is not touched: gpud is built from a copy).
 set -euo pipefail
@@ -84,6 +85,15 @@ for entry in "$first"/*; do
     mv "$entry" "$lib/common/"
     for abi in "${ABIS[@]:1}"; do rm -rf "${lib:?}/cp${abi/./}/$name"; done
 done
+# pure/: the libraries for a CPython >= 3.10 that has no tree above (3.14 and later), on their pure-Python
+# fallbacks (launch.py sets their switches). It is the oldest ABI's tree, because that resolution is the
+# one every library of which declares support for 3.10 and newer (3.11's has multidict 7.2 and dateutil
+# 4.0, which need 3.11), with every compiled module taken out, and without grpcio, which has no
+# pure-Python build (the device plugin does not run on it). Its files become links to the oldest tree's
+# below: it costs the package little more than its directory entries.
+cp -a "$first" "$lib/pure"
+find "$lib/pure" -name '*.so' -delete
+rm -rf "$lib/pure/grpc" "$lib/pure"/grpcio-*.dist-info
 # A file identical to one already staged (the pure-Python parts of packages with compiled modules, in
 # every ABI's tree; licence files shared by several libraries) becomes a relative link to that one.
 "$PYTHON" - "$lib" <<'LINK'

@@ -4,13 +4,18 @@
 set -e
 getent group gpud >/dev/null || groupadd --system gpud
 getent group gpud-admin >/dev/null || groupadd --system gpud-admin
-# Bytecode for each interpreter gpud can run on here, as dh_python3's py3compile makes it for Debian's
-# own Python packages: gpud writes none at run time, and with it gpud starts in half the time.
-# preremove removes it. A failure only costs start-up time.
-for python in python3 python3.13 python3.12 python3.11 python3.10; do
+# Bytecode for each interpreter gpud can run on here (python3 and every python3.X on PATH, 3.10 or
+# newer), as dh_python3's py3compile makes it for Debian's own Python packages: gpud writes none at run
+# time, and with it gpud starts in half the time. An interpreter the package has no compiled tree for
+# runs gpud on pure/ (launch.py): that is what gets compiled for it. preremove removes it. A failure
+# only costs start-up time.
+for python in python3 $(IFS=:; for dir in $PATH; do [ -n "$dir" ] && ls -d "$dir"/python3.[0-9]* 2>/dev/null; done); do
+    case ${python##*/} in python3|python3.1[0-9]|python3.[2-9][0-9]) ;; *) continue ;; esac
     command -v "$python" >/dev/null 2>&1 || continue
-    abi=$("$python" -I -S -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null) || continue
-    [ -d "/usr/lib/gpud/$abi" ] || continue
+    abi=$("$python" -I -S -c 'import sys; print("cp%d%d" % sys.version_info[:2] if sys.version_info >= (3, 10) else "")' \
+        2>/dev/null) || continue
+    [ -n "$abi" ] || continue
+    [ -d "/usr/lib/gpud/$abi" ] || abi=pure
     "$python" -I -m compileall -q /usr/lib/gpud/common "/usr/lib/gpud/$abi" >/dev/null 2>&1 || true
 done
 # A first install, or one after a removal that left gpud's configuration (deb: "configure" with the

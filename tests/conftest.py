@@ -12,6 +12,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+# --pure-python (tests/pure_python.py): the compiled modules of gpud's libraries are refused before
+# anything imports them (helpers imports aiohttp and gpud). The controlling pytest sees the option in
+# its arguments; its xdist workers, started later, inherit the environment variable it sets.
+import pure_python  # noqa: E402,I001
+
+PURE_PYTHON = "--pure-python" in sys.argv[1:] or os.environ.get(pure_python.ENV) == "1"
+if PURE_PYTHON:
+    pure_python.install()
+
 from helpers import (ADMINS, IN_CI, MPS_CONTROL, READERS, SYSTEM_PATH, USERS, GpudProcess, accounts_lock,
                      kill_mps_under)
 
@@ -27,7 +37,17 @@ LAST_RESORT_AFTER_S = 30
 _real_stderr = pytest.StashKey()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--pure-python", action="store_true",
+                     help="run on the pure-Python builds of aiohttp, yarl, multidict, frozenlist, propcache, "
+                          "PyYAML and protobuf (their compiled modules refused, as on the package's pure/ tree); "
+                          "tests that need grpcio are skipped")
+
+
 def pytest_configure(config):
+    if config.getoption("pure_python") and not PURE_PYTHON:
+        raise pytest.UsageError("--pure-python must be on the command line (tests/conftest.py reads it before "
+                                "pytest parses options)")
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         config.stash[_real_stderr] = os.fdopen(os.dup(sys.stderr.fileno()), "w")
@@ -53,6 +73,15 @@ def pytest_timeout_cancel_timer(item):
 
 
 # -- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=PURE_PYTHON)
+def no_compiled_library_modules():
+    """--pure-python: at the end of the session (of each xdist worker), not one compiled module of the
+    libraries got loaded."""
+    yield
+    assert not pure_python.loaded(), f"--pure-python, yet loaded: {pure_python.loaded()}"
+
 
 
 @pytest.fixture
