@@ -46,7 +46,7 @@ def describe() -> dict:
 
 def package_tree() -> Path | None:
     """/usr/lib/gpud when this gpud runs from the package (gpud itself is in its common/), else None."""
-    top = Path(__file__).resolve().parents[1]
+    top = Path(os.path.abspath(__file__)).parents[1]  # as on sys.path: the tree launch.py chose
     return top.parent if top.name == "common" and (top.parent / "launch.py").is_file() else None
 
 

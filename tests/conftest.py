@@ -72,6 +72,17 @@ def pytest_timeout_cancel_timer(item):
     faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """--pure-python: a test module that cannot import grpc is skipped, saying why."""
+    outcome = yield
+    report = outcome.get_result()
+    if PURE_PYTHON and report.failed and isinstance(collector, pytest.Module) \
+            and pure_python.GRPC_REFUSED in str(report.longrepr):
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, f"Skipped: {pure_python.GRPC_REASON}")
+
+
 # -- fixtures --------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ tree runs gpud on a CPython it has no compiled libraries for (packaging/README.m
 tests/conftest.py calls install() before anything imports gpud or its libraries: an import hook refuses
 every compiled (extension) module of the libraries below, whose pure-Python fallbacks then take over, and
 the libraries' own switches are set (in the environment, which the gpud processes that tests start
-inherit too). grpcio has no pure-Python build: importing it skips the test (or the module) that needs it.
+inherit too). grpcio has no pure-Python build: a test module that imports it is skipped (conftest turns
+its collection error into a skip); anything else importing it fails, the daemon's code above all.
 loaded() says which refused modules got in anyway (conftest fails the session on any)."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import importlib.machinery
 import os
 import sys
 
-import pytest
 
 # Each library's compiled modules, refused, and its fallback. yaml: PyYAML's libyaml binding (yaml._yaml,
 # and the top-level _yaml shim); google: protobuf's upb (google._upb._message, abi3).
@@ -25,7 +25,8 @@ SWITCHES = {"AIOHTTP_NO_EXTENSIONS": "1", "YARL_NO_EXTENSIONS": "1", "MULTIDICT_
             "FROZENLIST_NO_EXTENSIONS": "1", "PROPCACHE_NO_EXTENSIONS": "1",
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 ENV = "GPUD_TEST_PURE_PYTHON"  # set by the controlling pytest: its xdist workers install the hook too
-GRPC_REASON = "needs grpcio, which has no pure-Python build (--pure-python: the device plugin does not run there)"
+GRPC_REFUSED = "grpcio has no pure-Python build (--pure-python)"
+GRPC_REASON = "needs grpcio, which has no pure-Python build: the device plugin does not run on the pure tree"
 
 
 class RefuseCompiled:
@@ -33,8 +34,8 @@ class RefuseCompiled:
 
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.partition(".")[0]
-        if top == "grpc":
-            raise pytest.skip.Exception(GRPC_REASON, allow_module_level=True)
+        if top == "grpc":  # a test module importing it is skipped (conftest); gpud's own code must not
+            raise ModuleNotFoundError(f"{fullname}: {GRPC_REFUSED}", name=fullname)
         if top not in LIBRARIES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

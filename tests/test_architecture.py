@@ -4,6 +4,8 @@ of gpud's socket (device plugin, Kubernetes agent) reach nothing of gpud's own s
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,31 @@ def test_only_the_k8s_agent_talks_to_kubernetes():
                  for name, imported in _modules().items() if not _in(name, "gpud.kubernetes")}
     assert {name: found for name, found in offenders.items() if found} == {}
     assert any(_in(m, "kubernetes_asyncio") for m in _modules()["gpud.kubernetes.node_api"])
+
+
+# The modules of the device plugin that speak gRPC: grpcio has no pure-Python build, and the package's
+# pure/ tree (a CPython it has no compiled libraries for) has none (packaging/README.md, "Interpreters").
+GRPC_MODULES = {"gpud.device_plugin.api", "gpud.device_plugin.endpoint", "gpud.device_plugin.plugin",
+                "gpud.device_plugin.podresources", "gpud.device_plugin.api_pb2", "gpud.device_plugin.api_pb2_grpc",
+                "gpud.device_plugin.podresources_pb2", "gpud.device_plugin.podresources_pb2_grpc"}
+
+
+def test_only_the_device_plugins_grpc_modules_import_grpc_and_protobuf():
+    """gpud serve and every other command run on the pure tree: none of them reaches grpc or protobuf.
+    Of the rest, only the CLI's device-plugin command imports the plugin (after checking for grpc)."""
+    graph = _modules()
+    assert GRPC_MODULES <= set(graph)
+    offenders = {name: sorted(m for m in imported if _in(m, "grpc") or _in(m, "google"))
+                 for name, imported in graph.items() if name not in GRPC_MODULES}
+    # the CLI's device-plugin command: `import grpc` in its check, before it imports the plugin
+    assert {name: found for name, found in offenders.items() if found} == {"gpud.cli": ["grpc"]}
+    reaching = {name: sorted(imported & GRPC_MODULES) for name, imported in graph.items() if name not in GRPC_MODULES}
+    assert {name: found for name, found in reaching.items() if found} == {"gpud.cli": ["gpud.device_plugin.plugin"]}
+
+
+def test_the_daemon_and_the_cli_import_no_grpc():
+    """What `gpud serve` imports (the daemon, the CLI and its parser), in a fresh interpreter."""
+    code = ("import sys; import gpud.daemon, gpud.cli, gpud.kubernetes.agent; gpud.cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "[]\n", result.stdout + result.stderr

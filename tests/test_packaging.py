@@ -1,5 +1,5 @@
-"""packaging/build.sh: one .deb and one .rpm for CPython 3.10-3.13 (one library tree per ABI under
-/usr/lib/gpud, chosen by /usr/bin/gpud), clean by lintian and rpmlint, nothing from the build machine
+"""packaging/build.sh: one .deb and one .rpm for CPython 3.10 and newer (one compiled library tree per ABI
+under /usr/lib/gpud for 3.10-3.13, a pure-Python one for any other, chosen by /usr/bin/gpud), clean by lintian and rpmlint, nothing from the build machine
 inside, and the packaged gpud runs offline on an interpreter alone. Installing them into a booted
 system is tests/test_e2e_systemd.py."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import json
 import os
 import re
 import shutil
@@ -94,7 +95,8 @@ def test_deb_metadata_conffiles_and_scripts(packages):
     info = subprocess.run(["dpkg-deb", "-I", str(deb)], capture_output=True, text=True, check=True, timeout=120).stdout
     assert "Package: gpud" in info and "Section: admin" in info and "Priority: optional" in info
     depends = re.search(r"^ Depends: (.+)$", info, re.M)[1].split(", ")
-    assert "python3 (>= 3.10)" in depends and "python3 (<< 3.14)" in depends, depends
+    # any python3 from 3.10 on: one the package has no compiled tree for runs gpud on pure/
+    assert "python3 (>= 3.10)" in depends and not [d for d in depends if d.startswith("python3 (<")], depends
     assert any(d.startswith("libc6 (>= 2.") for d in depends), depends
     control = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True,
                              timeout=120).stdout
@@ -176,6 +178,19 @@ def test_one_library_tree_per_cpython_abi(unpacked, abi):
     assert (common / "google/_upb").is_dir() and not (tree / "gpud").exists()
 
 
+def test_the_pure_tree_has_the_oldest_abis_libraries_without_compiled_modules_or_grpc(unpacked):
+    pure, oldest = unpacked / LIB / "pure", unpacked / LIB / ("cp" + ABIS[0].replace(".", ""))
+    assert (pure / "aiohttp/http_parser.py").exists() and (pure / "multidict/_multidict_py.py").exists()
+    assert not [path for path in pure.rglob("*") if ".so" in path.suffixes], "compiled modules in pure/"
+    assert not (pure / "grpc").exists() and not list(pure.glob("grpcio-*"))
+    # what the oldest tree has, but its compiled modules and grpcio: every library in it supports 3.10 on
+    names = lambda tree: {str(path.relative_to(tree)) for path in tree.rglob("*")  # noqa: E731
+                          if ".so" not in path.suffixes and "grpc" not in path.relative_to(tree).parts[0]}
+    assert names(pure) == names(oldest)
+    # files are links into the other trees: the package grows by little more than directory entries
+    assert not [path for path in pure.rglob("*") if path.is_file() and not path.is_symlink() and path.stat().st_size]
+
+
 def test_copyright_covers_every_bundled_library(unpacked):
     copyright_text = (unpacked / "usr/share/doc/gpud/copyright").read_text()
     assert copyright_text.startswith("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/")
@@ -219,12 +234,14 @@ def test_rpmlint_reports_no_errors_and_only_justified_warnings(packages):
         assert f"`{tag.strip()}`" in PACKAGING_README, f"filter of {tag} not explained in packaging/README.md"
 
 
-def assert_serves_gpus(launcher: Path, env: dict[str, str], here: Path) -> None:
-    """The packaged gpud starts on a simulated T4 and answers GET /v1/gpus."""
-    sock = here / "p.sock"
-    proc = subprocess.Popen([str(launcher), "serve", "--simulate", "t4", "--socket", str(sock), "--sim-state",
-                             str(here / "sim.json"), "--state-dir", str(here / "state")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def assert_serves_gpus(launcher: Path, env: dict[str, str], here: Path, while_serving=None) -> list[dict]:
+    """The packaged gpud starts on a simulated T4 and answers GET /v1/gpus; while_serving(process) then
+    looks at it. Returns its log (JSON lines)."""
+    sock, log_path = here / "p.sock", here / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(launcher), "serve", "--simulate", "t4", "--socket", str(sock), "--sim-state",
+                                 str(here / "sim.json"), "--state-dir", str(here / "state"), "--log-format", "json"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         client = Client(sock, timeout=5)
         deadline = time.monotonic() + 30
@@ -234,10 +251,25 @@ def assert_serves_gpus(launcher: Path, env: dict[str, str], here: Path) -> None:
                 gpus = client.get("/v1/gpus")["gpus"]
             except (DaemonUnreachable, ApiFailure):  # not up yet, or still starting
                 time.sleep(0.1)
-        assert gpus and gpus[0]["name"] == "Tesla T4", proc.communicate(timeout=10)[1].decode()[-2000:] if proc.poll() else ""
+        assert gpus and gpus[0]["name"] == "Tesla T4", log_path.read_text()[-2000:]
+        if while_serving:
+            while_serving(proc)
     finally:
         proc.terminate()
         proc.wait(10)
+    return [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+
+
+def mapped_files(pid: int) -> set[str]:
+    """The files a process has mapped: its shared objects among them."""
+    return {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith("/")}
+
+
+def python_libraries(log: list[dict]) -> dict:
+    lines = [event for event in log if event.get("event") == "python_libraries"]
+    assert len(lines) == 1, log
+    return lines[0]
 
 
 def test_the_packaged_gpud_runs_on_the_os_python_alone(unpacked, short_tmp):
@@ -273,25 +305,81 @@ def test_the_launcher_runs_gpud_on_each_python_found_here(unpacked, short_tmp, a
     plugin = subprocess.run([str(launcher), "device-plugin", "--kubelet-dir", str(short_tmp / "none"),
                              "--log-format", "json"], capture_output=True, text=True, env=env, timeout=60)
     assert plugin.returncode == 2 and "kubelet_dir_missing" in plugin.stdout, plugin.stdout + plugin.stderr
-    assert_serves_gpus(launcher, env, short_tmp)  # aiohttp and what it needs on this version only
+    tag = "cp" + abi.replace(".", "")
+
+    def compiled_and_no_grpc(proc):  # aiohttp and what it needs on this version only; gpud serve never loads grpc
+        loaded = mapped_files(proc.pid)
+        assert any(f"/{LIB}/{tag}/aiohttp/" in path for path in loaded), sorted(loaded)
+        assert not [path for path in loaded if "/grpc/" in path], sorted(loaded)
+
+    log = assert_serves_gpus(launcher, env, short_tmp, compiled_and_no_grpc)
+    assert python_libraries(log)["mode"] == "compiled" and python_libraries(log)["python"].startswith(abi)
 
 
-def fake_python(bin_dir: Path, name: str, supported: bool) -> None:
-    """An interpreter that answers the launcher's version check, then says it was the one run."""
+@pytest.mark.parametrize("abi", ABIS)
+def test_without_its_compiled_tree_each_python_runs_gpud_on_the_pure_tree(unpacked, short_tmp, abi):
+    """As a CPython released after the package (3.14 for this one) runs it: the package as installed, but
+    for the compiled tree of the interpreter at hand, which launch.py then does not find."""
+    interpreter = find_interpreter(abi)
+    if interpreter is None:
+        pytest.skip(f"no python{abi} here")
+    tag = "cp" + abi.replace(".", "")
+    lib = short_tmp / "lib"  # /usr/lib/gpud without this tree: the others, linked; launch.py, a copy
+    lib.mkdir()
+    for entry in (unpacked / LIB).iterdir():
+        if entry.name == "launch.py":
+            shutil.copy(entry, lib / entry.name)
+        elif entry.name != tag:
+            (lib / entry.name).symlink_to(entry)
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(interpreter)
+    env = {"PATH": f"{bin_dir}:/bin", "HOME": str(short_tmp)}
+    launcher = launcher_for(unpacked, short_tmp)
+    launcher.write_text(launcher.read_text().replace(f"GPUD_LIB={unpacked / LIB}\n", f"GPUD_LIB={lib}\n"))
+
+    def nothing_compiled_of_the_package(proc):
+        loaded = mapped_files(proc.pid)
+        assert not [path for path in loaded if path.startswith((str(unpacked / LIB), str(lib)))], sorted(loaded)
+
+    log = assert_serves_gpus(launcher, env, short_tmp, nothing_compiled_of_the_package)
+    said = python_libraries(log)
+    assert said["mode"] == "pure" and said["python"].startswith(abi + "."), said
+    assert said["path"] == f"{lib}/pure" and said["pure"] == ["aiohttp", "frozenlist", "multidict", "propcache",
+                                                               "yarl"], said
+    # the device plugin cannot run there: it says why and what to do, with its documented exit code
+    plugin = subprocess.run([str(launcher), "device-plugin", "--kubelet-dir", str(short_tmp / "none")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert plugin.returncode == 127 and plugin.stdout == "", plugin.stdout + plugin.stderr
+    others = ", ".join(other for other in ABIS if other != abi)
+    assert plugin.stderr.startswith("gpud: device-plugin needs grpcio, which has no pure-Python build"), plugin.stderr
+    assert f"compiled for CPython {others} " in plugin.stderr and "GPUD_PYTHON=python" in plugin.stderr, plugin.stderr
+    assert "Traceback" not in plugin.stderr
+
+
+def fake_python(bin_dir: Path, name: str, version: str) -> None:
+    """An interpreter of `version` that answers the launcher's version check (the launcher's own code, run
+    by the OS's Python with that version_info), then says it was the one run."""
+    major, minor = version.split(".")
     script = bin_dir / name
-    script.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-I -S -c" ]; then exit {0 if supported else 1}; fi\n'
-                      f'echo "{name} $*"\n')
+    script.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-I -S -c" ]; then\n'
+                      f'    exec {OS_PYTHON} -I -S -c "import sys; sys.version_info = ({major}, {minor}, 0); '
+                      f'exec(sys.argv[1])" "$4"\nfi\necho "{name} $*"\n')
     script.chmod(0o755)
 
 
 @pytest.mark.parametrize(("installed", "chosen"), [
-    ({"python3": True, "python3.12": True}, "python3"),           # Debian, Ubuntu, Fedora: python3 fits
-    ({"python3": False, "python3.11": True, "python3.12": True}, "python3.12"),  # RHEL 9: python3 is 3.9
-    ({"python3.10": True}, "python3.10"),                          # no python3 at all
+    ({"python3": "3.12", "python3.12": "3.12"}, "python3"),  # Debian, Ubuntu, Fedora: python3 fits
+    ({"python3": "3.9", "python3.11": "3.11", "python3.12": "3.12"}, "python3.12"),  # RHEL 9: python3 is 3.9
+    ({"python3.10": "3.10"}, "python3.10"),  # no python3 at all
+    ({"python3": "3.14", "python3.13": "3.13"}, "python3"),  # Fedora 43, Debian testing: pure/ if no cp314/
+    ({"python3": "3.9", "python3.9": "3.9", "python3.14": "3.14", "python3.10": "3.10"}, "python3.14"),  # 14 > 9
+    # not interpreters of the form looked for: python3.X-config, a free-threaded python3.Xt
+    ({"python3.11": "3.11", "python3.13-config": "3.13", "python3.13t": "3.13", "python3.9": "3.9"}, "python3.11"),
 ])
 def test_the_launcher_chooses_python3_if_it_fits_else_the_newest_python3_x(unpacked, short_tmp, installed, chosen):
-    for name, supported in installed.items():
-        fake_python(short_tmp, name, supported)
+    for name, version in installed.items():
+        fake_python(short_tmp, name, version)
     launcher = launcher_for(unpacked, short_tmp)
     result = subprocess.run([str(launcher), "status", "--json"], capture_output=True, text=True, timeout=30,
                             env={"PATH": str(short_tmp)})
@@ -299,12 +387,31 @@ def test_the_launcher_chooses_python3_if_it_fits_else_the_newest_python3_x(unpac
         result.stdout + result.stderr
 
 
+def test_the_launcher_takes_the_newest_python3_x_across_path_and_gpud_python_first(unpacked, short_tmp):
+    first, second = short_tmp / "a", short_tmp / "b"
+    first.mkdir(), second.mkdir()
+    fake_python(first, "python3.11", "3.11")
+    fake_python(second, "python3.13", "3.13")
+    launcher = launcher_for(unpacked, short_tmp)
+    run = lambda **env: subprocess.run([str(launcher), "--version"], capture_output=True, text=True,  # noqa: E731
+                                       timeout=30, env={"PATH": f"{first}::{second}", **env})
+    assert run().stdout.startswith("python3.13 -I "), run()
+    fake_python(second, "python3", "3.14")
+    assert run().stdout.startswith("python3 -I ")
+    # GPUD_PYTHON: an operator's choice (the device plugin on a version with compiled libraries)
+    assert run(GPUD_PYTHON="python3.11").stdout.startswith("python3.11 -I ")
+    fake_python(second, "python3.9", "3.9")
+    refused = run(GPUD_PYTHON="python3.9")
+    assert refused.returncode == 127 and "GPUD_PYTHON=python3.9 is not a Python 3.10 or newer" in refused.stderr
+
+
 def test_the_launcher_says_when_no_python_fits(unpacked, short_tmp):
-    fake_python(short_tmp, "python3", supported=False)  # e.g. RHEL 9's 3.9, with no python3.1X beside it
+    fake_python(short_tmp, "python3", "3.9")  # e.g. RHEL 9's 3.9, with no python3.1X beside it
+    fake_python(short_tmp, "python3.9", "3.9")
     result = subprocess.run([str(launcher_for(unpacked, short_tmp)), "--version"], capture_output=True, text=True,
                             timeout=30, env={"PATH": str(short_tmp)})
     assert result.returncode == 127 and result.stdout == ""
-    assert "needs Python 3.10, 3.11, 3.12 or 3.13" in result.stderr, result.stderr
+    assert "needs Python 3.10 or newer" in result.stderr, result.stderr
 
 
 def test_launch_py_says_when_the_package_has_no_tree_for_this_python(unpacked, short_tmp):
