@@ -270,3 +270,200 @@ def test_without_appstream_dnf_refuses_cleanly(rpm_package, repositories, tmp_pa
     assert result.returncode != 0
     assert f"nothing provides {REQUIREMENT} needed by gpud" in result.stdout + result.stderr, result.stdout + result.stderr
     assert dnf.installed() == before
+
+
+# -- the scriptlets: Fedora's conventions in the .rpm, Debian's in the .deb -----------------------
+
+RPM_SCRIPTS = {"postinstall": "%{POSTIN}", "preremove": "%{PREUN}", "postremove": "%{POSTUN}"}
+DEB_SCRIPTS = {"postinstall": "postinst", "preremove": "prerm", "postremove": "postrm"}
+
+
+@pytest.fixture(scope="module")
+def scriptlets(rpm_package, tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The scripts as each package carries them: {"rpm": {"postinstall": text, ...}, "deb": {...}}."""
+    rpm = {name: subprocess.run(["rpm", "-qp", "--qf", tag, str(rpm_package)], capture_output=True, text=True,
+                                check=True, timeout=60).stdout for name, tag in RPM_SCRIPTS.items()}
+    control = tmp_path_factory.mktemp("deb-control")
+    deb = rpm_package.parent / rpm_package.name.replace("-1.x86_64.rpm", "_amd64.deb").replace("gpud-", "gpud_")
+    subprocess.run(["dpkg-deb", "-e", str(deb), str(control)], check=True, timeout=60)
+    return {"rpm": rpm, "deb": {name: (control / file).read_text() for name, file in DEB_SCRIPTS.items()}}
+
+
+STUB = '#!/bin/sh\necho "${0##*/} $*" >> "$GPUD_TEST_LOG"\n[ "$1" != is-enabled ]\n'
+
+
+def _run_script(text: str, args: list[str], here: Path, systemd_running: bool, without: tuple[str, ...] = ()):
+    """Runs a scriptlet as root in a mount namespace of its own, over a tmpfs /run (with
+    /run/systemd/system where systemd "runs"). systemctl, gpud, getent and groupadd are stubs that
+    log their arguments (no group is made, no unit touched); the rest is this machine's. A command in
+    `without` is missing from PATH altogether."""
+    if shutil.which("unshare", path=SYSTEM_PATH) is None or subprocess.run(["id", "-u"], capture_output=True, text=True,
+                                                                          timeout=10).stdout.strip() != "0":
+        pytest.fail("CI runs as root, with unshare") if IN_CI else pytest.skip("needs root and unshare")
+    bin_dir = here / "bin"
+    shutil.rmtree(bin_dir, ignore_errors=True)
+    bin_dir.mkdir(parents=True)
+    for tool in ("systemctl", "gpud", "getent", "groupadd"):
+        if tool not in without:
+            (bin_dir / tool).write_text(STUB)
+            (bin_dir / tool).chmod(0o755)
+    for tool in ("rm", "mkdir", "touch", "chown", "chmod", "find", "python3"):
+        if tool not in without:
+            (bin_dir / tool).symlink_to(shutil.which(tool, path="/usr/bin:/bin"))
+    script, log = here / "script", here / "log"
+    script.write_text(text)
+    log.write_text("")
+    mount, mkdir = (shutil.which(tool, path=SYSTEM_PATH) for tool in ("mount", "mkdir"))
+    stage = f"{mount} -t tmpfs gpudt-scriptlet /run && " + \
+        (f"{mkdir} -p /run/systemd/system && " if systemd_running else "")
+    result = subprocess.run([shutil.which("unshare", path=SYSTEM_PATH), "-m", "/bin/sh", "-c",
+                             stage + 'exec /bin/sh "$0" "$@"', str(script), *args],
+                            capture_output=True, text=True, timeout=120,
+                            env={"PATH": str(bin_dir), "GPUD_TEST_LOG": str(log)})
+    assert result.returncode == 0, (args, result.stdout + result.stderr)
+    return [line for line in log.read_text().splitlines() if line.startswith("systemctl ") or line.startswith("gpud ")]
+
+
+# (packager, script, its arguments, the systemctl and gpud commands it runs where systemd runs)
+CONVENTIONS = [
+    # rpm: %systemd_post (`systemctl --no-reload preset`, nothing started), %systemd_preun (`--no-reload
+    # disable --now`), and the try-restart of %systemd_postun_with_restart, in the new version's %post.
+    ("rpm", "postinstall", ["1"], ["systemctl --no-reload preset gpud.service"]),
+    ("rpm", "postinstall", ["2"], ["systemctl daemon-reload", "systemctl try-restart gpud.service gpud-device-plugin.service"]),
+    ("rpm", "preremove", ["1"], []),
+    ("rpm", "preremove", ["0"], ["systemctl --no-reload disable --now gpud-device-plugin.service gpud.service gpud.socket",
+                                 "gpud mps quit-all"]),
+    ("rpm", "postremove", ["1"], ["systemctl daemon-reload"]),
+    ("rpm", "postremove", ["0"], ["systemctl daemon-reload"]),
+    # deb: dh_installsystemd's convention, enabled and started on install
+    ("deb", "postinstall", ["configure", ""], ["systemctl daemon-reload", "systemctl enable --now gpud.service"]),
+    ("deb", "postinstall", ["configure", "0.0.9"],
+     ["systemctl daemon-reload", "systemctl try-restart gpud.service gpud-device-plugin.service"]),
+    ("deb", "preremove", ["upgrade", "0.2.0"], []),
+    ("deb", "preremove", ["remove"], ["systemctl is-enabled --quiet gpud.service",
+                                      "systemctl --no-reload disable --now gpud-device-plugin.service gpud.service "
+                                      "gpud.socket", "gpud mps quit-all"]),
+]
+
+
+@pytest.mark.parametrize(("packager", "script", "args", "expected"), CONVENTIONS)
+def test_the_scriptlets_follow_each_packagers_convention_where_systemd_runs(scriptlets, tmp_path, packager, script,
+                                                                           args, expected):
+    assert _run_script(scriptlets[packager][script], args, tmp_path, systemd_running=True) == expected
+
+
+def test_the_rpm_first_install_starts_nothing_with_or_without_systemd(scriptlets, tmp_path):
+    for running in (True, False):
+        calls = _run_script(scriptlets["rpm"]["postinstall"], ["1"], tmp_path, systemd_running=running)
+        assert calls == ["systemctl --no-reload preset gpud.service"], calls
+        assert not [call for call in calls if re.search(r"\b(start|restart|--now|enable)\b", call)]
+
+
+# -- every command the scriptlets and units run is a dependency's, the package's own, or guarded ----
+
+SHELL = {"if", "elif", "else", "fi", "then", "for", "in", "do", "done", "while", "until", "case", "esac", "[", "test",
+         "set", "command", "exit", "true", "false", ":", "continue", "break", "echo", "printf", "return", "shift"}
+
+
+def scriptlet_commands(text: str) -> set[str]:
+    """The commands a POSIX sh script runs: the first word of each simple command (after `exec` and
+    assignments), command substitutions included; shell keywords and builtins left out. `"$var"`
+    stays as written: a command chosen at run time."""
+    found = set()
+    for line in text.replace("\\\n", " ").splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", line)
+        line = re.sub(r"'[^']*'", "Q", line)  # quoted text is an argument, not a command
+        line = re.sub(r'"[^"]*"', lambda m: m[0] if re.fullmatch(r'"\$\w+"', m[0]) else "Q", line)  # but "$var"
+        pieces = [line, *re.findall(r"\$\(([^()]*)\)", line)]
+        pieces[0] = re.sub(r"\$\([^()]*\)", "X", line)
+        for piece in pieces:
+            for segment in re.split(r"&&|\|\||[;|()]|(?<![^\s;])[{}](?![^\s;])", piece):
+                words = shlex.split(segment, posix=False)
+                while words and (words[0] in ("if", "elif", "while", "until", "then", "do", "else", "exec", "!")
+                                 or re.match(r"^[A-Za-z_]\w*=", words[0])):
+                    words.pop(0)
+                if words and words[0] not in SHELL:
+                    found.add(words[0])
+    return found
+
+
+def test_the_command_parser_finds_what_a_script_runs():
+    script = 'set -e\nx=$(getent group a) || groupadd "b;c" \'d(e)\'  # c\nif [ -d /x ]; then\n    systemctl stop a\nfi\n' \
+             'for p in a b; do\n    command -v "$p" >/dev/null || continue\n    exec "$p" -I\ndone\n! find /x\n'
+    assert scriptlet_commands(script) == {"getent", "groupadd", "systemctl", '"$p"', "find"}
+
+
+def _unit_commands() -> set[str]:
+    from helpers import REPO
+    found = set()
+    for unit in (REPO / "systemd").glob("*.service"):
+        for line in unit.read_text().splitlines():
+            match = re.match(r"Exec\w+=[-@:+!]*(\S+)", line)
+            if match:
+                found.add(match[1])
+    return found
+
+
+def test_every_command_of_the_units_is_the_package_s_own(rpm_package):
+    files = subprocess.run(["rpm", "-qlp", str(rpm_package)], capture_output=True, text=True, check=True,
+                           timeout=60).stdout.split()
+    commands = _unit_commands()
+    assert "/usr/bin/gpud" in commands  # ExecStart=, ExecReload= (gpud reload: no kill(1), no procps)
+    assert commands <= set(files), commands - set(files)
+
+
+def _guarded_variables(text: str, commands: set[str]) -> set[str]:
+    """Commands chosen at run time (`"$python"`), each one looked up first (`command -v "$python"`)."""
+    variables = {command for command in commands if command.startswith('"$')}
+    for variable in variables:
+        assert f"command -v {variable} >/dev/null 2>&1 || continue" in text, variable
+    return variables
+
+
+def test_every_rpm_scriptlet_command_is_a_declared_dependency_s(rpm_package, repositories, scriptlets, tmp_path):
+    """Installed by dnf from the RHEL 9 stand-ins: each command's file in the root belongs to a package
+    that provides one of gpud's Requires (or to gpud)."""
+    dnf = _dnf(tmp_path, repositories, "el9", ("baseos", "appstream"))
+    assert dnf("install", "python3").returncode == 0
+    assert dnf("install", str(rpm_package)).returncode == 0
+    rpm = lambda *args: subprocess.run(["rpm", "--root", str(dnf.root), *args], capture_output=True,  # noqa: E731
+                                       text=True, timeout=60)
+    providers = {"gpud"}
+    for requirement in rpm("-qR", "gpud").stdout.splitlines():
+        if not requirement.startswith("rpmlib("):
+            providers |= set(rpm("-q", "--whatprovides", requirement, "--qf", "%{NAME}\n").stdout.split())
+    for name, text in scriptlets["rpm"].items():
+        commands = scriptlet_commands(text)
+        for command in sorted(commands - _guarded_variables(text, commands)):
+            path = next((f"{d}/{command}" for d in ("/usr/sbin", "/usr/bin") if (dnf.root / d[1:] / command).exists()),
+                        None)
+            assert path, f"{name}: {command} is in no package gpud requires"
+            owner = rpm("-qf", path, "--qf", "%{NAME}").stdout
+            assert owner in providers, (name, command, owner, providers)
+
+
+def test_every_deb_script_command_is_a_dependency_s_essential_or_guarded(rpm_package, scriptlets, tmp_path):
+    """Debian 12 here: each command's owner (dpkg -S) is in the .deb's Depends or Essential: yes. The
+    exception is systemctl, which the scripts run only where systemd runs or tolerate missing: they
+    succeed with no systemd and no systemctl at all."""
+    deb = rpm_package.parent / rpm_package.name.replace("-1.x86_64.rpm", "_amd64.deb").replace("gpud-", "gpud_")
+    depends = subprocess.run(["dpkg-deb", "-f", str(deb), "Depends"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    declared = {re.split(r"[\s(]", d.strip())[0] for d in depends.split(",")}
+    guarded = {"systemctl"}
+    for name, text in scriptlets["deb"].items():
+        commands = scriptlet_commands(text)
+        for command in sorted(commands - _guarded_variables(text, commands) - guarded - {"gpud"}):
+            path = shutil.which(command, path="/usr/sbin:/usr/bin:/sbin:/bin")
+            owner = subprocess.run(["dpkg", "-S", path], capture_output=True, text=True, timeout=60)
+            if owner.returncode != 0:  # dpkg knows the file by its pre-merge name
+                owner = subprocess.run(["dpkg", "-S", path.removeprefix("/usr")], capture_output=True, text=True,
+                                       timeout=60)
+            package = owner.stdout.split(":")[0]
+            essential = subprocess.run(["dpkg-query", "-W", "-f", "${Essential}", package], capture_output=True,
+                                       text=True, timeout=60).stdout
+            assert package in declared or essential == "yes", (name, command, package)
+    for script, args in (("postinstall", ["configure", ""]), ("postinstall", ["configure", "0.0.9"]),
+                         ("preremove", ["remove"]), ("postremove", ["remove"])):
+        assert _run_script(scriptlets["deb"][script], args, tmp_path, systemd_running=False, without=("systemctl",)) \
+            in ([], ["gpud mps quit-all"])
