@@ -18,9 +18,20 @@ for python in python3 $(IFS=:; for dir in $PATH; do [ -n "$dir" ] && ls -d "$dir
     [ -d "/usr/lib/gpud/$abi" ] || abi=pure
     "$python" -I -m compileall -q /usr/lib/gpud/common "/usr/lib/gpud/$abi" >/dev/null 2>&1 || true
 done
-# A first install, or one after a removal that left gpud's configuration (deb: "configure" with the
-# removed version; rpm: 1) where gpud was enabled until the removal (preremove's mark).
-if [ "$1" = "1" ] || { [ "$1" = "configure" ] && [ -z "$2" ]; } || [ -e /var/lib/gpud/enabled-at-removal ]; then
+# A first install: here the two conventions differ, and the argument says whose script this is.
+if [ "$1" = "1" ]; then
+    # rpm (a first install, or one after an erase): what Fedora's %systemd_post does, the operator's
+    # presets decide and nothing starts (systemd's src/rpm/macros.systemd.in: `systemctl --no-reload
+    # preset` on $1 = 1, through systemd-update-helper; Fedora's packaging guidelines, "Systemd").
+    # Fedora's and RHEL's default preset is `disable *`: `systemctl enable --now gpud` turns it on, or
+    # a preset file (/etc/systemd/system-preset/80-gpud.preset: `enable gpud.service`) before install.
+    # gpud.socket and the device plugin are left as they are, as on Debian.
+    rm -f /var/lib/gpud/enabled-at-removal
+    systemctl --no-reload preset gpud.service >/dev/null 2>&1 || :
+elif [ "$1" = "configure" ] && { [ -z "$2" ] || [ -e /var/lib/gpud/enabled-at-removal ]; }; then
+    # deb: a first install, or one after a removal that left gpud's configuration ("configure" with
+    # the removed version) where gpud was enabled until the removal (preremove's mark). Debian's
+    # convention (dh_installsystemd): enabled and started.
     rm -f /var/lib/gpud/enabled-at-removal
     if [ -d /run/systemd/system ]; then
         systemctl daemon-reload
@@ -30,9 +41,12 @@ if [ "$1" = "1" ] || { [ "$1" = "configure" ] && [ -z "$2" ]; } || [ -e /var/lib
         systemctl enable gpud.service >/dev/null 2>&1 || true
     fi
 elif [ -d /run/systemd/system ]; then
-    # Another version replaced this one. The units stay enabled or disabled as the operator left
-    # them; a running gpud (and device plugin) restarts on the new code, a stopped one stays stopped.
-    # gpud's MPS control daemons keep running (KillMode=process): the new gpud adopts them.
+    # deb "configure <old>", rpm 2: another version replaced this one, the same for both. The units
+    # stay enabled or disabled as the operator left them; a running gpud (and device plugin)
+    # restarts on the new code, a stopped one stays stopped: rpm's %systemd_postun_with_restart
+    # (try-restart), done here in the new package's %post so that the new version's code decides
+    # how (the old package's %postun runs the old code). gpud's MPS control daemons keep
+    # running (KillMode=process): the new gpud adopts them.
     systemctl daemon-reload
     # Earlier versions gave /run/gpud to group gpud. systemd, finding the runtime directory not
     # root:root as the unit says, would chown all of it to root when it starts the new gpud, the MPS

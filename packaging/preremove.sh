@@ -9,14 +9,18 @@ if [ "$1" != "1" ]; then
     find /usr/lib/gpud -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
 fi
 if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
-    # Installing gpud again (its configuration kept) enables it again: postinstall reads this mark.
-    if systemctl is-enabled --quiet gpud.service 2>/dev/null; then
+    # deb: installing gpud again (its configuration kept) enables it again: postinstall reads this
+    # mark. rpm: the presets decide again, as on a first install (%systemd_post).
+    if [ "$1" = "remove" ] && systemctl is-enabled --quiet gpud.service 2>/dev/null; then
         mkdir -p /var/lib/gpud && touch /var/lib/gpud/enabled-at-removal
     fi
+    # Both conventions agree: stopped and disabled (rpm's %systemd_preun: `systemctl --no-reload
+    # disable --now` where systemd runs, `--no-reload disable` where it does not; systemd's
+    # src/rpm/systemd-update-helper.in, remove-system-units).
     if [ -d /run/systemd/system ]; then
-        systemctl disable --now gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
+        systemctl --no-reload disable --now gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     else
-        systemctl disable gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
+        systemctl --no-reload disable gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     fi
     # gpud leaves its MPS control daemons running across its own restarts and upgrades
     # (KillMode=process); when gpud itself goes away, they go too. Not a loop over the pipes here:

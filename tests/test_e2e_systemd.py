@@ -294,20 +294,45 @@ def _rpm_in(root: Path):
 # The rpm checks need no systemd and no second distribution: Debian 12's root only.
 @pytest.mark.parametrize("container", ["bookworm"], indirect=True)
 def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container, release):
+    """%post follows Fedora's %systemd_post: the presets decide whether gpud is enabled, and nothing is
+    started (tests/test_packaging_rpm.py runs the scriptlets where systemd runs). Fedora and RHEL ship
+    `disable *` as the last preset (fedora-release's 99-default-disable.preset), so gpud is disabled
+    unless a preset of the operator's enables it; the enablement is read back with the root's own
+    systemctl."""
     root = container.root
     rpm = _rpm_in(root)
-    # --nodeps: the Debian root's python3 is dpkg's, unknown to rpm's database.
-    result = rpm("-i", "--nodeps", str(release.rpm))
-    assert result.returncode == 0, result.stderr
-    for path in ("usr/bin/gpud", "usr/lib/systemd/system/gpud.service", "usr/lib/systemd/system/gpud.socket",
-                 "etc/gpud/gpud.yaml"):
-        assert (root / path).exists(), path
-    cli = [path for path in rpm("-ql", "gpud").stdout.split() if path.endswith("/gpud/cli.py")]
-    assert cli and all((root / path.lstrip("/")).exists() for path in cli)
-    assert "gpud-admin:" in (root / "etc/group").read_text()  # the postinstall scriptlet ran
-    erase = rpm("-e", "gpud")
-    assert erase.returncode == 0, erase.stderr
-    assert not (root / "usr/bin/gpud").exists()
+    presets = root / "etc/systemd/system-preset"
+    presets.mkdir(parents=True, exist_ok=True)
+    (presets / "99-default-disable.preset").write_text("disable *\n")
+    try:
+        for operator_preset, expected in ((None, "disabled"), ("enable gpud.service\n", "enabled")):
+            if operator_preset:
+                (presets / "80-gpud.preset").write_text(operator_preset)
+            # --nodeps: the Debian root's python3 is dpkg's, unknown to rpm's database.
+            result = rpm("-i", "--nodeps", str(release.rpm))
+            assert result.returncode == 0, result.stderr
+            for path in ("usr/bin/gpud", "usr/lib/systemd/system/gpud.service", "usr/lib/systemd/system/gpud.socket",
+                         "etc/gpud/gpud.yaml"):
+                assert (root / path).exists(), path
+            cli = [path for path in rpm("-ql", "gpud").stdout.split() if path.endswith("/gpud/cli.py")]
+            assert cli and all((root / path.lstrip("/")).exists() for path in cli)
+            assert "gpud-admin:" in (root / "etc/group").read_text()  # the postinstall scriptlet ran
+            assert _enabled_in(root, "gpud.service") == expected, operator_preset
+            # the socket and the device plugin are not the package's to turn on, preset or not
+            for unit in ("gpud.socket", "gpud-device-plugin.service"):
+                assert _enabled_in(root, unit) == "disabled", unit
+            erase = rpm("-e", "gpud")
+            assert erase.returncode == 0, erase.stderr
+            assert not (root / "usr/bin/gpud").exists()
+            assert _enabled_in(root, "gpud.service") != "enabled"
+    finally:
+        shutil.rmtree(presets)
+
+
+def _enabled_in(root: Path, unit: str) -> str:
+    """`systemctl is-enabled` of the root's own systemctl, chrooted (no systemd runs there)."""
+    return subprocess.run(["chroot", str(root), "systemctl", "is-enabled", unit], capture_output=True, text=True,
+                          timeout=600).stdout.strip()
 
 
 def test_a_gpu_process_in_a_systemd_run_scope_is_owned_by_that_scope(container):
@@ -549,11 +574,15 @@ def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_
                                                                                    next_release):
     """rpm runs the new package's %post before the old one's %preun and %postun: those must neither
     disable gpud nor stop its MPS daemons. There is no running systemd here (scriptlets chrooted into
-    the root): the unit's enablement stands for what they would do to the service."""
+    the root): the unit's enablement stands for what they would do to the service. The operator's
+    preset enables gpud (Debian's root has no `disable *`: unlisted units are enabled by a preset)."""
     root = container.root
     rpm = _rpm_in(root)
     if rpm("-q", "gpud").returncode == 0:  # an earlier test's install
         rpm("-e", "gpud")
+    presets = root / "etc/systemd/system-preset"
+    presets.mkdir(parents=True, exist_ok=True)
+    (presets / "80-gpud.preset").write_text("enable gpud.service\n")
     install = rpm("-i", "--nodeps", str(release.rpm))
     assert install.returncode == 0, install.stderr
     config = root / "etc/gpud/gpud.yaml"
@@ -562,8 +591,7 @@ def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_
     pipe, logs = "/run/gpud/mps/gpu0/pipe", "/var/log/gpud/mps/gpu0"
     for directory in (pipe, logs):
         (root / directory.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    enabled = lambda: subprocess.run(["chroot", str(root), "systemctl", "is-enabled", "gpud.service"],  # noqa: E731
-                                     capture_output=True, text=True, timeout=600).stdout.strip()
+    enabled = lambda: _enabled_in(root, "gpud.service")  # noqa: E731
     assert enabled() == "enabled"
     subprocess.run(["chroot", str(root), "env", f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_MPS_LOG_DIRECTORY={logs}",
                     "nvidia-cuda-mps-control", "-d"], check=True, timeout=30)
@@ -592,6 +620,7 @@ def test_the_rpm_upgrade_downgrade_and_reinstall_keep_the_config_enablement_and_
         leftover = _mps_daemon_in(root, pipe)
         if leftover is not None:
             os.kill(leftover, signal.SIGKILL)
+        shutil.rmtree(presets, ignore_errors=True)
 
 
 FABRIC_MANAGER_CHECK = """
