@@ -101,6 +101,12 @@ def repo(keys, package_dir, tmp_path_factory) -> Path:
     return make_repo(package_dir, tmp_path_factory.mktemp("mirror") / "gpud", keys[0])
 
 
+@pytest.fixture(scope="module")
+def their_repo(keys, package_dir, tmp_path_factory) -> Path:
+    """The same packages, signed with another key."""
+    return make_repo(package_dir, tmp_path_factory.mktemp("theirs") / "gpud", keys[1])
+
+
 def copy_without_packages(repo: Path, to: Path) -> Path:
     """The repository's metadata and keys, to tamper with (the package files are not needed for that), its
     client files pointed at the copy."""
@@ -217,9 +223,8 @@ def failed_update(apt: Apt) -> str:
     return output
 
 
-def test_apt_refuses_a_repository_signed_by_another_key(keys, package_dir, repo, tmp_path):
-    theirs = make_repo(package_dir, tmp_path / "theirs", keys[1])
-    output = failed_update(apt_for(theirs, tmp_path / "apt", key=repo / "gpud.gpg"))
+def test_apt_refuses_a_repository_signed_by_another_key(their_repo, repo, tmp_path):
+    output = failed_update(apt_for(their_repo, tmp_path / "apt", key=repo / "gpud.gpg"))
     assert "NO_PUBKEY" in output and "is not signed" in output, output
 
 
@@ -293,14 +298,32 @@ def test_dnf_refuses_a_changed_repomd(repo, tmp_path):
     assert "repomd.xml GPG signature verification error: Bad GPG signature" in result.stderr, result.stderr
 
 
-def test_dnf_refuses_metadata_signed_by_another_key(keys, package_dir, repo, tmp_path):
-    theirs = make_repo(package_dir, tmp_path / "theirs", keys[1])
+def test_dnf_refuses_metadata_signed_by_another_key(their_repo, repo, tmp_path):
+    theirs = copy_without_packages(their_repo, tmp_path / "theirs")
     # their repository, our key
     (theirs / "gpud.repo").write_text((theirs / "gpud.repo").read_text().replace(
         f"gpgkey=file://{theirs}/gpud.asc", f"gpgkey=file://{repo}/gpud.asc"))
     result = dnf(theirs, tmp_path, "makecache")
     assert result.returncode != 0, result.stdout + result.stderr
     assert "repomd.xml GPG signature verification error" in result.stderr, result.stderr
+
+
+def test_key_rotation_clients_holding_both_keys_take_the_repository_signed_with_the_new_one(repo, their_repo,
+                                                                                           tmp_path):
+    """packaging/README.md's rotation: the new key goes to the clients beside the old one first; then the
+    repository is signed with the new key (here: their_repo's), and both clients keep working."""
+    both = tmp_path / "both.gpg"
+    both.write_bytes((repo / "gpud.gpg").read_bytes() + (their_repo / "gpud.gpg").read_bytes())
+    apt = apt_for(their_repo, tmp_path / "apt", key=both)
+    update = apt("apt-get", "update")
+    assert update.returncode == 0 and not re.search(r"^[WE]:", update.stdout + update.stderr, re.M), \
+        update.stdout + update.stderr
+    assert f"Candidate: {__version__}\n" in apt("apt-cache", "policy", "gpud").stdout
+    theirs = copy_without_packages(their_repo, tmp_path / "theirs")
+    (theirs / "gpud.repo").write_text((theirs / "gpud.repo").read_text().replace(
+        f"gpgkey=file://{theirs}/gpud.asc", f"gpgkey=file://{repo}/gpud.asc file://{theirs}/gpud.asc"))
+    makecache = dnf(theirs, tmp_path / "dnf", "makecache")
+    assert makecache.returncode == 0, makecache.stdout + makecache.stderr
 
 
 def test_the_rpm_is_signed_and_verifies_with_the_exported_key_only(repo, keys, tmp_path):
