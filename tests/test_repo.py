@@ -346,6 +346,23 @@ def test_the_rpm_is_signed_and_verifies_with_the_exported_key_only(repo, keys, t
     assert f"Key ID {keys[0].fingerprint[-16:].lower()}" in info, info
 
 
+def test_the_readme_shows_what_repo_sh_writes(keys, package_dir, tmp_path):
+    """README.md's "From your own mirror": the apt source line and the .repo file, for its example URL."""
+    out = tmp_path / "public"
+    result = repo_sh("--key", keys[0].fingerprint, "--gnupghome", str(keys[0].home), "--url",
+                     "https://mirror.example.com/gpud/", str(package_dir), str(out))
+    assert result.returncode == 0, result.stderr
+    readme = (REPO / "README.md").read_text().split("### From your own mirror", 1)[1].split("\n## ", 1)[0]
+    source = (out / "gpud.list").read_text().strip()
+    assert f"/etc/apt/sources.list.d/gpud.list        {source}\n" in readme, source
+    shown = readme.split("```ini\n", 1)[1].split("```", 1)[0]
+    written = (out / "gpud.repo").read_text()
+    assert "gpgkey=https://mirror.example.com/gpud/gpud.asc\n" in written
+    assert "gpgkey=https://mirror.example.com/gpud/gpud.asc" in shown
+    assert written.replace("gpgkey=https://mirror.example.com/gpud/gpud.asc",
+                           "gpgkey=file:///etc/pki/rpm-gpg/RPM-GPG-KEY-gpud") in shown
+
+
 # -- what it refuses -----------------------------------------------------------------------------
 
 def test_refusals_say_why_and_exit_2(keys, tmp_path):
