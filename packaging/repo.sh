@@ -92,14 +92,15 @@ if [ -e "$out" ]; then
     fi
 fi
 
-# The key: one secret key that can sign, named by its primary key's fingerprint from here on.
+# The key: one secret key, named by its primary key's fingerprint from here on; gpg signs with its
+# signing subkey where it has one (the primary key may be kept offline).
 listing=$(gpg --batch --with-colons --list-secret-keys -- "$key" 2>/dev/null) \
     || refuse "no secret key '$key' in ${GNUPGHOME:-$HOME/.gnupg} (gpg --list-secret-keys)"
 fingerprints=$(awk -F: '$1 == "sec" { primary = 1; next } $1 == "ssb" { primary = 0 } $1 == "fpr" && primary { print $10; primary = 0 }' <<<"$listing")
 [ "$(wc -l <<<"$fingerprints")" -eq 1 ] || refuse "'$key' names more than one secret key: give a fingerprint"
 fpr=$fingerprints
 sign() {  # sign MODE OUTPUT INPUT (MODE: --clearsign or --detach-sign)
-    gpg --batch --yes --quiet --local-user "$fpr!" --digest-algo SHA512 --armor "$1" --output "$2" "$3"
+    gpg --batch --yes --quiet --local-user "$fpr" --digest-algo SHA512 --armor "$1" --output "$2" "$3"
 }
 # Fail now, before anything is made, if the key cannot sign without a prompt (expired, passphrase).
 probe=$(mktemp)
