@@ -770,6 +770,12 @@ class KubeApiStandIn:
     def delay(self, seconds: float) -> None:
         self._faults.delay_s = seconds
 
+    @property
+    def revision(self) -> int:
+        """The newest resourceVersion (etcd's revision), what a bookmark carries."""
+        with self._lock:
+            return self._revision
+
     def compact(self) -> None:
         """Every resourceVersion before now is gone from the watch cache."""
         with self._lock:

@@ -537,10 +537,17 @@ async def test_bookmarks_keep_the_agents_resource_version_fresh_through_a_compac
         await until_async(lambda: condition(kube), 20, "the agent running")
         for value in ("a", "b", "c"):
             kube.label("other-node", "churn", value)
-        current = kube.node("other-node")["metadata"]["resourceVersion"]
-        kube.send_bookmarks()
-        await until_async(lambda: agent_status_where(node, lambda a: a["watch"]["resource_version"] == current), 10,
-                          "the bookmark's resourceVersion in the agent's status", interval=0.1)
+
+        def caught_up():
+            """A bookmark (each try sends one, as the server does every minute: one sent while the agent
+            was between watches is lost) has brought the agent to the server's newest resourceVersion,
+            its own writes included."""
+            kube.send_bookmarks()
+            current = str(kube.revision)
+            return agent_status_where(node, lambda a: a["watch"]["resource_version"] == current)
+
+        await until_async(caught_up, 20, "the bookmark's resourceVersion in the agent's status", interval=0.2)
+        current = str(kube.revision)
         kube.compact()
         kube.end_watches()
         kube.label(NODE, SHARING_LABEL, "tesla-t4")
