@@ -9,10 +9,20 @@ getent group gpud-admin >/dev/null || groupadd --system gpud-admin
 # time, and with it gpud starts in half the time. An interpreter the package has no compiled tree for
 # runs gpud on pure/ (launch.py): that is what gets compiled for it. preremove removes it. A failure
 # only costs start-up time.
-for python in python3 $(IFS=:; for dir in $PATH; do [ -n "$dir" ] && ls -d "$dir"/python3.[0-9]* 2>/dev/null; done); do
-    case ${python##*/} in python3|python3.1[0-9]|python3.[2-9][0-9]) ;; *) continue ;; esac
+interpreters=python3
+old_ifs=$IFS
+IFS=:
+for dir in $PATH; do
+    for python in "$dir"/python3.[0-9]*; do
+        [ -x "$python" ] && [ ! -d "$python" ] && interpreters="$interpreters $python"
+    done
+done
+IFS=$old_ifs
+# Each answers for itself: python3.X-config is no interpreter (it fails), one older than 3.10 prints
+# nothing, a free-threaded one (abiflags "t": another ABI) has no tree here and takes pure/.
+for python in $interpreters; do
     command -v "$python" >/dev/null 2>&1 || continue
-    abi=$("$python" -I -S -c 'import sys; print("cp%d%d" % sys.version_info[:2] if sys.version_info >= (3, 10) else "")' \
+    abi=$("$python" -I -S -c 'import sys; print("cp%d%d%s" % (*sys.version_info[:2], sys.abiflags) if sys.version_info >= (3, 10) else "")' \
         2>/dev/null) || continue
     [ -n "$abi" ] || continue
     [ -d "/usr/lib/gpud/$abi" ] || abi=pure
