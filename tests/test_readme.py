@@ -165,6 +165,8 @@ EXPECTED_NOT_RUN = {
 # Only what differs between runs and machines is masked, the same way in the README and in what ran.
 MASKS = [(re.compile(r'"hostname":"[^"]*"'), '"hostname":HOST'), (re.compile(r"\bon \S+, backend"), "on HOST, backend"),
          (re.compile(r'"inventory_read_at":[0-9.]+'), '"inventory_read_at":TIME'),
+         # the interpreter's patch release: Debian 12's python3 is 3.11.2, a developer's may be another
+         (re.compile(r'"python":\{"version":"[0-9.]+"'), '"python":{"version":PYTHON'),
          (re.compile(r"\buid \d+"), "uid UID"), (re.compile(r"/tmp/tmp\.\w+"), "/tmp/tmp.D"),
          # an MPS daemon's pid, with the padding its width gives the column (a fresh machine's pids are short)
          (re.compile(r"^(gpu\S*\s+running\s+)\d+ +"), r"\1PID "), (re.compile(r"\bPID +RESTARTS\b"), "PID RESTARTS")]
