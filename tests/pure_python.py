@@ -60,3 +60,15 @@ def loaded() -> list[str]:
                   if name.partition(".")[0] == "grpc"
                   or (name.partition(".")[0] in LIBRARIES
                       and str(getattr(module, "__file__", None) or "").endswith(suffixes)))
+
+
+def active() -> bool:
+    """Whether this test run is --pure-python (the controlling pytest and its workers alike)."""
+    return os.environ.get(ENV) == "1"
+
+
+# Where aiohttp's Python parser (the pure tree's) answers garbage otherwise than its compiled one
+# (llhttp): it waits for the end of a line that never comes (1 KiB of NUL bytes) until gpud's idle
+# timeout closes the connection, where llhttp answers 400 at once. gpud stays up; packaging/README.md,
+# "Interpreters", says so.
+LAX_PARSER_GARBAGE = (b"\x00" * 1024,)

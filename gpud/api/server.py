@@ -12,7 +12,8 @@ from typing import Callable
 
 import yaml
 from aiohttp import web
-from aiohttp.web_urldispatcher import UrlMappingMatchInfo
+from aiohttp import HttpVersion11
+from aiohttp.web_urldispatcher import MatchInfoError, UrlMappingMatchInfo
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.connections import ConnectionLimits
@@ -52,6 +53,14 @@ class ShallowRouter(web.UrlDispatcher):
         self._deepest = max(resource.canonical.count("/") for resource in routes)
 
     async def resolve(self, request: web.Request) -> UrlMappingMatchInfo:
+        if request.version > HttpVersion11:
+            # llhttp refuses "HTTP/9.9" itself; aiohttp's Python parser (the package's pure-Python tree,
+            # packaging/README.md "Interpreters") takes it as a request: refused the same, and closed.
+            refusal = web.HTTPBadRequest(body=encode({"error": {
+                "code": "bad-request", "message": "unsupported HTTP version: gpud speaks HTTP/1.0 and 1.1"}}),
+                content_type="application/json")
+            refusal.force_close()
+            return MatchInfoError(refusal)
         if request.rel_url.path_safe.count("/") > self._deepest:
             match_info, _allowed = await self._resources[-1].resolve(request)
             return match_info
