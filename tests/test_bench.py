@@ -87,8 +87,14 @@ def test_read_flood_benchmark_runs_and_prints_every_route(users):
 def test_k8s_agent_benchmark_runs_and_counts_every_request():
     # Issue 22: the agent's requests to the API server idle and per change (figures read by people;
     # the counts themselves are the stand-in's records, and the run fails when a goal is missed).
-    result = subprocess.run([sys.executable, "bench/k8s_agent_requests.py", "--idle-seconds", "4", "--renewals", "2"],
-                            capture_output=True, text=True, timeout=240, cwd=REPO)
+    # about 30 s alone; CI runs it beside the package builds, which once made it outlast 240 s: the
+    # output so far says where it was
+    try:
+        result = subprocess.run([sys.executable, "bench/k8s_agent_requests.py", "--idle-seconds", "4",
+                                 "--renewals", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the benchmark did not finish in {expired.timeout} s; it printed: {expired.stdout!r} "
+                    f"{expired.stderr!r}")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "idle: " in out and "2 watch renewals: {'watch': 2} -> 1.00 requests a renewal, 0 others" in out
