@@ -56,8 +56,8 @@ class ShallowRouter(web.UrlDispatcher):
         if request.version > HttpVersion11:
             # llhttp refuses "HTTP/9.9" itself; aiohttp's Python parser (the package's pure-Python tree,
             # packaging/README.md "Interpreters") takes it as a request: refused the same, and closed.
-            refusal = web.HTTPBadRequest(body=encode({"error": {
-                "code": "bad-request", "message": "unsupported HTTP version: gpud speaks HTTP/1.0 and 1.1"}}),
+            refusal = web.HTTPBadRequest(text=encode({"error": {
+                "code": "bad-request", "message": "unsupported HTTP version: gpud speaks HTTP/1.0 and 1.1"}}).decode(),
                 content_type="application/json")
             refusal.force_close()
             return MatchInfoError(refusal)
