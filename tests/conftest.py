@@ -22,8 +22,9 @@ PURE_PYTHON = "--pure-python" in sys.argv[1:] or os.environ.get(pure_python.ENV)
 if PURE_PYTHON:
     pure_python.install()
 
-from helpers import (ADMINS, IN_CI, MPS_CONTROL, READERS, SYSTEM_PATH, USERS, GpudProcess, accounts_lock,
+from helpers import (ADMINS, IN_CI, MPS_CONTROL, READERS, REPO, SYSTEM_PATH, USERS, GpudProcess, accounts_lock,
                      kill_mps_under)
+from nspawn_root import Release, build_release
 
 
 # -- deadlines ------------------------------------------------------------------------------------
@@ -143,3 +144,18 @@ def mps_tmp(short_tmp):
         pytest.skip("nvidia-cuda-mps-control is not installed (apt-get install nvidia-cuda-mps, non-free)")
     yield short_tmp
     kill_mps_under(short_tmp)  # MPS outlives gpud by design: the test cleans up after itself
+
+
+# -- gpud as packaged ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def release() -> Release:
+    """Version N: the checkout, packaged once for every end-to-end module (test_e2e_systemd, test_e2e_slurm:
+    the same pytest-xdist worker runs them, xdist_group "packages")."""
+    needed = ("debootstrap", "systemd-nspawn", "nsenter", "dpkg-deb")
+    if os.geteuid() != 0 or any(shutil.which(tool, path=SYSTEM_PATH) is None for tool in needed):
+        if IN_CI:
+            pytest.fail(f"CI runs as root with {', '.join(needed)} (scripts/test-all installs them)")
+        pytest.skip("needs root, debootstrap and systemd-nspawn")
+    return build_release(REPO)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cdi_library import assert_cdi_library_accepts
 from helpers import IN_CI, SYSTEM_PATH, sim_config, start_daemon, stop_daemon, until_async
-from test_e2e_systemd import _apt_mirror
+from nspawn_root import apt_mirror
 
 # The chroot's root must be a mount point (crun sets the propagation of "/"), with /proc, /sys and /dev;
 # crun refuses cgroup v2's hybrid mount beside v1 (helpers.hybrid_cgroup2_with_controllers).
@@ -47,7 +47,7 @@ def trixie(tmp_path_factory) -> Path:
         pytest.skip("needs root, debootstrap, unshare and chroot")
     root = tmp_path_factory.mktemp("trixie")
     made = subprocess.run([shutil.which("debootstrap", path=SYSTEM_PATH), "--variant=minbase",
-                           "--include=podman,crun,busybox-static", "trixie", str(root), _apt_mirror()],
+                           "--include=podman,crun,busybox-static", "trixie", str(root), apt_mirror()],
                           capture_output=True, text=True, timeout=1200)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     for directory in ("bin", "proc", "sys", "dev", "etc", "tmp"):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from helpers import IN_CI, REPO, SYSTEM_PATH
+from nspawn_root import Container, Release, apt_mirror, build_release
 
-from gpud import __version__
 
 # Both modules build the packages into build/ and dist/: the same pytest-xdist worker runs them, one
 # after the other.
@@ -31,126 +31,10 @@ PACKAGES = "systemd,systemd-sysv,dbus,python3,curl,passwd,nvidia-cuda-mps"
 DISTRIBUTIONS = ("bookworm", "trixie")
 
 
-class Container:
-    def __init__(self, root: Path):
-        self.root = root
-        nspawn = shutil.which("systemd-nspawn", path=SYSTEM_PATH)
-        # --private-network: the install and everything after it run with no network at all.
-        self.boot = subprocess.Popen([nspawn, "-D", str(root), "--register=no", "--keep-unit", "--private-network",
-                                      "-b"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        self.init = self._find_init()
-        # basic.target, not "running": logind may start slowly in a container, and gpud needs none of it.
-        self.wait_for(lambda: self.run("systemctl", "is-active", "basic.target").stdout.strip() == "active",
-                      "the container's systemd")
-
-    def _find_init(self) -> int:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for pid in _descendants(self.boot.pid):
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
-                    return pid
-            time.sleep(0.2)
-        raise AssertionError("the container did not boot")
-
-    def run(self, *command: str, user: str | None = None, check: bool = False) -> subprocess.CompletedProcess:
-        prefix = [shutil.which("nsenter", path=SYSTEM_PATH), "-t", str(self.init), "-a"]
-        if user:
-            prefix += ["runuser", "-u", user, "--"]
-        return subprocess.run(prefix + list(command), capture_output=True, text=True, timeout=120, check=check)
-
-    def curl(self, path: str, method: str = "GET", body: dict | None = None, user: str | None = None):
-        command = ["curl", "-s", "-w", "\n%{http_code}", "--unix-socket", "/run/gpud/gpud.sock", "-X", method,
-                   f"http://localhost{path}"]
-        if body is not None:
-            command += ["-d", json.dumps(body)]
-        text, _, code = self.run(*command, user=user).stdout.rpartition("\n")
-        return int(code or 0), text
-
-    def kill(self, signal_name: str, pid: str | int) -> subprocess.CompletedProcess:
-        """The shell's own kill: the minimal root has no /bin/kill (procps)."""
-        return self.run("sh", "-c", f"kill -{signal_name} {pid}")
-
-    def show(self, prop: str) -> str:
-        return self.run("systemctl", "show", "-p", prop, "--value", "gpud").stdout.strip()
-
-    def wait_for(self, check, what: str, timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if check():
-                return
-            time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    def stop(self) -> None:
-        self.boot.terminate()
-        try:
-            self.boot.wait(30)
-        except subprocess.TimeoutExpired:
-            self.boot.kill()
-
-
-def _descendants(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
-                    children.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return children + [grandchild for child in children for grandchild in _descendants(child)]
-
-
-def _apt_mirror() -> str:
-    """The Debian mirror this machine's apt already uses, so the test names none of its own."""
-    for source in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")) + [Path("/etc/apt/sources.list")]:
-        if not source.exists():
-            continue
-        for line in source.read_text().splitlines():
-            words = line.split()
-            if words[:1] == ["URIs:"] and not words[1].endswith("-security"):
-                return words[1]
-            if words[:1] == ["deb"] and "security" not in line:
-                return next(word for word in words[1:] if "://" in word)
-    raise AssertionError("apt has no Debian mirror configured")
-
-
-@dataclass(frozen=True)
-class Release:
-    """One version of gpud as packaged: its .deb and .rpm, and the /etc/gpud/gpud.yaml they ship."""
-
-    version: str
-    deb: Path
-    rpm: Path
-    default_config: str
-
-
-def _build(tree: Path, version: str | None = None) -> Release:
-    """packaging/build.sh run in `tree` (the checkout, or a copy of it), with GPUD_VERSION when given."""
-    env = dict(os.environ, GPUD_VERSION=version) if version else None
-    build = subprocess.run(["packaging/build.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    version = version or __version__
-    (deb,), (rpm,) = (tree / "dist").glob(f"gpud_{version}_*.deb"), (tree / "dist").glob(f"gpud-{version}-*.rpm")
-    return Release(version, deb, rpm, (tree / "etc/gpud/gpud.yaml").read_text())
-
-
 def _next_version(version: str) -> str:
     bumped = re.sub(r"\d+$", lambda last: str(int(last[0]) + 1), version)
     assert bumped != version, f"no version follows {version!r}: it does not end in a number"
     return bumped
-
-
-@pytest.fixture(scope="module")
-def release() -> Release:
-    """Version N: the checkout, packaged."""
-    needed = ("debootstrap", "systemd-nspawn", "nsenter", "dpkg-deb")
-    if os.geteuid() != 0 or any(shutil.which(tool, path=SYSTEM_PATH) is None for tool in needed):
-        if IN_CI:
-            pytest.fail(f"CI runs as root with {', '.join(needed)} (scripts/test-all installs them)")
-        pytest.skip("needs root, debootstrap and systemd-nspawn")
-    return _build(REPO)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +57,7 @@ def next_release(release, tmp_path_factory) -> Release:
             (tree / "build" / cache).symlink_to(REPO / "build" / cache)
     config = tree / "etc/gpud/gpud.yaml"
     config.write_text(config.read_text() + "\n# A default that came with the next release.\n")
-    return _build(tree, _next_version(release.version))
+    return build_release(tree, _next_version(release.version))
 
 
 @pytest.fixture(scope="module", params=DISTRIBUTIONS)
@@ -183,7 +67,7 @@ def container(request, release, tmp_path_factory):
     root.chmod(0o755)  # it is the container's "/": its users must be able to traverse it
     subprocess.run([shutil.which("debootstrap", path=SYSTEM_PATH), "--variant=minbase",
                     "--components=main,non-free", f"--include={PACKAGES}", codename, str(root),
-                    _apt_mirror()], check=True, capture_output=True, timeout=1200)
+                    apt_mirror()], check=True, capture_output=True, timeout=1200)
     shutil.copy(release.deb, root / "root" / "gpud.deb")
     dropin = root / "etc/systemd/system/gpud.service.d"
     dropin.mkdir(parents=True)
