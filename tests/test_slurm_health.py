@@ -380,3 +380,28 @@ def test_slurmd_runs_it_as_its_health_check_program(fresh):
         assert f"SLURMD_NODENAME={cluster.node}\n" in env  # slurmd.c run_script_health_check sets it
     finally:
         cluster.set_extra_conf("")
+
+
+def test_slurmd_runs_it_as_the_prolog_of_a_job_on_a_sick_gpu(fresh):
+    cluster, gpud = fresh
+    script = wrapper(cluster.dir, gpud.socket, "--prolog")
+    try:
+        cluster.set_extra_conf(f"Prolog={script}")
+        xid(gpud, 0)  # the first free gpu gres (index 0, /dev/nvidia0) is what the job gets
+        submitted = subprocess.run(["sbatch", "--parsable", "--gres=gpu:1", "-o", "/dev/null", "--wrap", "true"],
+                                   capture_output=True, text=True, env=cluster.env, timeout=30)
+        assert submitted.returncode == 0, submitted
+        job = submitted.stdout.strip().split(";")[0]
+        until(lambda: (cluster.dir / "hc1.out").exists() and "refusing" in (cluster.dir / "hc1.out").read_text(),
+              20, "slurmd to run the prolog", interval=0.1)
+        # The prolog drained first, so slurmctld keeps gpud's reason (no "Prolog error": node_mgr.c
+        # validate_node_specs drains for ESLURMD_PROLOG_FAILED only a node not drained yet).
+        until(lambda: "DRAIN" in cluster.node_state(), 20, "the node drained", interval=0.2)
+        assert cluster.node_reason() == "gpud: GPU 0 XID 79 (reboot)"
+        assert "SLURM_JOB_GPUS=0\n" in (cluster.dir / "hc1.env").read_text()
+        shown = until(lambda: cluster.scontrol("show", "job", job).stdout, 10, "the job")
+        # slurmctld requeues the job and holds it (22.05: "launch_failed_requeued_held")
+        assert "JobState=PENDING" in shown and "requeued_held" in shown, shown
+    finally:
+        subprocess.run(["scancel", "-u", "root"], capture_output=True, env=cluster.env, timeout=30)
+        cluster.set_extra_conf("")
