@@ -154,7 +154,7 @@ def test_the_decision_table(state, node_reason, sick, action):
 def test_slurm_job_gpus_are_gres_indices_mapped_through_gres_conf():
     conf = ("# comment\nNodeName=other Name=gpu File=/dev/nvidia9\n"
             "NodeName=vm[1-2],vm Name=gpu Type=a100 File=/dev/nvidia[4-5]\n"
-            "Name=gpu Type=1g.5gb MultipleFiles=/dev/nvidia1,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvidia-cap22\n"
+            "Name=gpu Type=1g.5gb MultipleFiles=/dev/nvidia1,/dev/nvidia-caps/nvidia-cap[21-22]\n"
             "Name=shard Count=8 File=/dev/nvidia0\n")
     minors = gres_gpu_minors(conf, "vm")
     assert minors == [4, 5, 1]
@@ -405,3 +405,10 @@ def test_slurmd_runs_it_as_the_prolog_of_a_job_on_a_sick_gpu(fresh):
     finally:
         subprocess.run(["scancel", "-u", "root"], capture_output=True, env=cluster.env, timeout=30)
         cluster.set_extra_conf("")
+
+
+def test_every_kind_of_health_reason_has_its_words():
+    from gpud.cli import HEALTH_REASON_KINDS
+    from gpud.slurm.health import KIND_TEXT
+
+    assert set(HEALTH_REASON_KINDS) <= set(KIND_TEXT)
