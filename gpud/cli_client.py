@@ -617,19 +617,15 @@ def cdi(args: argparse.Namespace, client: Client) -> int:
 
 def slurm_gres(args: argparse.Namespace, client: Client) -> int:
     view = client.get("/v1/slurm/gres")
-    problem = EXIT_PROBLEM if view["error"] else EXIT_OK
     if args.json:
         print_json(view)
-        return problem
-    if args.node_line:
-        print(f"Gres={view['node_gres'] or ''}")
     else:
-        print(view["text"] or "", end="")
-    for device in view["unavailable"]:
-        warn(f"left out {device['device']}: {device['reason']}")
-    if view["error"]:
-        warn(view["error"])
-    return problem
+        print(f"Gres={view['node_gres'] or ''}\n" if args.node_line else view["text"] or "", end="")
+        for device in view["unavailable"]:
+            warn(f"left out {device['device']}: {device['reason']}")
+        if view["error"]:
+            warn(view["error"])
+    return EXIT_PROBLEM if view["error"] else EXIT_OK
 
 
 def metrics(args: argparse.Namespace, client: Client) -> int:

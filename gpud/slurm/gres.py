@@ -85,7 +85,8 @@ def _mig_records(gpu: Gpu, mig_minors: dict[str, int], cores: Cores, unavailable
     """One record per MIG device: its parent's node and the nvidia-caps nodes of its GPU and compute
     instances (gpu_nvml.c _handle_mig), with the parent's Cores and no Links (Slurm links no MIG device).
     The driver's table names a GPU gpu<N> by its minor number, as gpud's CDI spec reads it
-    (gpud/cdi/spec.py _mig_cap_nodes, after nvidia-container-toolkit internal/nvcaps)."""
+    (gpud/cdi/spec.py _mig_cap_nodes, after nvidia-container-toolkit internal/nvcaps); Slurm's own lookup
+    is handed the NVML index, the same wherever index and minor number agree."""
     records = []
     for device in gpu.mig.devices:
         name = f"{gpu.index}:{device.index}"
