@@ -88,9 +88,11 @@ async def node_state(config, layout: str | None = None):
             assert (await put_layout(node, layout))[0] == 200
         daemon = node.daemon
         inventory = daemon.inventory.current
-        view = await until_async(lambda: gres_view(node, lambda v: v["records"] or v["unavailable"]), timeout=5,
-                                 what="gres.conf built")
         minors = parse_mig_minors(config.mig_minors_path.read_text()) if config.mig_minors_path.exists() else {}
+        # the writer rebuilds a debounce after the last change: the served text catches up with this snapshot
+        expected = build_gres(inventory, daemon.sharing.document, minors, no_cores).text
+        view = await until_async(lambda: gres_view(node, lambda v: v["text"] == expected), timeout=5,
+                                 what="gres.conf built from the current inventory")
         return inventory, daemon.sharing.document, minors, view
     finally:
         await stop_daemon(node)
