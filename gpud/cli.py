@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "file could not be written)")
     _add_client(commands, "cdi", cli_client.cdi, "the CDI spec gpud writes for container runtimes: its path, kind "
                                                  "and device names (exit 1 if it could not be written)")
+    _add_slurm(commands)
     _add_client(commands, "metrics", cli_client.metrics, "the Prometheus metrics gpud serves")
     _add_sim(commands)
     config = _group(commands.add_parser("config", help="work with config files"), "config commands")
@@ -354,6 +355,14 @@ def _add_sharing(commands: Any) -> None:
     validate.add_argument("path", type=Path)
     validate.add_argument("--strict", action="store_true", help="warnings are errors (exit 2)")
     _local_command(validate, _sharing_validate)
+
+
+def _add_slurm(commands: Any) -> None:
+    slurm = _group(commands.add_parser("slurm", help="Slurm: the gres.conf of this node's GPUs"), "slurm commands")
+    gres = _add_client(slurm, "gres", cli_client.slurm_gres, "the gres.conf gpud builds for this node (slurm.gres_file "
+                                                             "holds it, if set; exit 1 if it could not be written)")
+    gres.add_argument("--node-line", action="store_true",
+                      help="print the Gres= of this node's line in slurm.conf instead")
 
 
 def _add_sim(commands: Any) -> None:

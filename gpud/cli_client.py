@@ -615,6 +615,19 @@ def cdi(args: argparse.Namespace, client: Client) -> int:
     return EXIT_PROBLEM if view["error"] else EXIT_OK
 
 
+def slurm_gres(args: argparse.Namespace, client: Client) -> int:
+    view = client.get("/v1/slurm/gres")
+    if args.json:
+        print_json(view)
+    else:
+        print(f"Gres={view['node_gres'] or ''}\n" if args.node_line else view["text"] or "", end="")
+        for device in view["unavailable"]:
+            warn(f"left out {device['device']}: {device['reason']}")
+        if view["error"]:
+            warn(view["error"])
+    return EXIT_PROBLEM if view["error"] else EXIT_OK
+
+
 def metrics(args: argparse.Namespace, client: Client) -> int:
     _status, text = client.request_text("GET", "/metrics")
     _print_text(args, "prometheus-text", text)

@@ -305,6 +305,17 @@ class NfdConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    # Where gpud keeps Slurm's gres.conf of this node's GPUs, MIG devices, shards and MPS (GET
+    # /v1/slurm/gres). Unset: no file; the API and `gpud slurm gres` still serve the text.
+    gres_file: str | None = None
+    # Run `<scontrol> reconfigure` after each write that changed the file, so slurmd re-reads it.
+    reconfigure: bool = False
+    scontrol: str = "scontrol"
+    reconfigure_timeout_s: float = field(default=30.0, metadata=_bounded(1, 600))
+
+
+@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
@@ -319,6 +330,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     cdi: CdiConfig = CdiConfig()
     nfd: NfdConfig = NfdConfig()
+    slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
@@ -404,6 +416,13 @@ class Config:
     @property
     def sysfs_path(self) -> Path:
         return self._node_path(self.host.sysfs or self.sysfs, ".sysfs", "/sys")
+
+    @property
+    def cpu_topology_sysfs(self) -> Path:
+        """The sysfs gres.conf's Cores= are read from. A simulated node's own sysfs (sysfs_path) holds its
+        GPUs' PCI devices but no devices/system/cpu: its GPUs' affinity names the host's CPUs, so the
+        host's topology is read there too, /sys unless host.sysfs is set."""
+        return Path(self.host.sysfs or self.sysfs or "/sys")
 
     @property
     def procfs_path(self) -> Path:

@@ -26,6 +26,7 @@ from gpud.api.reload import ReloadRoute
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.sharing import AllocationRoutes, SharingRoutes
 from gpud.api.sim import SimRoutes, register_not_simulated
+from gpud.api.slurm import SlurmRoutes
 from gpud.cdi.writer import CdiWriter, remove_spec
 from gpud.config import Config, ConfigError
 from gpud.errors import GpudError
@@ -54,6 +55,7 @@ from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
 from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import SharingView, read_sharing_file
+from gpud.slurm.writer import GresWriter
 from gpud.systemd import Notifier, inherited_socket
 
 log = get_logger("daemon")
@@ -141,6 +143,11 @@ class Daemon:
         self._sysfs = config.sysfs_path
         self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
         self.cdi = self._cdi_writer(config)
+        slurm = config.slurm
+        self.slurm_gres = GresWriter(Path(slurm.gres_file) if slurm.gres_file else None, config.mig_minors_path,
+                                     config.cpu_topology_sysfs, self.inventory, self.sharing, self.bus,
+                                     reconfigure=slurm.reconfigure, scontrol=slurm.scontrol,
+                                     reconfigure_timeout_s=slurm.reconfigure_timeout_s)
         self.metrics = MetricsRoute({"health": self.health, "mig": self.mig, "mps": self.mps,
                                      "gpu_memory": self.gpu_memory,
                                      "latency": self.latency, "processes": self.processes},
@@ -159,6 +166,7 @@ class Daemon:
             KubernetesRoutes(lambda: self.config.kubernetes, self.kubernetes_agent, body_timeout_s).register,
             NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi).register,
+            SlurmRoutes(self.slurm_gres).register,
             HealthRoutes(self.health, self.inventory, self.bus, body_timeout_s).register,
             CheckRoutes(self.active_check.run, self.active_check.last, body_timeout_s).register,
             self.metrics.register,
@@ -198,6 +206,7 @@ class Daemon:
         self._start(self._follow_sharing_configs(), "sharing-configs")
         if self.cdi:
             self._start(self.cdi.run(), "cdi")
+        self._start(self.slurm_gres.run(), "slurm-gres")
 
     def _start(self, coroutine, name: str) -> None:
         """A task that runs as long as gpud does; one that raises is said loudly and in /healthz."""
@@ -231,7 +240,7 @@ class Daemon:
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
                    *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
         problems = [self.mig.problem, self.health.events_problem, self.health.kernel_log_problem, self.nfd.problem,
-                    self.cdi and self.cdi.error]
+                    self.cdi and self.cdi.error, self.slurm_gres.error]
         crashed = [f"gpud's {name} task stopped ({error}): a bug; restart gpud" for name, error in self._crashed.items()]
         return [problem for problem in problems if problem] + [file.message() for file in corrupt] + crashed
 

@@ -83,6 +83,8 @@ class Gpu:
     numa_node: int | None = None  # its PCI device's NUMA node (sysfs numa_node); None where unknown (-1)
     # The GPUs it reaches over active NVLink, directly or through NVSwitches, by index.
     nvlink_peers: tuple[int, ...] = ()
+    cpu_affinity: tuple[int, ...] = ()  # OS CPU ids NVML's nvmlDeviceGetCpuAffinity answers; () where unknown
+    nvlink_counts: tuple[tuple[int, int], ...] = ()  # (peer GPU index, active NVLinks to it), direct GPU links only
     lost: bool = False
     error: str | None = None  # what went wrong reading this GPU, if anything
     # Fields NVML refused to this user (NO_PERMISSION), each "field: why"; the rest is read.

@@ -1,0 +1,117 @@
+"""Keeps Slurm's gres.conf current (slurm.gres_file), as the CDI spec is kept (gpud.kept_writer): rebuilt
+after every inventory, MIG, MPS or sharing change, written by a rename only when it changed, a file
+changed behind gpud's back rewritten. Without slurm.gres_file the text is only built, for the API and CLI.
+
+With slurm.reconfigure, each write that changed the file is followed by `scontrol reconfigure`, which
+makes slurmd re-read gres.conf (gres.conf(5): changes take effect upon "scontrol reconfigure" unless
+otherwise noted). A failing scontrol is reported, never fatal: the file is written all the same."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from gpud.cdi.spec import parse_mig_minors
+from gpud.events import EventBus
+from gpud.inventory import Inventory, InventoryService
+from gpud.kept_writer import KeptFileWriter
+from gpud.logs import get_logger
+from gpud.safefs import KeptFile
+from gpud.sharing.service import SharingView
+from gpud.slurm.cores import CoreIndex
+from gpud.slurm.gres import Gres, build_gres
+
+log = get_logger("slurm")
+OUTPUT_LIMIT = 4096  # characters of scontrol's output kept for the view: enough for its error message
+
+
+class GresWriter(KeptFileWriter):
+    event = "slurm_gres"
+    setting = "slurm.gres_file"
+    rewrite_why = "slurmd reads its GPUs from it: only what gpud knows of them may be there"
+    not_written_consequence = "slurmd keeps the previous gres.conf, if any"
+
+    def __init__(self, path: Path | None, mig_minors_path: Path, sysfs: Path, inventory: InventoryService,
+                 sharing: SharingView, bus: EventBus, *, reconfigure: bool = False, scontrol: str = "scontrol",
+                 reconfigure_timeout_s: float = 30.0):
+        # 0644: slurmd and the Slurm commands read it as other users (SlurmUser)
+        super().__init__(path, 0o644, inventory, bus, log)
+        self._mig_minors_path = mig_minors_path
+        self._cores = CoreIndex(sysfs)
+        self._sharing = sharing
+        self.gres: Gres | None = None
+        self.reconfigure_enabled = reconfigure
+        self._scontrol = scontrol
+        self._reconfigure_timeout_s = reconfigure_timeout_s
+        self.last_reconfigure: dict | None = None  # {"at", "argv", "returncode", "output"} of the last run
+        self._reconfigure_wanted = asyncio.Event()
+
+    def view(self) -> dict:
+        """GET /v1/slurm/gres."""
+        gres = self.gres
+        return {"path": str(self.path) if self.path else None, "text": gres.text if gres else None,
+                "node_gres": gres.node_gres if gres else None, "records": gres.records if gres else [],
+                "unavailable": gres.unavailable if gres else [], "written_at": self.written_at,
+                "error": self.error, "changed_behind_gpud": self.changed_behind_gpud,
+                "reconfigure": {"enabled": self.reconfigure_enabled, "last": self.last_reconfigure}}
+
+    def build(self, inventory: Inventory) -> str:
+        try:
+            minors = parse_mig_minors(self._mig_minors_path.read_text())
+        except OSError:
+            minors = {}  # no table: a host without MIG support, as gpud's CDI spec reads it
+        self.gres = build_gres(inventory, self._sharing.document, minors, self._cores)
+        return self.gres.text
+
+    def write(self, file: KeptFile, text: str) -> None:
+        file.write(text.encode())
+
+    def written(self, text: str, reason: str) -> None:
+        gres = self.gres
+        log.info("slurm_gres_built" if self.path is None else "slurm_gres_written", path=str(self.path),
+                 reason=reason, node_gres=gres.node_gres, records=len(gres.records), unavailable=len(gres.unavailable))
+        if self.path is not None and self.reconfigure_enabled:
+            self._reconfigure_wanted.set()
+
+    async def run(self) -> None:
+        reconfigurer = asyncio.create_task(self._reconfigure_after_writes(), name="slurm-reconfigure")
+        try:
+            await super().run()
+        finally:
+            reconfigurer.cancel()
+            await asyncio.gather(reconfigurer, return_exceptions=True)
+
+    async def _reconfigure_after_writes(self) -> None:
+        """One scontrol at a time; writes made while it runs are followed by one more."""
+        while True:
+            await self._reconfigure_wanted.wait()
+            self._reconfigure_wanted.clear()
+            await self.reconfigure()
+
+    async def reconfigure(self) -> dict:
+        """Runs `<slurm.scontrol> reconfigure`, records and logs how it went; never raises."""
+        argv = [self._scontrol, "reconfigure"]
+        started = time.time()
+        try:
+            process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                           stdout=asyncio.subprocess.PIPE,
+                                                           stderr=asyncio.subprocess.STDOUT)
+        except OSError as exc:
+            returncode, output = None, f"cannot run {self._scontrol}: {exc.strerror or exc}"
+        else:
+            try:
+                out, _ = await asyncio.wait_for(process.communicate(), self._reconfigure_timeout_s)
+                returncode, output = process.returncode, out.decode(errors="replace")
+            except asyncio.TimeoutError:
+                process.kill()
+                await process.wait()
+                returncode, output = None, f"no answer in {self._reconfigure_timeout_s:g} s (slurm.reconfigure_timeout_s): killed"
+        output = output if len(output) <= OUTPUT_LIMIT else output[:OUTPUT_LIMIT] + "... (cut)"
+        self.last_reconfigure = {"at": started, "argv": argv, "returncode": returncode, "output": output}
+        if returncode == 0:
+            log.info("slurm_reconfigured", argv=argv, path=str(self.path))
+        else:
+            log.error("slurm_reconfigure_failed", argv=argv, returncode=returncode, output=output,
+                      consequence="slurmd reads the new gres.conf at its next reconfigure or restart")
+        return self.last_reconfigure
