@@ -16,6 +16,7 @@ from gpud import __version__, cli_client, doctor
 from gpud.cli_output import (EXIT_CODES, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, SOCKET_ORDER,
                              CliError, drop_stdout, exit_for_status, print_json, report_error, warn)
 from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
+from gpud.slurm import health as slurm_health
 
 CLIENT_TIMEOUT_S = 30.0
 CHANGE_TIMEOUT_S = 300.0  # a GPU reset ends processes and re-reads the node: it takes longer than a read
@@ -358,11 +359,17 @@ def _add_sharing(commands: Any) -> None:
 
 
 def _add_slurm(commands: Any) -> None:
-    slurm = _group(commands.add_parser("slurm", help="Slurm: the gres.conf of this node's GPUs"), "slurm commands")
+    slurm = _group(commands.add_parser("slurm", help="Slurm: the gres.conf of this node's GPUs; drain and resume it by health"), "slurm commands")
     gres = _add_client(slurm, "gres", cli_client.slurm_gres, "the gres.conf gpud builds for this node (slurm.gres_file "
                                                              "holds it, if set; exit 1 if it could not be written)")
     gres.add_argument("--node-line", action="store_true",
                       help="print the Gres= of this node's line in slurm.conf instead")
+    text = "slurmd's HealthCheckProgram (and Prolog with --prolog): drain this node on an unhealthy GPU, resume it " \
+           "once healthy if gpud drained it"
+    health = slurm.add_parser("health", help=text, description=text, epilog=slurm_health.epilog(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    slurm_health.add_arguments(health)
+    health.set_defaults(run=slurm_health.run, parser=health)  # lines for slurmd's log: no --json
 
 
 def _add_sim(commands: Any) -> None:

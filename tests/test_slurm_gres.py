@@ -163,10 +163,12 @@ async def test_mixed_whole_gpus_and_mig_devices_and_unusable_gpus(short_tmp):
     gpus[2] = dataclasses.replace(gpus[2], lost=True)
     gpus[3] = dataclasses.replace(gpus[3], mig=dataclasses.replace(gpus[3].mig, devices=()))
     gres = build_gres(dataclasses.replace(inventory, gpus=tuple(gpus)), sharing, minors, no_cores)
-    assert [r["type"] for r in gres.records] == [d.profile for d in gpus[0].mig.devices] + [A100]
-    assert [u["device"] for u in gres.unavailable] == ["2", "3"]
-    assert "lost" in gres.unavailable[0]["reason"] and "no MIG devices" in gres.unavailable[1]["reason"]
-    assert gres.node_gres == f"gpu:1g.5gb:2,gpu:2g.10gb:1,gpu:3g.20gb:1,gpu:{A100}:1"
+    # a lost GPU keeps the records it was last seen with: Slurm's count stays, gpud slurm health drains
+    assert [r["type"] for r in gres.records] == ([d.profile for d in gpus[0].mig.devices] + [A100] +
+                                                 [d.profile for d in gpus[2].mig.devices])
+    assert "\n# GPU 2 is lost" in gres.text
+    assert [u["device"] for u in gres.unavailable] == ["3"] and "no MIG devices" in gres.unavailable[0]["reason"]
+    assert gres.node_gres == f"gpu:1g.5gb:4,gpu:2g.10gb:2,gpu:3g.20gb:2,gpu:{A100}:1"
     assert_slurm_accepts(gres, short_tmp)
 
 

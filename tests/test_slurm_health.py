@@ -173,7 +173,7 @@ def test_slurm_job_gpus_must_be_numbers(text):
 
 
 def run_health(cluster, socket, *args, env=None, timeout=60):
-    command = [sys.executable, "-m", "gpud.slurm.health", "--socket", str(socket), *args]
+    command = [sys.executable, "-m", "gpud", "slurm", "health", "--socket", str(socket), *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout,
                           env={**cluster.env, **(env or {})})
 
@@ -359,7 +359,7 @@ def wrapper(directory: Path, socket: Path, *args: str) -> Path:
     script = directory / f"hc{len(args)}.sh"
     name = script.stem
     script.write_text(f"#!/bin/sh\nenv > {directory}/{name}.env\nexport SLURM_CONF={directory}/slurm.conf\n"
-                      f"exec {sys.executable} -m gpud.slurm.health --socket {socket} {' '.join(args)} "
+                      f"exec {sys.executable} -m gpud slurm health --socket {socket} {' '.join(args)} "
                       f">> {directory}/{name}.out 2>&1\n")
     script.chmod(0o755)
     return script

@@ -49,20 +49,26 @@ def build_gres(inventory: Inventory, sharing_document: dict | None, mig_minors: 
     records: list[dict] = []
     unavailable: list[dict] = []
     files: dict[str, str] = {}  # UUID of a whole GPU with a record -> its device file
+    notes: dict[int, str] = {}  # position of a GPU's first record -> the comment line before it
     for gpu in inventory.gpus:
         reason = _unusable(gpu)
         if reason:
             unavailable.append({"device": str(gpu.index), "reason": reason})
-        elif gpu.mig.mode == "enabled":
+            continue
+        if gpu.lost or gpu.error:
+            notes[len(records)] = (f"# GPU {gpu.index} is {'lost' if gpu.lost else 'unreadable'} ({gpu.error}): its "
+                                   f"records stay as last seen, so Slurm's count stays (gpud slurm health drains the node)")
+        if gpu.mig.mode == "enabled":
             records += _mig_records(gpu, mig_minors, cores, unavailable)
         else:
             files[gpu.uuid] = f"/dev/nvidia{gpu.minor_number}"
             records.append(_record("gpu", str(gpu.index), gpu.uuid, type=gpu_type(gpu.name), file=files[gpu.uuid],
                                    cores=cores(gpu.cpu_affinity), links=_links(gpu, inventory)))
     records += _shared_records(sharing_document, files, unavailable)
-    lines = [" ".join(f"{key}={record[field]}" for field, key in _KEYS if record.get(field) is not None)
-             for record in records]
-    return Gres(HEADER + "".join(line + "\n" for line in lines), _node_gres(records), records, unavailable)
+    lines = [(notes[position] + "\n" if position in notes else "") +
+             " ".join(f"{key}={record[field]}" for field, key in _KEYS if record.get(field) is not None) + "\n"
+             for position, record in enumerate(records)]
+    return Gres(HEADER + "".join(lines), _node_gres(records), records, unavailable)
 
 
 def _record(name: str, device: str, uuid: str, **fields) -> dict:
@@ -70,12 +76,14 @@ def _record(name: str, device: str, uuid: str, **fields) -> dict:
 
 
 def _unusable(gpu: Gpu) -> str | None:
-    if gpu.lost:
-        return "lost: NVML cannot reach it"
-    if gpu.error:
-        return f"NVML could not read it: {gpu.error}"
+    """Why a GPU has no record. A GPU lost or unreadable now keeps the records of its last description:
+    dropping them would lower the count slurmd reports, and slurmctld would set the node INVALID with a
+    reason of its own ("gres/gpu count reported lower than configured") over gpud's drain, which says why."""
+    state = "lost, " if gpu.lost else "unreadable, " if gpu.error else ""
+    if gpu.uuid == "unknown":  # inventory.unknown_gpu: never described since gpud started
+        return f"{state}never described by NVML since gpud started"
     if gpu.minor_number is None:
-        return "NVML did not tell its minor number, so its /dev/nvidia<minor> is unknown"
+        return f"{state}NVML did not tell its minor number, so its /dev/nvidia<minor> is unknown"
     if gpu.mig.mode == "enabled" and not gpu.mig.devices:
         return "MIG mode is enabled and it has no MIG devices: Slurm can use nothing of it until a MIG layout is applied"
     return None

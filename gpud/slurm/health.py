@@ -412,12 +412,5 @@ def run(args: argparse.Namespace) -> int:
         return exc.exit_code
 
 
-def _epilog() -> str:
+def epilog() -> str:
     return "exit status:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES)
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="gpud slurm health", description=__doc__.split("\n\n")[0],
-                                      epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
