@@ -38,7 +38,7 @@ _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
 NEEDS_ROOT = "needs root (NVML NO_PERMISSION)"
 SYSFS = Path("/sys")
 # Room for 32768 CPUs in nvmlDeviceGetCpuAffinity's bitmask, as Slurm asks for (gpu_nvml.c, MAX_CPUS
-# 0x8000): 64-bit words, pynvml's c_ulonglong array (unsigned long on 64-bit Linux, nvml.h).
+# 0x8000), in pynvml's array of c_ulonglong (nvml.h: "64 CPUs per unsigned long on 64-bit machines").
 _CPU_MASK_WORD_BITS = 64
 _CPU_MASK_WORDS = 0x8000 // _CPU_MASK_WORD_BITS
 log = get_logger("inventory")

@@ -152,7 +152,10 @@ class DeviceCalls(SimCore):
         """pynvml's shape: an array of cpuSetSize 64-bit words, bit j of word i set for ideal CPU i * 64 + j.
         The driver answers the CPUs local to the GPU's PCI device (nvml.h: "equivalent to calling
         nvmlDeviceGetCpuAffinityWithinScope with NVML_AFFINITY_SCOPE_NODE"), those of its NUMA node;
-        INVALID_ARGUMENT for cpuSetSize 0 (nvml.h). CPUs past cpuSetSize words do not fit and are left out."""
+        INVALID_ARGUMENT for cpuSetSize 0 (nvml.h). CPUs past cpuSetSize words are left out: nvml.h calls it
+        "the size of the cpuSet array that is safe to access" and lists no INSUFFICIENT_SIZE (NVIDIA's mock
+        answers that). An H100 on 580.159.04 (a VM, the GPU's numa_node -1, probed with ctypes) answers 0-15:
+        its local_cpulist, all online CPUs; and INVALID_ARGUMENT for cpuSetSize 0."""
         gpu = self._gpu(handle)
         if not isinstance(cpuSetSize, int) or cpuSetSize <= 0:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
