@@ -83,8 +83,12 @@ class Gpu:
     numa_node: int | None = None  # its PCI device's NUMA node (sysfs numa_node); None where unknown (-1)
     # The GPUs it reaches over active NVLink, directly or through NVSwitches, by index.
     nvlink_peers: tuple[int, ...] = ()
-    cpu_affinity: tuple[int, ...] = ()  # OS CPU ids NVML's nvmlDeviceGetCpuAffinity answers; () where unknown
-    nvlink_counts: tuple[tuple[int, int], ...] = ()  # (peer GPU index, active NVLinks to it), direct GPU links only
+    # The CPUs ideal for it (nvmlDeviceGetCpuAffinity), sorted OS CPU ids, as Slurm's NVML autodetection
+    # reads them for gres.conf Cores=; () where NVML does not answer or the GPU is lost.
+    cpu_affinity: tuple[int, ...] = ()
+    # (peer GPU index, its active NVLinks whose far end is that GPU), direct GPU-to-GPU links only (links
+    # to NVSwitches count nothing), sorted by peer: Slurm's gres.conf Links=.
+    nvlink_counts: tuple[tuple[int, int], ...] = ()
     lost: bool = False
     error: str | None = None  # what went wrong reading this GPU, if anything
     # Fields NVML refused to this user (NO_PERMISSION), each "field: why"; the rest is read.
@@ -129,6 +133,18 @@ def sysfs_pci_device(sysfs: Path, bus_id: str) -> Path | None:
     a 4-digit domain, NVML with 8. None if bus_id is not a bus id."""
     normal = normal_bus_id(bus_id)
     return None if normal is None else sysfs / "bus" / "pci" / "devices" / normal[4:]
+
+
+def format_cpulist(cpus: tuple[int, ...] | list[int]) -> str:
+    """CPU ids as a Linux cpulist, "0-27,56-83" (the format of sysfs cpulist files, lib/bitmap-str.c
+    bitmap_print_to_pagebuf); "" for none."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in ranges)
 
 
 IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_mib", "architecture",

@@ -165,6 +165,8 @@ EXPECTED_NOT_RUN = {
 # Only what differs between runs and machines is masked, the same way in the README and in what ran.
 MASKS = [(re.compile(r'"hostname":"[^"]*"'), '"hostname":HOST'), (re.compile(r"\bon \S+, backend"), "on HOST, backend"),
          (re.compile(r'"inventory_read_at":[0-9.]+'), '"inventory_read_at":TIME'),
+         # a simulated GPU's CPUs are the machine's (those of its NUMA node, or all online ones)
+         (re.compile(r'"cpu_affinity":"[0-9,-]*"'), '"cpu_affinity":CPUS'),
          # the interpreter's patch release: Debian 12's python3 is 3.11.2, a developer's may be another
          (re.compile(r'"python":\{"version":"[0-9.]+"'), '"python":{"version":PYTHON'),
          (re.compile(r"\buid \d+"), "uid UID"), (re.compile(r"/tmp/tmp\.\w+"), "/tmp/tmp.D"),

@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from gpud.encoding import encode
-from gpud.inventory import Gpu, Inventory, normal_bus_id
+from gpud.inventory import Gpu, Inventory, format_cpulist, normal_bus_id
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
 
 
 def gpu_view(gpu: Gpu) -> dict:
     view = asdict(gpu)
+    # As Slurm's gres.conf and the kernel write them: a cpulist, and link counts by peer index.
+    view["cpu_affinity"] = format_cpulist(gpu.cpu_affinity)
+    view["nvlink_counts"] = {str(peer): links for peer, links in gpu.nvlink_counts}
     if not gpu.error:
         del view["error"]
     if gpu.mig.profiles_source is None:  # no table: not MIG-capable, or nothing to go by

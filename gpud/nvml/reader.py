@@ -15,6 +15,7 @@ to its field:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,10 @@ _COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "excl
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
 NEEDS_ROOT = "needs root (NVML NO_PERMISSION)"
 SYSFS = Path("/sys")
+# Room for 32768 CPUs in nvmlDeviceGetCpuAffinity's bitmask, as Slurm asks for (gpu_nvml.c, MAX_CPUS
+# 0x8000), in pynvml's array of c_ulonglong (nvml.h: "64 CPUs per unsigned long on 64-bit machines").
+_CPU_MASK_WORD_BITS = 64
+_CPU_MASK_WORDS = 0x8000 // _CPU_MASK_WORD_BITS
 log = get_logger("inventory")
 
 
@@ -93,6 +98,7 @@ class NodeReader:
         # later is a health matter.
         self._nvlinks: dict[str, list[tuple[int, str]]] = {}
         self._numa_nodes: dict[str, int | None] = {}
+        self._cpu_affinities: dict[str, tuple[int, ...]] = {}  # only answers read: a failure is asked again
         self._read_tables = ReadTables(profiles_path)
 
     def read(self, nvml: Any, known: dict[int, Gpu]) -> Inventory:
@@ -128,6 +134,8 @@ class NodeReader:
                 self._tables.pop(last.uuid, None)  # whatever brings it back (a reset) may change it
                 self._nvlinks.pop(last.uuid, None)
                 self._numa_nodes.pop(last.uuid, None)
+                self._cpu_affinities.pop(last.uuid, None)
+                last = replace(last, cpu_affinity=())
             if isinstance(exc, nvml.NVMLError_NoPermission):
                 return replace(last, lost=False, error=f"this user may not open the GPU: {nvml_error_text(exc)}",
                                unreadable=(f"gpu: {NEEDS_ROOT}",))
@@ -154,6 +162,7 @@ class NodeReader:
             serial=optional("serial", lambda: text(nvml.nvmlDeviceGetSerial(handle))),
             minor_number=optional("minor_number", lambda: nvml.nvmlDeviceGetMinorNumber(handle)),
             numa_node=self._numa_node(nvml, uuid, text(pci.busId)),
+            cpu_affinity=self._cpu_affinity(nvml, uuid, handle, optional),
             mig=self._read_mig(nvml, handle, _Identity(index, uuid, pci_device_id, memory_mib, driver), optional),
             memory_reserved_mib=optional("memory_reserved", lambda: _reserved_mib(nvml, handle)),
             unreadable=tuple(unreadable),
@@ -164,11 +173,27 @@ class NodeReader:
             self._numa_nodes[uuid] = pci_numa_node(self._sysfs, bus_id)
         return self._numa_nodes[uuid]
 
+    def _cpu_affinity(self, nvml: Any, uuid: str, handle: Any, optional: _Optional) -> tuple[int, ...]:
+        """The CPUs NVML says are ideal for the GPU, read once per GPU. Only informative (Slurm's Cores=):
+        any failure gives (), and the GPU is lost only if the calls gpud needs say so."""
+        if uuid not in self._cpu_affinities:
+            try:
+                words = optional("cpu_affinity", lambda: nvml.nvmlDeviceGetCpuAffinity(handle, _CPU_MASK_WORDS))
+            except nvml.NVMLError as exc:
+                log.warning("cpu_affinity_unreadable", gpu=uuid, error=nvml_error_text(exc))
+                return ()
+            if words is None:
+                return ()
+            self._cpu_affinities[uuid] = cpus_of_mask(words)
+        return self._cpu_affinities[uuid]
+
     def _with_nvlink_peers(self, nvml: Any, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
         """Each GPU with the GPUs it reaches over active NVLink: a GPU-to-GPU link's far end, and every
-        other GPU with links to the NVSwitches when it has some (an NVSwitch system joins them all)."""
+        other GPU with links to the NVSwitches when it has some (an NVSwitch system joins them all); and
+        how many of its links end at each GPU, as Slurm counts them for gres.conf Links= (gpu_nvml.c: an
+        active link whose remote PCI bus id is another GPU's)."""
         index_of = {normal_bus_id(gpu.pci_bus_id): gpu.index for gpu in gpus}
-        direct: dict[int, set[int]] = {gpu.index: set() for gpu in gpus}
+        direct: dict[int, Counter[int]] = {gpu.index: Counter() for gpu in gpus}
         switched: set[int] = set()
         for gpu in gpus:
             if gpu.lost or gpu.error:
@@ -182,9 +207,12 @@ class NodeReader:
                 if remote_type == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
                     switched.add(gpu.index)
                 elif (other := index_of.get(normal_bus_id(remote_bus_id))) is not None and other != gpu.index:
-                    direct[gpu.index].add(other)
-        return tuple(replace(gpu, nvlink_peers=tuple(sorted(
-            direct[gpu.index] | ((switched - {gpu.index}) if gpu.index in switched else set())))) for gpu in gpus)
+                    direct[gpu.index][other] += 1
+        return tuple(replace(
+            gpu,
+            nvlink_peers=tuple(sorted(
+                set(direct[gpu.index]) | ((switched - {gpu.index}) if gpu.index in switched else set()))),
+            nvlink_counts=tuple(sorted(direct[gpu.index].items()))) for gpu in gpus)
 
     # -- MIG ---------------------------------------------------------------------------------
 
@@ -344,6 +372,12 @@ def pci_numa_node(sysfs: Path, bus_id: str) -> int | None:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
+def cpus_of_mask(words: Any) -> tuple[int, ...]:
+    """The CPU ids set in an NVML CPU bitmask: bit j of word i is CPU i * 64 + j."""
+    return tuple(index * _CPU_MASK_WORD_BITS + bit for index, word in enumerate(words) if word
+                 for bit in range(_CPU_MASK_WORD_BITS) if word >> bit & 1)
 
 
 def active_nvlinks(nvml: Any, handle: Any) -> list[tuple[int, str]]:

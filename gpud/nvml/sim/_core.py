@@ -106,6 +106,9 @@ class SimCore:
         self._state_path = Path(state_path)
         # The simulated node's sysfs (the real one is /sys), where Config.sysfs_path points on a simulated node.
         self.sysfs_root = self._state_path.with_name(self._state_path.name + ".sysfs")
+        # This real host's sysfs, where the simulated GPUs' local CPUs come from (sysfs.local_cpus); tests
+        # point it at a fake one.
+        self.host_sysfs_root = Path("/sys")
         # The simulated node's kernel log, a regular file of /dev/kmsg records (kernel.py), where gpud's
         # kmsg path points on a simulated node; and its procfs (the real one is /proc).
         self.sim_kmsg_path = self._state_path.with_name(self._state_path.name + ".kmsg")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import pynvml
@@ -15,7 +16,9 @@ from pynvml import (
 from . import structs
 from ._core import SimCore, nvml_call, require_root
 from .identity import pci_bus_id, pci_bus_id_legacy, serial_number
+from .presets import preset_numa_nodes
 from .state import Gpu
+from .sysfs import UNKNOWN_NODE, local_cpus
 from .topology import Link
 
 _PCI_BUS_ID = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])$")
@@ -143,6 +146,25 @@ class DeviceCalls(SimCore):
         gi = mig_device.gpu_instance  # a MIG device sees its GI's memory, shared by the GI's CIs
         # No source for a MIG device's reserved memory: none, its GI memory is already net.
         return structs.memory_info(self._gi_memory_mb(gpu, gi), 0, gi.process_memory_bytes(), version)
+
+    @nvml_call
+    def nvmlDeviceGetCpuAffinity(self, handle, cpuSetSize: int):
+        """pynvml's shape: an array of cpuSetSize 64-bit words, bit j of word i set for ideal CPU i * 64 + j.
+        The driver answers the CPUs local to the GPU's PCI device (nvml.h: "equivalent to calling
+        nvmlDeviceGetCpuAffinityWithinScope with NVML_AFFINITY_SCOPE_NODE"), those of its NUMA node;
+        INVALID_ARGUMENT for cpuSetSize 0 (nvml.h). CPUs past cpuSetSize words are left out: nvml.h calls it
+        "the size of the cpuSet array that is safe to access" and lists no INSUFFICIENT_SIZE (NVIDIA's mock
+        answers that). An H100 on 580.159.04 (a VM, the GPU's numa_node -1, probed with ctypes) answers 0-15:
+        its local_cpulist, all online CPUs; and INVALID_ARGUMENT for cpuSetSize 0."""
+        gpu = self._gpu(handle)
+        if not isinstance(cpuSetSize, int) or cpuSetSize <= 0:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        numa_nodes = preset_numa_nodes(self._preset)
+        mask = (ctypes.c_ulonglong * cpuSetSize)()
+        for cpu in local_cpus(self.host_sysfs_root, numa_nodes[gpu.index] if numa_nodes else UNKNOWN_NODE):
+            if cpu < cpuSetSize * 64:
+                mask[cpu // 64] |= 1 << cpu % 64
+        return mask
 
     # --- modes ----------------------------------------------------------------------------------
 
