@@ -102,7 +102,7 @@ def epilog() -> str:
                       for n, place in enumerate(SOCKET_ORDER, 1))
     return (f"exit status:\n{codes}\n\nthe daemon's socket, first found:\n{order}\n\n"
             "--json prints the API's JSON; metrics and mig export print {\"format\": ..., \"text\": ...},\n"
-            "watch one event a line; serve, device-plugin and k8s-agent refuse --json (exit 2).\n"
+            "watch one event a line; serve, device-plugin, k8s-agent and slurm health refuse --json (exit 2).\n"
             "With --json, an error is one JSON object on stderr:\n"
             '  {"error": {"code": ..., "message": ...}, "exit_code": N}')
 
@@ -369,7 +369,7 @@ def _add_slurm(commands: Any) -> None:
     health = slurm.add_parser("health", help=text, description=text, epilog=slurm_health.epilog(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     slurm_health.add_arguments(health)
-    health.set_defaults(run=slurm_health.run, parser=health)  # lines for slurmd's log: no --json
+    _local_command(health, _slurm_health)
 
 
 def _add_sim(commands: Any) -> None:
@@ -425,6 +425,12 @@ def _serve(args: argparse.Namespace) -> int:
         return load_config(args.config).with_overrides(**overrides)
 
     return asyncio.run(daemon.serve(config, reread))
+
+
+def _slurm_health(args: argparse.Namespace) -> int:
+    if args.json:  # what it saw and did, a line each, for slurmd's log
+        args.parser.error("--json: it prints lines for slurmd's log, not a document")
+    return slurm_health.run(args)
 
 
 def _device_plugin(args: argparse.Namespace) -> int:
