@@ -2,7 +2,7 @@
 through its socket and drains this node with a reason that starts "gpud:" when a GPU, a MIG device or
 the node is unhealthy; resumes only a node gpud drained itself; never touches a node someone else
 drained or a DOWN node. Slurm runs it as root and does nothing with its result itself (man slurm.conf,
-HealthCheckProgram), so every action is an `scontrol update` run here. docs/slurm-health.md."""
+HealthCheckProgram), so every action is an `scontrol update` run here. docs/slurm.md."""
 
 from __future__ import annotations
 
