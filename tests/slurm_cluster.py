@@ -41,6 +41,19 @@ mount --bind "$dev" /dev
 exec "$@"
 """
 
+# slurm.conf's plugins for a Slurm that runs where it cannot have cgroups delegated or PMIx (a test
+# directory, a container): no cgroup confinement, no accounting, cons_tres for shard and mps (gres.conf(5)).
+CONTAINED_PLUGINS = """\
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu,shard,mps
+ReturnToService=2
+MpiDefault=none
+"""
+
 
 def need_slurm() -> None:
     """Skips (fails under CI=true) where a real cluster cannot be started here."""
@@ -180,15 +193,7 @@ SlurmdPidFile={d / 'slurmd.pid'}
 SlurmctldLogFile={d / 'slurmctld.log'}
 SlurmdLogFile={d / 'slurmd.log'}
 SlurmdDebug=debug
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-GresTypes=gpu,shard,mps
-ReturnToService=2
-MpiDefault=none
-{self.extra_conf}
+{CONTAINED_PLUGINS}{self.extra_conf}
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} Gres={self.node_gres} State=UNKNOWN
 PartitionName=gpu Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 """)

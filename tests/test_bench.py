@@ -99,3 +99,20 @@ def test_k8s_agent_benchmark_runs_and_counts_every_request():
     out = result.stdout
     assert "idle: " in out and "2 watch renewals: {'watch': 2} -> 1.00 requests a renewal, 0 others" in out
     assert "MIG label change (to success): " in out and "lists of Nodes: 0" in out
+
+
+def test_slurm_benchmark_runs():
+    # gres.conf's build beside the CDI spec's, and `gpud slurm health` as slurmd runs it beside `gpud health
+    # --json`, against a simulated gpud with a scontrol stand-in (figures read by people, not asserted).
+    result = subprocess.run([sys.executable, "bench/slurm.py", "--rounds", "2"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("gres.conf build on a simulated dgx-a100"), result.stdout
+    assert lines[1].startswith("gres.conf build, dgx-a100 all-1g.5gb (56 records): median "), result.stdout
+    assert lines[2].startswith("gres.conf build, dgx-a100 MIG off (8 records): median "), result.stdout
+    assert all("; CDI spec build: median " in line and "; ratio gres/cdi " in line for line in lines[1:3])
+    assert "scontrol is a stand-in" in lines[3], result.stdout
+    assert lines[4].startswith("gpud slurm health run: n=2 median "), result.stdout
+    assert "(decision: nothing: " in lines[4] and "; gpud health --json: median " in lines[4]
+    assert "; ratio " in lines[4] and "; slurmd's limit 60 s: margin " in lines[4]

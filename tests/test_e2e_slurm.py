@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import SYSTEM_PATH
 from nspawn_root import Container, apt_mirror
+from slurm_cluster import CONTAINED_PLUGINS
 
 # The .deb comes from the session's build (conftest `release`), which test_e2e_systemd also uses.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
@@ -36,15 +37,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-GresTypes=gpu,shard,mps
-ReturnToService=2
-MpiDefault=none
-HealthCheckProgram=/usr/lib/gpud/slurm/health-check
+{plugins}HealthCheckProgram=/usr/lib/gpud/slurm/health-check
 HealthCheckInterval={interval}
 Prolog=/usr/lib/gpud/slurm/prolog
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} {gres} State=UNKNOWN
@@ -81,8 +74,10 @@ class SlurmNode:
         return fields | ({"Reason": reason} if reason else {})
 
     def gres_file(self) -> list[str]:
-        return [line for line in (self.box.root / "etc/slurm/gres.conf").read_text().splitlines()
-                if line and not line.startswith("#")]
+        """The records of the gres.conf gpud keeps; none before gpud wrote it."""
+        path = self.box.root / "etc/slurm/gres.conf"
+        text = path.read_text() if path.exists() else ""
+        return [line for line in text.splitlines() if line and not line.startswith("#")]
 
     def make_device_nodes(self) -> None:
         """What the driver does on a real node (and nvidia-modprobe for the MIG capabilities): every
@@ -101,7 +96,7 @@ class SlurmNode:
         gres = self.run("gpud", "slurm", "gres", "--node-line").stdout.strip()
         assert gres.startswith("Gres="), gres
         (self.box.root / "etc/slurm/slurm.conf").write_text(SLURM_CONF.format(
-            host=self.host, cpus=self.cpus, gres=gres, interval=HEALTH_CHECK_INTERVAL_S))
+            host=self.host, cpus=self.cpus, gres=gres, interval=HEALTH_CHECK_INTERVAL_S, plugins=CONTAINED_PLUGINS))
         return gres
 
     def srun(self, gres: str, *extra: str) -> subprocess.CompletedProcess:

@@ -22,9 +22,9 @@ from helpers import (cli, mig_config, mig_settled, put_layout, sharing_config, s
 from openapi_check import assert_matches_openapi
 
 from gpud.cdi.spec import parse_mig_minors
-from gpud.inventory import Inventory, MigInfo
+from gpud.inventory import Inventory, MigInfo, format_cpulist
 from gpud.kept_writer import RECHECK_S
-from gpud.slurm.cores import CoreIndex, ranges, read_core_indexes
+from gpud.slurm.cores import CoreIndex, read_core_indexes
 from gpud.slurm.gres import HEADER, build_gres
 
 OTHER = "gpudt-other"
@@ -128,7 +128,7 @@ async def test_cores_and_direct_nvlinks_on_an_hgx_a100(short_tmp):
     inventory = dataclasses.replace(inventory, gpus=gpus)
 
     def cores(cpus):
-        return ranges([cpu // 2 for cpu in cpus]) or None  # two CPUs a core, as the fake CoreIndex
+        return format_cpulist([cpu // 2 for cpu in cpus]) or None  # two CPUs a core, as the fake CoreIndex
     gres = build_gres(inventory, sharing, minors, cores)
     assert [(r.get("cores"), r.get("links")) for r in gres.records] == [
         ("0-1", "-1,4,2,0"), ("0-1", "4,-1,0,0"), ("2-3", "2,0,-1,4"), (None, "0,0,4,-1")]
@@ -236,7 +236,6 @@ def test_core_indexes_socket_by_socket_with_hyperthreads(tmp_path):
     assert index((12, 5)) == "4-5"
     assert index(tuple(range(16))) is None  # every core: nothing to say
     assert index(()) is None and index((99,)) is None  # unknown
-    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and ranges([]) == ""
 
 
 def test_core_indexes_order_sockets_by_package_id_then_lowest_cpu(tmp_path):

@@ -4,6 +4,7 @@ decision table, SLURM_JOB_GPUS and gres.conf), then the program against a real S
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import shutil
@@ -287,8 +288,9 @@ class _FakeGpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
-def fake_gpud(directory: Path, status: int, body: bytes) -> tuple[_FakeGpud, Path]:
-    """A socket answering every request with status and body: gpud gone wrong."""
+@contextlib.contextmanager
+def fake_gpud(status: int, body: bytes):
+    """A socket answering every request with status and body (gpud gone wrong); yields its path."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(status)
@@ -299,43 +301,36 @@ def fake_gpud(directory: Path, status: int, body: bytes) -> tuple[_FakeGpud, Pat
         def log_message(self, *args):
             pass
 
-    path = directory / "f.sock"
-    server = _FakeGpud(str(path), Handler)
+    directory = Path(tempfile.mkdtemp(prefix="gsf", dir="/tmp"))
+    server = _FakeGpud(str(directory / "f.sock"), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, path
+    try:
+        yield directory / "f.sock"
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("status, body", [(500, b'{"error": {"code": "internal", "message": "boom"}}'),
                                           (200, b"<html>garbage"), (200, b'{"gpus": "none"}')])
 def test_gpud_answering_garbage_leaves_the_node(cluster, status, body):
-    directory = Path(tempfile.mkdtemp(prefix="gsf", dir="/tmp"))
-    server, path = fake_gpud(directory, status, body)
-    try:
+    with fake_gpud(status, body) as path:
         before = cluster.show_node()
         result = run_health(cluster, path)
         assert result.returncode == 4 and result.stderr.count("\n") == 1, result
         assert idle(cluster) and cluster.show_node().split("State=")[1].split()[0] == \
             before.split("State=")[1].split()[0]
-    finally:
-        server.shutdown()
-        server.server_close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_hostile_reason_from_gpud_is_one_safe_argument(fresh):
     cluster, _gpud = fresh
     document = view(gpu(0), gpu(2, "unhealthy", [reason("xid", '79"; scontrol delete\nx', "reboot'`$(id)`")]))
-    directory = Path(tempfile.mkdtemp(prefix="gsf", dir="/tmp"))
-    server, path = fake_gpud(directory, 200, json.dumps(document).encode())
-    try:
+    with fake_gpud(200, json.dumps(document).encode()) as path:
         result = run_health(cluster, path)
         assert result.returncode == 0, result
         assert "DRAIN" in cluster.node_state()
         assert cluster.node_reason() == "gpud: GPU 2 XID 79 ; scontrol delete x (reboot (id))"
-    finally:
-        server.shutdown()
-        server.server_close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_prolog_refuses_a_job_on_a_sick_gpu_and_drains_first(fresh):

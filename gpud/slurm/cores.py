@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpud.inventory import format_cpulist
+
 
 def read_core_indexes(sysfs: Path) -> dict[int, int]:
     """OS CPU id -> Slurm's logical core index, from <sysfs>/devices/system/cpu/cpu<N>/topology.
@@ -30,17 +32,6 @@ def read_core_indexes(sysfs: Path) -> dict[int, int]:
     return {cpu: index[core] for cpu, core in core_of_cpu.items()}
 
 
-def ranges(numbers: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8", the list form gres.conf's Cores= takes."""
-    runs: list[list[int]] = []
-    for number in sorted(set(numbers)):
-        if runs and number == runs[-1][1] + 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
-
-
 class CoreIndex:
     """Maps a GPU's CPU affinity (OS CPU ids) to its Cores= value. The topology is read once: CPUs
     come and go only by hotplug, and every inventory refresh would otherwise re-read two files per CPU."""
@@ -54,4 +45,4 @@ class CoreIndex:
         cores = {self.core_of_cpu[cpu] for cpu in cpus if cpu in self.core_of_cpu}
         if not cores or cores == self._all_cores:
             return None
-        return ranges(sorted(cores))
+        return format_cpulist(sorted(cores))  # Cores= takes the same list form: "0-2,5,7-8"

@@ -50,6 +50,7 @@ def build_gres(inventory: Inventory, sharing_document: dict | None, mig_minors: 
     unavailable: list[dict] = []
     files: dict[str, str] = {}  # UUID of a whole GPU with a record -> its device file
     notes: dict[int, str] = {}  # position of a GPU's first record -> the comment line before it
+    by_bus = _by_bus_id(inventory)
     for gpu in inventory.gpus:
         reason = _unusable(gpu)
         if reason:
@@ -63,7 +64,7 @@ def build_gres(inventory: Inventory, sharing_document: dict | None, mig_minors: 
         else:
             files[gpu.uuid] = f"/dev/nvidia{gpu.minor_number}"
             records.append(_record("gpu", str(gpu.index), gpu.uuid, type=gpu_type(gpu.name), file=files[gpu.uuid],
-                                   cores=cores(gpu.cpu_affinity), links=_links(gpu, inventory)))
+                                   cores=cores(gpu.cpu_affinity), links=_links(gpu, by_bus)))
     records += _shared_records(sharing_document, files, unavailable)
     lines = [(notes[position] + "\n" if position in notes else "") +
              " ".join(f"{key}={record[field]}" for field, key in _KEYS if record.get(field) is not None) + "\n"
@@ -110,11 +111,15 @@ def _mig_records(gpu: Gpu, mig_minors: dict[str, int], cores: Cores, unavailable
     return records
 
 
-def _links(gpu: Gpu, inventory: Inventory) -> str | None:
-    """gres.conf(5), Links: one entry per GPU by device number ("sorting the GPUs by PCI bus ID"), -1 for
-    itself, else the number of connections to it (active NVLinks; NVSwitch links count nothing, as in
-    gpu_nvml.c _nvml_get_nvlink_info). None when it has no link to any GPU: nothing to say."""
-    by_bus = sorted(inventory.gpus, key=lambda other: (normal_bus_id(other.pci_bus_id) or "", other.index))
+def _by_bus_id(inventory: Inventory) -> list[Gpu]:
+    """The GPUs in Slurm's device-number order (gres.conf(5), Links: "sorting the GPUs by PCI bus ID")."""
+    return sorted(inventory.gpus, key=lambda other: (normal_bus_id(other.pci_bus_id) or "", other.index))
+
+
+def _links(gpu: Gpu, by_bus: list[Gpu]) -> str | None:
+    """gres.conf(5), Links: one entry per GPU by device number, -1 for itself, else the number of
+    connections to it (active NVLinks; NVSwitch links count nothing, as in gpu_nvml.c
+    _nvml_get_nvlink_info). None when it has no link to any GPU: nothing to say."""
     counts = dict(gpu.nvlink_counts)
     if not any(counts.get(other.index, 0) for other in by_bus if other.index != gpu.index):
         return None
