@@ -227,8 +227,14 @@ def test_a_mig_layout_change_is_reflected_in_the_gres(slurm):
                        "gpud's scontrol reconfigure")
     slurm.make_device_nodes()
     assert slurm.configure_slurm() == "Gres=gpu:3g.20gb:4"
-    slurm.run("systemctl", "restart", "slurmctld", "slurmd")
-    slurm.wait_state("the new GRES", lambda node: node.get("Gres") == "gpu:3g.20gb:4")
+    # The controller first, then slurmd registers with it: restarted together, slurmd's registration
+    # can reach the controller before it read the new count, and the node stays INVALID_REG.
+    slurm.run("systemctl", "restart", "slurmctld")
+    slurm.wait_state("the controller's new GRES", lambda node: node.get("Gres") == "gpu:3g.20gb:4")
+    slurm.run("systemctl", "restart", "slurmd")
+    node = slurm.wait_state("slurmd's registration", lambda node: "INVALID_REG" not in node["State"] and
+                            "NOT_RESPONDING" not in node["State"] and node.get("Version"))
+    assert node["State"] == "IDLE+DRAIN" and node["Reason"].startswith("mig change"), node  # the operator's
     slurm.run("scontrol", "update", f"nodename={slurm.host}", "state=resume")
     slurm.wait_state("the node idle", lambda node: node.get("State") == "IDLE")
     job = slurm.srun("gpu:3g.20gb:1")

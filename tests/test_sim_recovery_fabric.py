@@ -151,8 +151,8 @@ def test_fabric_completed_with_fabric_manager(tmp_path, preset):
     assert bits["incorrect_configuration"] == pynvml.NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_NONE
 
 
-@pytest.mark.parametrize("preset", ["dgx-a100", "hgx-a100-4gpu", "H100-NVL-94GB:2", "H100-SXM5-80GB:1", "t4"])
-def test_fabric_not_supported(tmp_path, preset):
+@pytest.mark.parametrize("preset", ["dgx-a100", "hgx-a100-4gpu", "t4"])
+def test_fabric_not_supported_before_hopper(tmp_path, preset):
     nvml = started(tmp_path, preset=preset)
     info = pynvml.c_nvmlGpuFabricInfo_t()
     with pytest.raises(pynvml.NVMLError_NotSupported):
@@ -160,9 +160,24 @@ def test_fabric_not_supported(tmp_path, preset):
     assert reading(nvml).fabric is None
 
 
+@pytest.mark.parametrize("preset", ["H100-NVL-94GB:2", "H100-SXM5-80GB:1"])
+def test_a_hopper_gpu_without_nvswitches_answers_the_state_not_supported(tmp_path, preset):
+    # As our H100 SXM5 alone in a VM answered on 580.159.04 (docs/hardware.md, 2026-11-26): the call
+    # succeeds and the state says there is no fabric, which is no fault (gpud took it for one before).
+    nvml = started(tmp_path, preset=preset)
+    info = pynvml.c_nvmlGpuFabricInfo_t()
+    assert nvml.nvmlDeviceGetGpuFabricInfo(nvml.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info)) == \
+        pynvml.NVML_SUCCESS
+    assert info.state & 0xFF == pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED
+    assert reading(nvml).fabric is None
+
+
 def test_fabric_not_supported_in_a_vm(tmp_path):
     nvml = started(tmp_path)
     nvml.sim_set_passthrough(True)
+    info = pynvml.c_nvmlGpuFabricInfo_t()
+    nvml.nvmlDeviceGetGpuFabricInfo(nvml.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info))
+    assert info.state & 0xFF == pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED
     assert reading(nvml).fabric is None
 
 

@@ -429,8 +429,9 @@ _FABRIC_VERSIONS = (("nvmlGpuFabricInfo_v3", "c_nvmlGpuFabricInfo_v3_t"),
 def _fabric(nvml: Any, handle: Any, optional: Callable) -> FabricReading | None:
     """nvmlDeviceGetGpuFabricInfoV with the newest struct version the binding has, then older ones on
     ARGUMENT_VERSION_MISMATCH (an older driver), then the unversioned v1 call where the driver lacks V.
-    None where NVML says the GPU has no fabric (NOT_SUPPORTED) or nothing answers; a lost GPU makes the
-    whole reading None (optional)."""
+    None where NVML says the GPU has no fabric (the error NOT_SUPPORTED, or the state NOT_SUPPORTED: a
+    Hopper GPU with no NVSwitch, as our H100 passed through to a VM answers) or nothing answers; a lost
+    GPU makes the whole reading None (optional)."""
     fetch = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
     for version_name, struct_name in _FABRIC_VERSIONS if fetch else ():
         version, struct = getattr(nvml, version_name, None), getattr(nvml, struct_name, None)
@@ -446,14 +447,14 @@ def _fabric(nvml: Any, handle: Any, optional: Callable) -> FabricReading | None:
             if exc.value == nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
                 break  # a driver without the versioned call: v1
             return optional(_raising(exc))
-        return _fabric_reading(info, info.healthMask)
+        return _fabric_reading(nvml, info, info.healthMask)
     struct = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
     if struct is None or not hasattr(nvml, "nvmlDeviceGetGpuFabricInfo"):
         return None
     info = struct()
     if optional(lambda: nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info)) or True) is None:
         return None
-    return _fabric_reading(info, None)
+    return _fabric_reading(nvml, info, None)
 
 
 def _raising(exc: Exception) -> Callable:
@@ -462,7 +463,9 @@ def _raising(exc: Exception) -> Callable:
     return read
 
 
-def _fabric_reading(info: Any, health_mask: int | None) -> FabricReading:
+def _fabric_reading(nvml: Any, info: Any, health_mask: int | None) -> FabricReading | None:
+    if info.state & 0xFF == nvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED:
+        return None  # no fabric to be part of: nothing to check, not a fabric Fabric Manager failed to train
     raw = bytes(info.clusterUuid)
     return FabricReading(state=info.state & 0xFF, status=info.status, health_mask=health_mask,
                          clique_id=info.cliqueId, cluster_uuid=str(uuid.UUID(bytes=raw)) if any(raw) else "")

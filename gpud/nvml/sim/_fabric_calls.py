@@ -5,9 +5,11 @@ systems, GPU is registered with the NVIDIA Fabric Manager. Upon successful regis
 added to the NVLink fabric to enable peer-to-peer communication"; NVML_ERROR_NOT_SUPPORTED "If device
 doesn't support gpu fabric". So the simulator answers only for Hopper and later GPUs whose NVLinks reach
 NVSwitches, on more than one GPU (leptonai/gpud#1140: "if it's set up with a single GPU, the NVML returns
-Not Supported for fabric state"), outside a VM (our H100 capture, a single passed-through GPU on 580:
-every Fabric row N/A). An A100 answers NOT_SUPPORTED (a p4d DGX A100 with Fabric Manager running shows
-"State: N/A, Status: N/A": bottlerocket-os/bottlerocket#3873), as do PCIe boards.
+Not Supported for fabric state"), outside a VM. Where a Hopper or later GPU has no fabric (one GPU, no
+NVSwitch, passed through to a VM) the call succeeds with state NOT_SUPPORTED: our H100, a single SXM5
+passed through to a VM on 580.159.04, answered so on 2026-11-26 (docs/hardware.md; its nvidia-smi shows
+every Fabric row N/A). Older GPUs answer NOT_SUPPORTED (a p4d DGX A100 with Fabric Manager running shows
+"State: N/A, Status: N/A": bottlerocket-os/bottlerocket#3873).
 
 The state: COMPLETED with status SUCCESS once Fabric Manager has registered the GPU; IN_PROGRESS until
 then: with Fabric Manager dead since boot, "fabric.state stays 'In Progress' indefinitely"
@@ -55,7 +57,9 @@ class FabricCalls(SimCore):
 
     def _fabric(self, gpu: Gpu) -> tuple[int, int, int]:
         """(state, status, health mask) of a GPU whose fabric NVML reports."""
-        if gpu.fabric_registered:
+        if not self._fabric_supported(gpu):  # Hopper or later without a fabric: the state says so
+            state, status, mask = pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, pynvml.NVML_SUCCESS, 0
+        elif gpu.fabric_registered:
             state, status, mask = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_SUCCESS, HEALTHY_MASK
         else:
             # nvml.h: status "Must be checked only if state returns complete"; nothing to say before then.
@@ -65,7 +69,7 @@ class FabricCalls(SimCore):
 
     def _fabric_gpu(self, handle) -> Gpu:
         gpu = self._gpu(handle)
-        if not self._fabric_supported(gpu):
+        if gpu.model.architecture < pynvml.NVML_DEVICE_ARCH_HOPPER:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return gpu
 
