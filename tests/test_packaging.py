@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packages")]
 OS_PYTHON = "/usr/bin/python3"
 ABIS = ("3.10", "3.11", "3.12", "3.13")
 LIB = "usr/lib/gpud"
+# The programs: gpud's launcher, and the wrappers slurm.conf names (slurmd runs them without arguments)
+EXECUTABLES = ("usr/bin/gpud", f"{LIB}/slurm/health-check", f"{LIB}/slurm/prolog")
 # Where the package may put files (FHS; Debian policy and Fedora's guidelines accept each of them).
 ALLOWED_PLACES = ("usr/bin/gpud", f"{LIB}/", "usr/lib/systemd/system/gpud", "usr/lib/sysusers.d/gpud",
                   "usr/lib/tmpfiles.d/gpud", "usr/share/doc/gpud/", "usr/share/licenses/gpud/",
@@ -122,7 +124,7 @@ def test_files_are_in_their_places_with_sane_modes_and_nothing_left_by_a_build(p
         assert path.startswith(ALLOWED_PLACES), path
         assert member.uid == 0 and member.gid == 0, path
         if not member.issym():  # a link's own mode means nothing on Linux
-            assert stat.S_IMODE(member.mode) == (0o755 if path == "usr/bin/gpud" else 0o644), (path, oct(member.mode))
+            assert stat.S_IMODE(member.mode) == (0o755 if path in EXECUTABLES else 0o644), (path, oct(member.mode))
         name = path.rsplit("/", 1)[-1]
         assert "/__pycache__/" not in path and not name.endswith((".pyc", ".pyx", ".pxd", ".c", ".h")), path
         assert name not in ("example.py", "RECORD", "direct_url.json") and "_testcapi" not in name, path
@@ -196,8 +198,8 @@ def test_copyright_covers_every_bundled_library(unpacked):
     assert copyright_text.startswith("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/")
     patterns = [pattern for line in copyright_text.splitlines() if line.startswith("Files: ")
                 for pattern in line.removeprefix("Files: ").split()]
-    libraries = [entry for tree in (unpacked / LIB).iterdir() if tree.is_dir() for entry in tree.iterdir()
-                 if not entry.name.endswith(".dist-info") and entry.name != "gpud"]
+    libraries = [entry for tree in (unpacked / LIB).iterdir() if tree.is_dir() and tree.name != "slurm"
+                 for entry in tree.iterdir() if not entry.name.endswith(".dist-info") and entry.name != "gpud"]
     assert len(libraries) > 20
     for entry in libraries:
         sample = str((entry / "__init__.py" if entry.is_dir() else entry).relative_to(unpacked))

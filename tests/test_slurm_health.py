@@ -394,9 +394,12 @@ def test_slurmd_runs_it_as_the_prolog_of_a_job_on_a_sick_gpu(fresh):
         until(lambda: "DRAIN" in cluster.node_state(), 20, "the node drained", interval=0.2)
         assert cluster.node_reason() == "gpud: GPU 0 XID 79 (reboot)"
         assert "SLURM_JOB_GPUS=0\n" in (cluster.dir / "hc1.env").read_text()
-        shown = until(lambda: cluster.scontrol("show", "job", job).stdout, 10, "the job")
-        # slurmctld requeues the job and holds it (22.05: "launch_failed_requeued_held")
-        assert "JobState=PENDING" in shown and "requeued_held" in shown, shown
+        # slurmctld requeues the job and holds it (22.05: "launch_failed_requeued_held"), once slurmd's
+        # report of the failed prolog reached it: the job shows RUNNING until then.
+        def held() -> str | None:
+            shown = cluster.scontrol("show", "job", job).stdout
+            return shown if "JobState=PENDING" in shown and "requeued_held" in shown else None
+        until(held, 30, "the job requeued and held", interval=0.2)
     finally:
         subprocess.run(["scancel", "-u", "root"], capture_output=True, env=cluster.env, timeout=30)
         cluster.set_extra_conf("")

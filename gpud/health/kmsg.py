@@ -161,6 +161,7 @@ class KernelLogFollower:
         self._last_seq: int | None = None  # the last record handled, this run
         self._cursor_dirty = False
         self._cursor_written_at = 0.0
+        self._cursor_lock = threading.Lock()  # the thread's own saves and save_cursor's from the event loop
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -193,18 +194,24 @@ class KernelLogFollower:
             log.info("kmsg_cursor_from_another_boot", cursor_boot_id=boot_id, boot_id=self._boot_id,
                      consequence="every record in the kernel log is new")
 
+    def save_cursor(self) -> None:
+        """Saves the cursor now, whatever its rate: the health state is about to be saved, and the XIDs
+        it counts must not be read again after a crash (a blocking write: call it off the event loop)."""
+        self._save_cursor(now=True)
+
     def _save_cursor(self, *, now: bool) -> None:
-        if self.cursor_path is None or not self._cursor_dirty or self._last_seq is None:
-            return
-        if not now and time.monotonic() - self._cursor_written_at < CURSOR_EVERY_S:
-            return
-        try:
-            write_json_atomic(self.cursor_path, {"boot_id": self._boot_id, "seq": self._last_seq})
-        except OSError as exc:
-            log.error("kmsg_cursor_not_saved", path=str(self.cursor_path), error=exc.strerror or str(exc),
-                      consequence="after a restart, records already counted may be delivered again")
-        self._cursor_dirty = False
-        self._cursor_written_at = time.monotonic()
+        with self._cursor_lock:
+            if self.cursor_path is None or not self._cursor_dirty or self._last_seq is None:
+                return
+            if not now and time.monotonic() - self._cursor_written_at < CURSOR_EVERY_S:
+                return
+            try:
+                write_json_atomic(self.cursor_path, {"boot_id": self._boot_id, "seq": self._last_seq})
+            except OSError as exc:
+                log.error("kmsg_cursor_not_saved", path=str(self.cursor_path), error=exc.strerror or str(exc),
+                          consequence="after a restart, records already counted may be delivered again")
+            self._cursor_dirty = False
+            self._cursor_written_at = time.monotonic()
 
     # -- the thread --------------------------------------------------------------------------------
 

@@ -472,6 +472,8 @@ class HealthService:
         while self._unsaved:
             await asyncio.sleep(SAVE_DELAY_S)
             self._unsaved = False
+            if self._kernel_log:  # first the records read, then what they counted: a crash between the two
+                await asyncio.to_thread(self._kernel_log.save_cursor)  # saves re-counts no XID at the restart
             try:
                 await asyncio.to_thread(write_json_atomic, self._state_path, self._document())
             except OSError as exc:
