@@ -151,9 +151,12 @@ IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_
                    "cuda_compute_capability", "serial", "minor_number")
 
 
+UNKNOWN = "unknown"  # each identity field of a GPU NVML has not described since gpud started
+
+
 def unknown_gpu(index: int, **identity) -> Gpu:
     """A GPU NVML cannot describe now (lost), with whatever identity gpud knew of it."""
-    fields = {name: "unknown" for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None,
+    fields = {name: UNKNOWN for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None,
                                                               "minor_number": None}
     fields.update(identity)
     return Gpu(index=index, compute_mode="unknown", mig=MigInfo(capable=False, mode=None, pending_mode=None),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from gpud.inventory import Gpu, Inventory, normal_bus_id
+from gpud.inventory import UNKNOWN, Gpu, Inventory, normal_bus_id
 
 HEADER = ("# Slurm gres.conf, written by gpud from its inventory, MIG layout and sharing: edits are overwritten.\n"
           "# Regenerate it with `gpud slurm gres` (GET /v1/slurm/gres); the Gres= of this node's line in\n"
@@ -81,7 +81,7 @@ def _unusable(gpu: Gpu) -> str | None:
     dropping them would lower the count slurmd reports, and slurmctld would set the node INVALID with a
     reason of its own ("gres/gpu count reported lower than configured") over gpud's drain, which says why."""
     state = "lost, " if gpu.lost else "unreadable, " if gpu.error else ""
-    if gpu.uuid == "unknown":  # inventory.unknown_gpu: never described since gpud started
+    if gpu.uuid == UNKNOWN:  # inventory.unknown_gpu: never described since gpud started
         return f"{state}never described by NVML since gpud started"
     if gpu.minor_number is None:
         return f"{state}NVML did not tell its minor number, so its /dev/nvidia<minor> is unknown"
