@@ -84,7 +84,7 @@ class Gpu:
     # The GPUs it reaches over active NVLink, directly or through NVSwitches, by index.
     nvlink_peers: tuple[int, ...] = ()
     # The CPUs ideal for it (nvmlDeviceGetCpuAffinity), sorted OS CPU ids, as Slurm's NVML autodetection
-    # reads them for gres.conf Cores=; () where NVML does not answer or the GPU is lost.
+    # reads them for gres.conf Cores=; () where NVML does not answer; a lost GPU keeps its last answer.
     cpu_affinity: tuple[int, ...] = ()
     # (peer GPU index, its active NVLinks whose far end is that GPU), direct GPU-to-GPU links only (links
     # to NVSwitches count nothing), sorted by peer: Slurm's gres.conf Links=.

@@ -204,7 +204,7 @@ def test_a_failing_affinity_call_leaves_it_empty_and_is_asked_again(tmp_path, er
         sim.nvmlShutdown()
 
 
-def test_a_lost_gpu_has_no_affinity_and_no_counts(tmp_path):
+def test_a_lost_gpu_keeps_its_affinity_and_has_no_counts(tmp_path):
     sim = SimulatedNvml("hgx-a100-4gpu", tmp_path / "sim.json")
     sim.nvmlInit()
     try:
@@ -212,7 +212,9 @@ def test_a_lost_gpu_has_no_affinity_and_no_counts(tmp_path):
         known = {gpu.index: gpu for gpu in reader.read(sim, {}).gpus}
         sim.sim_set_gpu_lost(1)
         lost = reader.read(sim, known).gpus[1]
-        assert lost.lost and lost.cpu_affinity == () and lost.nvlink_counts == ()
+        # its slot's CPUs, as last read (gres.conf keeps a lost GPU's records); its links cannot be read
+        assert lost.lost and lost.cpu_affinity == known[1].cpu_affinity == host_cpus(None)
+        assert lost.nvlink_counts == ()
         sim.sim_recover_gpu(1)
         back = reader.read(sim, known).gpus[1]
         assert not back.lost and back.cpu_affinity == host_cpus(None) and dict(back.nvlink_counts) == {0: 4, 2: 4, 3: 4}

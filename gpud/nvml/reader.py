@@ -134,8 +134,8 @@ class NodeReader:
                 self._tables.pop(last.uuid, None)  # whatever brings it back (a reset) may change it
                 self._nvlinks.pop(last.uuid, None)
                 self._numa_nodes.pop(last.uuid, None)
-                self._cpu_affinities.pop(last.uuid, None)
-                last = replace(last, cpu_affinity=())
+                self._cpu_affinities.pop(last.uuid, None)  # read again when it is back; until then, the
+                # affinity it was last described with stays: its slot's CPUs, which gres.conf keeps as Cores=
             if isinstance(exc, nvml.NVMLError_NoPermission):
                 return replace(last, lost=False, error=f"this user may not open the GPU: {nvml_error_text(exc)}",
                                unreadable=(f"gpu: {NEEDS_ROOT}",))
