@@ -319,8 +319,9 @@ def test_gpud_answering_garbage_leaves_the_node(cluster, status, body):
         before = cluster.show_node()
         result = run_health(cluster, path)
         assert result.returncode == 4 and result.stderr.count("\n") == 1, result
-        assert idle(cluster) and cluster.show_node().split("State=")[1].split()[0] == \
-            before.split("State=")[1].split()[0]
+        # the state is unchanged, but for NOT_RESPONDING, which slurmctld sets and clears by itself on a busy machine
+        state = lambda line: line.split("State=")[1].split()[0].replace("+NOT_RESPONDING", "")  # noqa: E731
+        assert idle(cluster) and state(cluster.show_node()) == state(before)
 
 
 def test_a_hostile_reason_from_gpud_is_one_safe_argument(fresh):
