@@ -1,4 +1,4 @@
-"""Builds gpud with the kubelet APIs' Python modules (device plugin, PodResources) generated from their .proto (grpcio-tools,
+"""Builds gpud with the kubelet APIs' Python modules (device plugin, PodResources, DRA) generated from their .proto (grpcio-tools,
 a build requirement in pyproject.toml): wheels, `pip install -e .` and packaging/build.sh all generate them.
 Everything else about the package is in pyproject.toml."""
 
@@ -8,8 +8,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-# the kubelet's device plugin API v1beta1, and its PodResources API v1 (which pods hold which devices)
-PROTOS = (Path("gpud/device_plugin/api.proto"), Path("gpud/device_plugin/podresources.proto"))
+# the kubelet's device plugin API v1beta1, and its PodResources API v1 (which pods hold which devices); its DRA
+# plugin services v1 and v1beta1, the plugin watcher's registration API and the DRA resource health service
+PROTOS = (Path("gpud/device_plugin/api.proto"), Path("gpud/device_plugin/podresources.proto"),
+          Path("gpud/dra/dra_v1.proto"), Path("gpud/dra/dra_v1beta1.proto"),
+          Path("gpud/dra/pluginregistration.proto"), Path("gpud/dra/dra_health.proto"))
 
 
 def generate_grpc_modules() -> None:
