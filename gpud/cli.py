@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import difflib
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_device_plugin(commands)
     _add_k8s_agent(commands)
+    _add_dra_plugin(commands)
     _add_client(commands, "status", cli_client.status, "the daemon, the node and its health (exit 1 if not healthy)")
     _add_gpus(commands)
     _add_health(commands)
@@ -260,6 +262,35 @@ def _add_k8s_agent(commands: Any) -> None:
     agent.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     agent.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     _local_command(agent, _k8s_agent)
+
+
+def _add_dra_plugin(commands: Any) -> None:
+    from gpud.dra import DEFAULT_CDI_DIR, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_DIR
+
+    plugin = commands.add_parser("dra-plugin", help="run a Kubernetes DRA kubelet plugin: gpud's GPUs and MIG devices "
+                                                    "as ResourceSlices, claims prepared as CDI specs (a client of "
+                                                    "gpud's socket and of the Kubernetes API)",
+                                 epilog="It needs grpcio's compiled module, as device-plugin does.")
+    plugin.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
+                                                    "your own)")
+    plugin.add_argument("--kubeconfig", type=Path, help="the cluster (default: $KUBECONFIG, else the service account "
+                                                        "of the pod it runs in)")
+    plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
+                        help="this node's Node object, and the name of its pool (default: $NODE_NAME)")
+    plugin.add_argument("--kubelet-dir", type=Path, default=DEFAULT_KUBELET_DIR,
+                        help=f"the kubelet's --root-dir: plugins_registry/ and plugins/ are in it (default "
+                             f"{DEFAULT_KUBELET_DIR})")
+    plugin.add_argument("--driver-name", type=_driver_name, default=DEFAULT_DRIVER_NAME,
+                        help=f"the DRA driver's name (default {DEFAULT_DRIVER_NAME}, NVIDIA's: DeviceClasses and "
+                             "claims written for NVIDIA's driver work unchanged)")
+    plugin.add_argument("--cdi-dir", type=Path, default=DEFAULT_CDI_DIR,
+                        help=f"where each claim's CDI spec is written (default {DEFAULT_CDI_DIR})")
+    plugin.add_argument("--taint-no-execute", action="store_true",
+                        help="taint a device that needs a reset, a reboot or inspection NoExecute (its pods are "
+                             "evicted) instead of NoSchedule")
+    plugin.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    plugin.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
+    _local_command(plugin, _dra_plugin)
 
 
 def _add_gpus(commands: Any) -> None:
@@ -460,6 +491,38 @@ def _k8s_agent(args: argparse.Namespace) -> int:
                           "spec.nodeName)")
     configure_logging(args.log_level, args.log_format)
     return asyncio.run(serve(args.kubeconfig, args.node_name, args.socket))
+
+
+def _dra_plugin(args: argparse.Namespace) -> int:
+    from gpud.logs import configure_logging
+    from gpud.python_libraries import EXIT_NO_LIBRARIES, grpc_missing_message
+
+    _refuse_json(args)
+    if not args.node_name:
+        args.parser.error("--node-name: which Node is this one? (or set $NODE_NAME, as the DaemonSet does from "
+                          "spec.nodeName)")
+    if not args.kubelet_dir.is_dir():
+        args.parser.error(f"--kubelet-dir: no directory {args.kubelet_dir}: run on a node whose kubelet runs, or give "
+                          "the kubelet's --root-dir")
+    try:
+        import grpc  # noqa: F401
+    except ImportError as exc:
+        print(grpc_missing_message("dra-plugin", exc), file=sys.stderr)
+        return EXIT_NO_LIBRARIES
+    from gpud.dra.plugin import run
+
+    configure_logging(args.log_level, args.log_format)
+    return run(args.socket, args.kubeconfig, args.node_name, args.kubelet_dir, args.driver_name, args.cdi_dir,
+               args.taint_no_execute)
+
+
+def _driver_name(text: str) -> str:
+    """A DRA driver name: a lower-case DNS subdomain of at most 63 characters (k8s.io/api resource/v1
+    types.go ResourceSliceSpec.Driver)."""
+    if len(text) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a driver name: a lower-case DNS subdomain of at most 63 "
+                                         "characters, e.g. gpu.nvidia.com")
+    return text
 
 
 def _seconds(text: str) -> float:
