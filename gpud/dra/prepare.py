@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpud.dra.checkpoint import PREPARED, PREPARING, Checkpoint, PreparedClaim, PreparedDevice
-from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec,
+from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec, spec_path,
                                 write_claim_spec)
 from gpud.dra.config import MIG_CONFIG, TIME_SLICING, ConfigError, DeviceConfig, config_for, configs_by_request
 from gpud.dra.devices import MIG_TYPE, DraDevice
@@ -54,8 +54,12 @@ class Preparer:
         self.checkpoint = checkpoint
 
     def prepared(self, uid: str) -> PreparedClaim | None:
+        """The claim as prepared, if it is: recorded so, and its spec still there (a kill in the middle of an
+        Unprepare leaves the record without the spec: it is prepared again)."""
         claim = self.checkpoint.claims.get(uid)
-        return claim if claim is not None and claim.state == PREPARED else None
+        if claim is None or claim.state != PREPARED or not spec_path(self.cdi_dir, self.driver, uid).exists():
+            return None
+        return claim
 
     def prepare(self, ref: ClaimRef, claim: dict, view: PoolView) -> PreparedClaim:
         """The claim's devices, prepared (its spec written, recorded), or PrepareError."""
@@ -96,7 +100,7 @@ class Preparer:
         if view.node_spec is None:
             raise PrepareError("gpud has written no CDI spec yet (GET /v1/cdi: cdi.enabled, its error)")
         try:
-            spec = claim_spec(view.node_spec, self.driver, ref.uid, [(d.name, d.uuid) for d in devices])
+            spec = claim_spec(view.node_spec, self.driver, ref.uid, [(d.device, d.uuid) for d in devices])
         except ClaimSpecError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from None
         path = write_claim_spec(self.cdi_dir, self.driver, ref.uid, spec)
