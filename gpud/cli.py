@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
     watch.add_argument("--epoch", help="the gpud run that sequence number is of (each event's 'epoch'): "
                                        "after a restart, gpud says so and replays the new run from its start")
-    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory,kubernetes,allocations")
+    watch.add_argument("--types", help="comma-separated: health,mig,mps,sharing,inventory,kubernetes,allocations,claims")
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
@@ -285,6 +285,9 @@ def _add_dra_plugin(commands: Any) -> None:
                              "claims written for NVIDIA's driver work unchanged)")
     plugin.add_argument("--cdi-dir", type=Path, default=DEFAULT_CDI_DIR,
                         help=f"where each claim's CDI spec is written (default {DEFAULT_CDI_DIR})")
+    plugin.add_argument("--pod-resources-socket", type=Path,
+                        help="the kubelet's PodResources API, read so that a GPU the device plugin handed out is "
+                             "never prepared for a claim (default <kubelet-dir>/pod-resources/kubelet.sock)")
     plugin.add_argument("--taint-no-execute", action="store_true",
                         help="taint a device that needs a reset, a reboot or inspection NoExecute (its pods are "
                              "evicted) instead of NoSchedule")
@@ -513,7 +516,7 @@ def _dra_plugin(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     return run(args.socket, args.kubeconfig, args.node_name, args.kubelet_dir, args.driver_name, args.cdi_dir,
-               args.taint_no_execute)
+               args.taint_no_execute, args.pod_resources_socket)
 
 
 def _driver_name(text: str) -> str:

@@ -24,6 +24,7 @@ from gpud.api.mps import MpsRoutes
 from gpud.api.nfd import NfdRoutes
 from gpud.api.reload import ReloadRoute
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
+from gpud.api.claims import ClaimRoutes
 from gpud.api.sharing import AllocationRoutes, SharingRoutes
 from gpud.api.sim import SimRoutes, register_not_simulated
 from gpud.api.slurm import SlurmRoutes
@@ -52,7 +53,9 @@ from gpud.python_libraries import describe as describe_python
 from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
+from gpud.claims import ClaimRegistry
 from gpud.sharing.gpu_memory import GpuMemory
+from gpud.sharing.timeslice import set_time_slice
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.slurm.writer import GresWriter
@@ -99,9 +102,13 @@ class Daemon:
         self._sharing_changes = asyncio.Lock()  # a choice, a reload and the directory's poll take turns
         self.kubernetes_agent = KubernetesAgentStatus()
         self.inventory.subscribe(self.sharing.update)
+        self.claims = ClaimRegistry(config.state_path / "dra-claims.json", self.inventory, notify=self.bus.publish,
+                                    on_mps_change=lambda why: self.mps.converge(why),
+                                    set_time_slice=_claim_time_slice)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=lambda inventory: mps_replicas(self.sharing.config, inventory),
-                              per_client=self.gpu_memory.per_client_devices,
+                              per_client=lambda inventory: (self.gpu_memory.per_client_devices(inventory)
+                                                            | self.claims.mps_devices(inventory)),
                               notify=self.bus.publish, restarts_path=config.state_path / "mps-restarts.json")
         health = config.health
         catalog = load_catalog(application_xids=health.application_xids, ignored_xids=health.ignored_xids,
@@ -163,6 +170,7 @@ class Daemon:
             MpsRoutes(self.mps).register,
             SharingRoutes(self.sharing, self.choose_sharing_config, body_timeout_s).register,
             AllocationRoutes(self.gpu_memory, body_timeout_s).register,
+            ClaimRoutes(self.claims, body_timeout_s).register,
             KubernetesRoutes(lambda: self.config.kubernetes, self.kubernetes_agent, body_timeout_s).register,
             NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi).register,
@@ -238,7 +246,7 @@ class Daemon:
     def _state_problems(self) -> list[str]:
         """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving."""
         corrupt = [*self.health.corrupt_files, *self.bus.corrupt_files, *self.mps.corrupt_files,
-                   *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
+                   *self.claims.corrupt_files, *self.mig.corrupt_files, *self.sharing_configs.corrupt_files]
         problems = [self.mig.problem, self.health.events_problem, self.health.kernel_log_problem, self.nfd.problem,
                     self.cdi and self.cdi.error, self.slurm_gres.error]
         crashed = [f"gpud's {name} task stopped ({error}): a bug; restart gpud" for name, error in self._crashed.items()]
@@ -424,6 +432,14 @@ class Daemon:
                       why="the new metrics.listen cannot be listened on; the running config stays")
             raise GpudError(409, "metrics-listen-failed", f"{exc}; the running config stays",
                             listening=self.metrics_listener.address) from None
+
+
+async def _claim_time_slice(indices: list[int], interval: str) -> str | None:
+    """A DRA claim's time-slice interval set on its GPUs: why it failed, or None."""
+    result = await set_time_slice(interval.lower(), indices)
+    if result["applied"]:
+        return None
+    return result["reason"] or "; ".join(f"GPU {g['index']}: {g['reason']}" for g in result["gpus"] if not g["applied"])
 
 
 async def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:

@@ -23,7 +23,7 @@ from gpud.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("events")
 
-EVENT_TYPES = ("health", "mig", "mps", "sharing", "inventory", "kubernetes", "allocations")
+EVENT_TYPES = ("health", "mig", "mps", "sharing", "inventory", "kubernetes", "allocations", "claims")
 BACKLOG = 10_000
 SEQUENCE_BLOCK = 10_000  # sequence numbers reserved in the state directory at a time
 # The end markers a subscription's queue can hold after its events.

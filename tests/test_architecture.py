@@ -1,5 +1,5 @@
 """The import graph: only gpud/api/ serves HTTP and only the daemon and the CLI reach into it; the clients
-of gpud's socket (device plugin, Kubernetes agent) reach nothing of gpud's own services."""
+of gpud's socket (device plugin, Kubernetes agent, DRA plugin) reach nothing of gpud's own services."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ CLIENT_ONLY_FORBIDDEN = ("pynvml", "gpud.nvml", "gpud.daemon", "gpud.inventory",
 
 
 @pytest.mark.parametrize("package, entry", [("gpud.device_plugin", "gpud.device_plugin.plugin"),
-                                            ("gpud.kubernetes", "gpud.kubernetes.agent")])
-def test_the_device_plugin_and_the_k8s_agent_are_only_clients_of_gpuds_socket(package, entry):
+                                            ("gpud.kubernetes", "gpud.kubernetes.agent"),
+                                            ("gpud.dra", "gpud.dra.plugin")])
+def test_the_plugins_and_the_k8s_agent_are_only_clients_of_gpuds_socket(package, entry):
     """Each runs as its own process: what it knows of the GPUs comes over gpud's socket, never from
     NVML or from gpud's own services."""
     graph = _modules()
@@ -70,23 +71,27 @@ def test_the_device_plugin_and_the_k8s_agent_are_only_clients_of_gpuds_socket(pa
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_only_the_k8s_agent_talks_to_kubernetes():
+def test_only_the_k8s_agent_and_the_dra_plugin_talk_to_kubernetes():
     offenders = {name: sorted(m for m in imported if _in(m, "kubernetes_asyncio"))
-                 for name, imported in _modules().items() if not _in(name, "gpud.kubernetes")}
+                 for name, imported in _modules().items() if not (_in(name, "gpud.kubernetes") or _in(name, "gpud.dra"))}
     assert {name: found for name, found in offenders.items() if found} == {}
     assert any(_in(m, "kubernetes_asyncio") for m in _modules()["gpud.kubernetes.node_api"])
 
 
-# The modules of the device plugin that speak gRPC: grpcio has no pure-Python build, and the package's
-# pure/ tree (a CPython it has no compiled libraries for) has none (packaging/README.md, "Interpreters").
+# The modules of the device plugin and the DRA plugin that speak gRPC: grpcio has no pure-Python build, and
+# the package's pure/ tree (a CPython it has no compiled libraries for) has none (packaging/README.md,
+# "Interpreters").
 GRPC_MODULES = {"gpud.device_plugin.api", "gpud.device_plugin.endpoint", "gpud.device_plugin.plugin",
                 "gpud.device_plugin.podresources", "gpud.device_plugin.api_pb2", "gpud.device_plugin.api_pb2_grpc",
-                "gpud.device_plugin.podresources_pb2", "gpud.device_plugin.podresources_pb2_grpc"}
+                "gpud.device_plugin.podresources_pb2", "gpud.device_plugin.podresources_pb2_grpc",
+                "gpud.dra.api", "gpud.dra.server", "gpud.dra.plugin",
+                *(f"gpud.dra.{proto}_pb2{grpc}" for proto in ("dra_v1", "dra_v1beta1", "pluginregistration", "dra_health")
+                  for grpc in ("", "_grpc"))}
 
 
 def test_only_the_device_plugins_grpc_modules_import_grpc_and_protobuf():
     """gpud serve and every other command run on the pure tree: none of them reaches grpc or protobuf.
-    Of the rest, only the CLI's device-plugin command imports the plugin (after checking for grpc)."""
+    Of the rest, only the CLI's device-plugin and dra-plugin commands import the plugins (after checking for grpc)."""
     graph = _modules()
     assert GRPC_MODULES <= set(graph)
     offenders = {name: sorted(m for m in imported if _in(m, "grpc") or _in(m, "google"))
@@ -94,7 +99,8 @@ def test_only_the_device_plugins_grpc_modules_import_grpc_and_protobuf():
     # the CLI's device-plugin command: `import grpc` in its check, before it imports the plugin
     assert {name: found for name, found in offenders.items() if found} == {"gpud.cli": ["grpc"]}
     reaching = {name: sorted(imported & GRPC_MODULES) for name, imported in graph.items() if name not in GRPC_MODULES}
-    assert {name: found for name, found in reaching.items() if found} == {"gpud.cli": ["gpud.device_plugin.plugin"]}
+    assert {name: found for name, found in reaching.items() if found} == {
+        "gpud.cli": ["gpud.device_plugin.plugin", "gpud.dra.plugin"]}
 
 
 def test_the_daemon_and_the_cli_import_no_grpc():

@@ -154,10 +154,8 @@ async def test_a_mig_device_and_its_gpu_are_one_holding(short_tmp):
      "'Timeslicing' is not 'TimeSlicing' or 'MPS'"),
     (lambda d: d["status"]["allocation"]["devices"]["config"].append(
         {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": "{not json"}}), "parameters are not JSON"),
-    (lambda d: d["status"]["allocation"]["devices"]["config"].append(gpu_config(sharing={
-        "strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})), "interval Long is not supported"),
     (lambda d: d["status"]["allocation"]["devices"]["config"].append(gpu_config(sharing={"strategy": "MPS"})),
-     "MPS sharing through DRA is not supported by gpud yet"),
+     "MPS sharing needs gpud's MPS daemons"),
 ])
 async def test_hostile_and_malformed_claims_fail_clearly_and_hold_nothing(view, short_tmp, change, message):
     preparer = _preparer(short_tmp)

@@ -62,6 +62,7 @@ def allocate(state: NodeState, resource: Resource, ids: list[str],
     """What the container gets for `ids`: each named by the GPU or MIG device it stands for (a MIG
     device's own UUID, never its GPU's), two replicas of one device giving that device once, as NVIDIA's
     plugin does (internal/plugin/server.go deviceIDsFromAnnotatedDeviceIDs)."""
+    _refuse_claimed(state, resource, ids)
     devices = _known_healthy(resource, ids)
     if resource.strategy == "gpu-memory":
         return _gpu_memory(state, resource, devices, strategies)
@@ -120,6 +121,15 @@ def _add_mps_client(allocation: ContainerAllocation, client: MpsClient) -> None:
     allocation.mounts.extend(client.mounts)
     if client.host_ipc:
         allocation.mounts.append((HOST_SHM, HOST_SHM, False))
+
+
+def _refuse_claimed(state: NodeState, resource: Resource, ids: list[str]) -> None:
+    """One owner for both paths: a device a DRA claim holds (gpud's /v1/claims) is not handed out here too."""
+    for device_id in ids:
+        device = resource.device(device_id)
+        holder = device is not None and (state.claimed.get(device.device) or state.claimed.get(device.gpu))
+        if holder:
+            raise AllocationRefused(f"{resource.name}: device {device_id} is held by {holder} (Kubernetes DRA)")
 
 
 def _known_healthy(resource: Resource, ids: list[str]) -> list[PluginDevice]:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
-from gpud.device_plugin.state import NodeState, mps_client, nvlink_peers, resources_from_sharing
+from gpud.device_plugin.state import (NodeState, claimed_devices, mps_client, nvlink_peers, resources_from_sharing,
+                                      without_claimed)
 from gpud.logs import get_logger
 
 log = get_logger("device_plugin")
@@ -93,7 +94,9 @@ class GpudFollower:
     def read_state(self) -> NodeState:
         sharing = self.client.get("/v1/sharing")
         gpus = self.client.get("/v1/gpus")
-        resources = resources_from_sharing(sharing, gpus)
+        status, claims = self.client.request("GET", "/v1/claims", ok_statuses=(404,))  # 404: a gpud without DRA holds
+        claimed = claimed_devices(claims) if status == 200 else {}
+        resources = without_claimed(resources_from_sharing(sharing, gpus), claimed)
         status, cdi = self.client.request("GET", "/v1/cdi", ok_statuses=(404, 503))  # 404: a gpud without CDI
         written = status == 200 and cdi["enabled"] and cdi["written_at"] is not None
         cdi_kind, cdi_names = (cdi["kind"], frozenset(cdi["devices"])) if written else (None, frozenset())
@@ -102,7 +105,7 @@ class GpudFollower:
             for daemon in self.client.get("/v1/mps")["daemons"]:
                 client = mps_client(self.client.get(f"/v1/mps/{urllib.parse.quote(daemon['name'])}/client-env"))
                 mps_clients.update({uuid: client for uuid in daemon["devices"]})
-        return NodeState(resources, cdi_kind, cdi_names, mps_clients, sharing.get("error"), nvlink_peers(gpus))
+        return NodeState(resources, cdi_kind, cdi_names, mps_clients, sharing.get("error"), nvlink_peers(gpus), claimed)
 
     async def _fence_loop(self) -> None:
         """Reports every device Unhealthy once gpud has been unreachable past the grace period."""

@@ -62,6 +62,8 @@ class NodeState:
     # why gpud computed no resources (e.g. migStrategy single halfway through a MIG change)
     sharing_error: str | None = None
     nvlink_peers: dict[int, frozenset[int]] = field(default_factory=dict)  # GPU index -> its NVLink peers
+    # GPU or MIG UUID -> the DRA claim that holds it (GET /v1/claims): never handed out here as well
+    claimed: dict[str, str] = field(default_factory=dict)
 
     def all_unhealthy(self) -> NodeState:
         """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
@@ -83,6 +85,21 @@ def resources_from_sharing(document: dict[str, Any], gpus: dict[str, Any]) -> di
         unit_mib=int(entry["unit_mib"]) if "unit_mib" in entry else None,
         proportional_threads=bool(entry.get("proportional_threads", False)))
         for entry in document["resources"]}
+
+
+def claimed_devices(claims: dict[str, Any]) -> dict[str, str]:
+    """Device UUID -> the DRA claim holding it, in words, from a GET /v1/claims answer."""
+    return {device["uuid"]: f"DRA claim {claim['namespace']}/{claim['name']} ({claim['uid']})"
+            for claim in claims.get("claims") or [] for device in claim.get("devices") or []}
+
+
+def without_claimed(resources: dict[str, Resource], claimed: dict[str, str]) -> dict[str, Resource]:
+    """The resources with every device a DRA claim holds (or whose GPU one holds) Unhealthy: the kubelet then
+    schedules no pod of the device plugin onto it."""
+    if not claimed:
+        return resources
+    return {name: replace(r, devices=tuple(replace(d, healthy=False) if d.device in claimed or d.gpu in claimed else d
+                                           for d in r.devices)) for name, r in resources.items()}
 
 
 def nvlink_peers(gpus: dict[str, Any]) -> dict[int, frozenset[int]]:

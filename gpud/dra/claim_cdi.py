@@ -41,16 +41,21 @@ def cdi_device_id(driver: str, claim_uid: str, device_name: str) -> str:
     return f"{vendor(driver)}/{CLASS}={claim_uid}-{device_name}"
 
 
-def claim_spec(node_spec: dict, driver: str, claim_uid: str, devices: list[tuple[str, str]]) -> dict:
+def claim_spec(node_spec: dict, driver: str, claim_uid: str, devices: list[tuple[str, str]],
+               extra: dict[str, dict] | None = None) -> dict:
     """The claim's spec: `devices` are (device name in the pool, GPU or MIG UUID); each takes the edits of
-    gpud's device of that UUID. ClaimSpecError when gpud's spec has none (a device node missing)."""
+    gpud's device of that UUID, and `extra` edits by UUID (env and mounts: an MPS client's). ClaimSpecError
+    when gpud's spec has none (a device node missing)."""
     by_name = {d["name"]: d for d in node_spec.get("devices") or []}
     entries = []
     for name, uuid in devices:
         if uuid not in by_name:
             raise ClaimSpecError(f"gpud's CDI spec has no device {uuid} for {name} (GET /v1/cdi lists the "
                                  "devices it left out, and why)")
-        entries.append({"name": f"{claim_uid}-{name}", "containerEdits": copy.deepcopy(by_name[uuid]["containerEdits"])})
+        edits = copy.deepcopy(by_name[uuid]["containerEdits"])
+        for key, values in ((extra or {}).get(uuid) or {}).items():
+            edits[key] = [*edits.get(key, []), *values]
+        entries.append({"name": f"{claim_uid}-{name}", "containerEdits": edits})
     common = copy.deepcopy(node_spec.get("containerEdits") or {})
     common["env"] = [e for e in common.get("env") or [] if not e.startswith("NVIDIA_VISIBLE_DEVICES=")] + \
         [VISIBLE_DEVICES_VOID]

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpud.client import Client
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
 from gpud.dra.checkpoint import FILE_NAME, PREPARING, Checkpoint, PreparedClaim, PreparedDevice, load, read_boot_id
 from gpud.dra.claim_cdi import claim_specs_on_disk
@@ -24,6 +25,7 @@ from gpud.dra.devices import DraDevice, node_devices
 from gpud.dra.health import (DeviceHealthState, TaintPolicy, device_taints, reasons_by_uuid, states_by_uuid,
                              unmonitored_taint)
 from gpud.dra.kube import DraApi
+from gpud.dra.owner import GpudOwner
 from gpud.dra.prepare import ClaimRef, PoolView, PrepareError, Preparer
 from gpud.dra.server import HealthEntry, HealthService, Sockets
 from gpud.dra.slices import SlicePublisher
@@ -33,6 +35,7 @@ from gpud.logs import get_logger
 log = get_logger("dra_plugin")
 
 SOCKET_CHECK_S = 1.0
+OWNER_TIMEOUT_S = 30.0  # a hold that starts an MPS daemon, or sets a time slice with nvidia-smi
 CLAIM_READS_AT_ONCE = 16  # a pod with many claims, or many pods at once: the API server is asked this many at a time
 
 
@@ -77,7 +80,8 @@ class DraFollower(GpudFollower):
 class DraPlugin:
     def __init__(self, gpud_socket: Path | None, api: DraApi, kubelet_dir: Path, cdi_dir: Path,
                  no_execute: bool = False, sysfs: Path | None = Path("/sys"),
-                 unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S, boot_id: str | None = None):
+                 unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S, boot_id: str | None = None,
+                 pod_resources_socket: Path | None = None):
         self.api = api
         self.driver = api.driver
         self.pool = api.node_name
@@ -87,6 +91,9 @@ class DraPlugin:
         self.policy = TaintPolicy(no_execute=no_execute)
         self.state: DraState | None = None
         self.follower = DraFollower(gpud_socket, self.apply, sysfs, unreachable_grace_s)
+        # the kubelet's PodResources API: what the device plugin handed out (its default place under the root dir)
+        self.owner = GpudOwner(Client(self.follower.client.socket_path, timeout=OWNER_TIMEOUT_S),
+                               pod_resources_socket or kubelet_dir / "pod-resources" / "kubelet.sock")
         self.checkpoint_path = kubelet_dir / "plugins" / self.driver / FILE_NAME
         self.boot_id = boot_id if boot_id is not None else read_boot_id()
         self.preparer: Preparer | None = None
@@ -103,7 +110,7 @@ class DraPlugin:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        self.preparer = Preparer(self.driver, self.pool, self.cdi_dir, self._load_checkpoint())
+        self.preparer = Preparer(self.driver, self.pool, self.cdi_dir, self._load_checkpoint(), self.owner)
         try:
             minor = await self.api.server_minor()
         except KubeError as exc:
@@ -214,15 +221,15 @@ class DraPlugin:
         except KubeError as exc:
             log.warning("claim_not_read", claim=str(ref), error=str(exc))
             return f"claim {ref}: {exc}"
-        async with self._lock:
+        async with self._lock:  # gpud's calls block: made on a thread, one claim at a time
             try:
-                return self.preparer.prepare(ref, claim, self.view())
+                return await asyncio.to_thread(self.preparer.prepare, ref, claim, self.view())
             except PrepareError as exc:
                 log.warning("claim_not_prepared", claim=str(ref), reason=str(exc))
                 return str(exc)
-            except OSError as exc:  # the checkpoint or the spec could not be written
+            except OSError as exc:  # the checkpoint could not be written
                 log.error("claim_not_prepared", claim=str(ref), error=str(exc))
-                return f"claim {ref}: {exc.strerror or exc}: {getattr(exc, 'filename', '')}"
+                return f"claim {ref}: {exc.strerror or exc}: {exc.filename or ''}"
 
     async def unprepare_all(self, refs: list[ClaimRef]) -> dict[str, str]:
         assert self.preparer is not None
@@ -230,7 +237,7 @@ class DraPlugin:
         async with self._lock:
             for ref in refs:
                 try:
-                    self.preparer.unprepare(ref)
+                    await asyncio.to_thread(self.preparer.unprepare, ref)
                 except (PrepareError, OSError) as exc:
                     log.error("claim_not_unprepared", claim=str(ref), error=str(exc))
                     errors[ref.uid] = str(exc)
@@ -238,7 +245,7 @@ class DraPlugin:
 
 
 async def run_async(gpud_socket: Path | None, kubeconfig: Path | None, node_name: str, kubelet_dir: Path,
-                    driver: str, cdi_dir: Path, no_execute: bool) -> int:
+                    driver: str, cdi_dir: Path, no_execute: bool, pod_resources_socket: Path | None) -> int:
     from kubernetes_asyncio.config import ConfigException
 
     from gpud.kubernetes.node_api import api_client
@@ -249,13 +256,15 @@ async def run_async(gpud_socket: Path | None, kubeconfig: Path | None, node_name
         log.error("no_cluster", error=str(exc))
         return 2
     try:
-        plugin = DraPlugin(gpud_socket, DraApi(client, node_name, driver), kubelet_dir, cdi_dir, no_execute)
+        plugin = DraPlugin(gpud_socket, DraApi(client, node_name, driver), kubelet_dir, cdi_dir, no_execute,
+                           pod_resources_socket=pod_resources_socket)
         return await plugin.serve()
     finally:
         await client.close()
 
 
 def run(gpud_socket: Path | None, kubeconfig: Path | None, node_name: str, kubelet_dir: Path, driver: str,
-        cdi_dir: Path, no_execute: bool = False) -> int:
-    return asyncio.run(run_async(gpud_socket, kubeconfig, node_name, kubelet_dir, driver, cdi_dir, no_execute))
+        cdi_dir: Path, no_execute: bool = False, pod_resources_socket: Path | None = None) -> int:
+    return asyncio.run(run_async(gpud_socket, kubeconfig, node_name, kubelet_dir, driver, cdi_dir, no_execute,
+                                 pod_resources_socket))
 

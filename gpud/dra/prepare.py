@@ -15,8 +15,9 @@ from pathlib import Path
 from gpud.dra.checkpoint import PREPARED, PREPARING, Checkpoint, PreparedClaim, PreparedDevice
 from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec, spec_path,
                                 write_claim_spec)
-from gpud.dra.config import MIG_CONFIG, TIME_SLICING, ConfigError, DeviceConfig, config_for, configs_by_request
+from gpud.dra.config import MIG_CONFIG, MPS, ConfigError, DeviceConfig, Sharing, config_for, configs_by_request
 from gpud.dra.devices import MIG_TYPE, DraDevice
+from gpud.dra.owner import GpudOwner, OwnerRefused, mps_limits
 from gpud.logs import get_logger
 
 log = get_logger("dra_plugin")
@@ -47,11 +48,12 @@ class ClaimRef:
 
 
 class Preparer:
-    def __init__(self, driver: str, pool: str, cdi_dir: Path, checkpoint: Checkpoint):
+    def __init__(self, driver: str, pool: str, cdi_dir: Path, checkpoint: Checkpoint, owner: GpudOwner | None = None):
         self.driver = driver
         self.pool = pool
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
+        self.owner = owner  # None: no gpud to hold devices in (the prepare logic alone, as its tests run it)
 
     def prepared(self, uid: str) -> PreparedClaim | None:
         """The claim as prepared, if it is: recorded so, and its spec still there (a kill in the middle of an
@@ -88,33 +90,68 @@ class Preparer:
             config = config_for(str(result.get("request", "")), configs)
             self._check_config(ref, device, config)
             chosen.append((result, device, config))
-        shared = all(config is not None and config.sharing is not None for _, _, config in chosen)
-        self._refuse_held(ref, [device for _, device, _ in chosen], shared, results)
+        sharing = _claim_sharing(ref, [config for _, _, config in chosen])
+        self._refuse_held(ref, [device for _, device, _ in chosen], sharing is not None, results)
+        self._refuse_device_plugin_held(ref, [device for _, device, _ in chosen])
         devices = tuple(PreparedDevice(
             request_names=(str(result["request"]).split("/", 1)[0],), pool=self.pool, device=device.name,
             uuid=device.uuid, gpu_uuid=device.gpu_uuid,
             cdi_device_ids=(cdi_device_id(self.driver, ref.uid, device.name),),
             share_id=result.get("shareID")) for result, device, _ in chosen)
-        record = PreparedClaim(ref.uid, ref.namespace, ref.name, PREPARING, devices, shared)
-        self.checkpoint.put(record)  # before the spec: a kill now leaves a claim Unprepare can clean up
-        if view.node_spec is None:
-            raise PrepareError("gpud has written no CDI spec yet (GET /v1/cdi: cdi.enabled, its error)")
+        record = PreparedClaim(ref.uid, ref.namespace, ref.name, PREPARING, devices, sharing is not None)
+        self.checkpoint.put(record)  # before anything else: a kill from now on leaves a claim Unprepare cleans up
         try:
-            spec = claim_spec(view.node_spec, self.driver, ref.uid, [(d.device, d.uuid) for d in devices])
-        except ClaimSpecError as exc:
-            raise PrepareError(f"claim {ref}: {exc}") from None
-        path = write_claim_spec(self.cdi_dir, self.driver, ref.uid, spec)
+            path = self._prepare_recorded(ref, record, sharing, view)
+        except (PrepareError, OwnerRefused, ClaimSpecError, OSError) as exc:
+            self._roll_back(ref)
+            if isinstance(exc, OSError):
+                raise PrepareError(f"claim {ref}: {exc.strerror or exc}: {exc.filename or ''}") from None
+            raise PrepareError(str(exc) if isinstance(exc, PrepareError) else f"claim {ref}: {exc}") from None
         record = replace(record, state=PREPARED)
         self.checkpoint.put(record)
-        log.info("claim_prepared", claim=str(ref), devices=[d.device for d in devices], spec=str(path), shared=shared)
+        log.info("claim_prepared", claim=str(ref), devices=[d.device for d in devices], spec=str(path),
+                 sharing=sharing.strategy if sharing else None)
         return record
 
+    def _prepare_recorded(self, ref: ClaimRef, record: PreparedClaim, sharing: Sharing | None, view: PoolView) -> Path:
+        """The claim's devices held in gpud, its MPS clients made, its spec written."""
+        if view.node_spec is None:
+            raise PrepareError("gpud has written no CDI spec yet (GET /v1/cdi: cdi.enabled, its error)")
+        uuids = [d.uuid for d in record.devices]
+        if self.owner is not None:
+            self.owner.hold(ref.uid, ref.namespace, ref.name, self.driver, uuids, sharing)
+        extra: dict[str, dict] = {}
+        if sharing is not None and sharing.strategy == MPS:
+            assert self.owner is not None  # _check_config refused MPS without gpud
+            for uuid, (threads, memory) in mps_limits(sharing, uuids).items():
+                extra[uuid] = _mps_edits(self.owner.mps_client(ref.uid, uuid, threads, memory))
+        spec = claim_spec(view.node_spec, self.driver, ref.uid, [(d.device, d.uuid) for d in record.devices], extra)
+        return write_claim_spec(self.cdi_dir, self.driver, ref.uid, spec)
+
+    def _roll_back(self, ref: ClaimRef) -> None:
+        """A Prepare that failed half way holds nothing: spec, gpud's hold and record removed (what cannot be
+        stays recorded, for Unprepare or the next Prepare to finish)."""
+        try:
+            remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
+            if self.owner is not None:
+                self.owner.release(ref.uid)
+            self.checkpoint.remove(ref.uid)
+        except (OwnerRefused, OSError) as exc:
+            log.warning("claim_roll_back_incomplete", claim=str(ref), error=str(exc),
+                        consequence="the claim stays recorded as preparing until the kubelet prepares or unprepares it")
+
     def unprepare(self, ref: ClaimRef) -> None:
-        """Removes the claim's spec, then its record; a claim never prepared (or already unprepared) is done."""
+        """Removes the claim's spec, its hold in gpud (which stops an MPS daemon only it used), then its
+        record; a claim never prepared (or already unprepared) is done."""
         if not CLAIM_UID.fullmatch(ref.uid):
             raise PrepareError(f"claim {ref}: {ref.uid!r} is not a Kubernetes UID")
         removed = remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
         known = ref.uid in self.checkpoint.claims
+        if self.owner is not None:
+            try:
+                self.owner.release(ref.uid)
+            except OwnerRefused as exc:
+                raise PrepareError(f"claim {ref}: {exc}") from None
         self.checkpoint.remove(ref.uid)
         if known or removed:
             log.info("claim_unprepared", claim=str(ref), spec_removed=removed)
@@ -131,8 +168,7 @@ class Preparer:
                                "(a MIG layout change, or the GPU was lost)")
         return device
 
-    @staticmethod
-    def _check_config(ref: ClaimRef, device: DraDevice, config: DeviceConfig | None) -> None:
+    def _check_config(self, ref: ClaimRef, device: DraDevice, config: DeviceConfig | None) -> None:
         if config is None:
             return
         wanted = MIG_CONFIG if device.type == MIG_TYPE else "GpuConfig"
@@ -142,12 +178,8 @@ class Preparer:
         sharing = config.sharing
         if sharing is None:
             return
-        if sharing.strategy == TIME_SLICING and sharing.interval not in (None, "Default"):
-            raise PrepareError(f"claim {ref}: time-slice interval {sharing.interval} is not supported by gpud yet; "
-                               "only Default (the driver's own) is")
-        if sharing.strategy != TIME_SLICING:
-            raise PrepareError(f"claim {ref}: MPS sharing through DRA is not supported by gpud yet (gpud's "
-                               "sharing config serves MPS to device-plugin pods)")
+        if sharing.strategy == MPS and self.owner is None:
+            raise PrepareError(f"claim {ref}: MPS sharing needs gpud's MPS daemons, and this plugin has no gpud")
 
     def _refuse_held(self, ref: ClaimRef, devices: list[DraDevice], shared: bool, results: list[dict]) -> None:
         """A device (or the GPU of a MIG device, or a MIG device of a GPU) prepared for another claim."""
@@ -161,3 +193,35 @@ class Preparer:
                     if same and not admin and not (shared and other.shared):
                         raise PrepareError(f"claim {ref}: device {device.name} is held by claim {other.namespace}/"
                                            f"{other.name} ({other.uid}) ({held.device}); neither shares it")
+
+    def _refuse_device_plugin_held(self, ref: ClaimRef, devices: list[DraDevice]) -> None:
+        """A device the device plugin gave a pod (the kubelet's PodResources): one owner for both paths."""
+        if self.owner is None:
+            return
+        try:
+            holders = self.owner.device_plugin_holders()
+        except OwnerRefused as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from None
+        for device in devices:
+            holder = holders.get(device.uuid) or holders.get(device.gpu_uuid)
+            if holder:
+                raise PrepareError(f"claim {ref}: device {device.name} is held by {holder} through the device plugin")
+
+
+def _claim_sharing(ref: ClaimRef, configs: list[DeviceConfig | None]) -> Sharing | None:
+    """How the claim shares its devices: one way for all of them, or none (exclusive)."""
+    sharings = [config.sharing if config is not None else None for config in configs]
+    if any(sharing != sharings[0] for sharing in sharings):
+        raise PrepareError(f"claim {ref}: its devices are shared in different ways; gpud holds a claim's devices "
+                           "one way (one config for the claim, or the same for each request)")
+    return sharings[0]
+
+
+def _mps_edits(client: dict) -> dict:
+    """A client of gpud's MPS daemon as CDI edits: its environment and mounts, and the host's /dev/shm where
+    the daemon shares memory with its clients there (as the device plugin mounts it: allocation.py HOST_SHM)."""
+    mounts = [{"hostPath": m["source"], "containerPath": m["target"],
+               "options": ["rbind", "ro" if m.get("read_only") else "rw", "nosuid", "nodev"]} for m in client["mounts"]]
+    if client.get("host_ipc"):
+        mounts.append({"hostPath": "/dev/shm", "containerPath": "/dev/shm", "options": ["rbind", "rw", "nosuid", "nodev"]})
+    return {"env": [f"{k}={v}" for k, v in sorted(client["env"].items())], "mounts": mounts}

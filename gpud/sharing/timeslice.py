@@ -17,19 +17,22 @@ async def apply_time_slice(interval: str | None, inventory: Inventory) -> dict |
     """Sets the interval on every GPU; returns what happened, for /v1/sharing. None: nothing asked."""
     if interval is None:
         return None
+    return await set_time_slice(interval, [gpu.index for gpu in inventory.gpus if not gpu.lost])
+
+
+async def set_time_slice(interval: str, indices: list[int]) -> dict:
+    """Sets the interval (one of INTERVALS) on these GPUs, one nvidia-smi run each."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         log.warning("time_slice_not_applied", interval=interval, why="nvidia-smi is not installed")
         return {"interval": interval, "applied": False, "reason": "nvidia-smi is not installed", "gpus": []}
     results = []
-    for gpu in inventory.gpus:
-        if gpu.lost:
-            continue
+    for index in indices:
         proc = await asyncio.create_subprocess_exec(
-            smi, "compute-policy", "-i", str(gpu.index), "--set-timeslice", str(INTERVALS[interval]),
+            smi, "compute-policy", "-i", str(index), "--set-timeslice", str(INTERVALS[interval]),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         output, _ = await proc.communicate()
         ok = proc.returncode == 0
-        results.append({"index": gpu.index, "applied": ok, "reason": None if ok else output.decode().strip()[-300:]})
-        log.info("time_slice_set", gpu=gpu.index, interval=interval, ok=ok)
+        results.append({"index": index, "applied": ok, "reason": None if ok else output.decode().strip()[-300:]})
+        log.info("time_slice_set", gpu=index, interval=interval, ok=ok)
     return {"interval": interval, "applied": all(r["applied"] for r in results), "reason": None, "gpus": results}

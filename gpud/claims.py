@@ -1,0 +1,194 @@
+"""The GPUs and MIG devices Kubernetes DRA claims hold on this node, as `gpud dra-plugin` reports them
+(PUT/DELETE /v1/claims/{uid}): gpud is the node's one owner of its GPUs, so a device a claim holds is
+refused to the device plugin's pods (and shown Unhealthy to the kubelet there), and a device the device
+plugin handed out is refused to a claim by the DRA plugin (it reads the kubelet's PodResources). A claim
+that shares its devices through MPS gets gpud's own supervised MPS daemon for each (per-client limits,
+kept across gpud restarts, as gpu_memory's are); one that time-slices with an interval has it set on its
+GPUs, as NVIDIA's DRA driver does (nvidia-smi compute-policy --set-timeslice, cmd/gpu-kubelet-plugin
+sharing.go). Kept in the state directory: a restart of gpud keeps every hold.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpud.errors import GpudError
+from gpud.inventory import Inventory, InventoryService
+from gpud.logs import get_logger
+from gpud.mps.manager import daemon_name
+from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
+
+log = get_logger("claims")
+
+UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
+NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain
+MAX_DEVICES = 64  # a claim's devices on one node: more than any node has
+MAX_CLAIMS = 10_000
+STRATEGIES = ("TimeSlicing", "MPS")
+INTERVALS = ("Default", "Short", "Medium", "Long")  # NVIDIA's TimeSliceInterval, gpud's time-slice names lowered
+
+
+@dataclass(frozen=True)
+class Hold:
+    uid: str
+    namespace: str
+    name: str
+    driver: str
+    devices: tuple[str, ...]  # GPU or MIG UUIDs
+    strategy: str | None = None  # None: exclusive; TimeSlicing | MPS: shared with claims that share too
+    interval: str | None = None  # TimeSlicing's, if asked
+    held_since: float = 0.0
+
+    def describe(self) -> str:
+        return f"DRA claim {self.namespace}/{self.name} ({self.uid})"
+
+
+def _hold(document: dict) -> Hold:
+    return Hold(str(document["uid"]), str(document["namespace"]), str(document["name"]), str(document["driver"]),
+                tuple(str(d) for d in document["devices"]), document.get("strategy"), document.get("interval"),
+                float(document.get("held_since", 0.0)))
+
+
+def _gpu_of(inventory: Inventory, uuid: str):
+    """(GPU, MIG device or None) of a UUID that can be handed out: a GPU not in MIG mode, or a MIG device."""
+    for gpu in inventory.gpus:
+        if gpu.uuid == uuid and gpu.mig.mode != "enabled" and not gpu.lost:
+            return gpu, None
+        for mig in gpu.mig.devices if gpu.mig.mode == "enabled" else ():
+            if mig.uuid == uuid:
+                return gpu, mig
+    return None
+
+
+class ClaimRegistry:
+    def __init__(self, path: Path, inventory: InventoryService,
+                 notify: Callable[[str, dict], object] = lambda kind, data: None,
+                 on_mps_change: Callable[[str], Awaitable[None]] | None = None,
+                 set_time_slice: Callable[[list[int], str], Awaitable[str | None]] | None = None):
+        self.path = path
+        self.inventory = inventory
+        self._notify = notify
+        self._on_mps_change = on_mps_change  # converges gpud's MPS daemons
+        self._set_time_slice = set_time_slice  # (GPU indices, interval) -> why it failed, or None
+        holds, corrupt = read_json(path, lambda d: {h["uid"]: _hold(h) for h in d["claims"]})
+        self.corrupt_files: list[CorruptFile] = [corrupt] if corrupt else []
+        self.holds: dict[str, Hold] = holds or {}
+
+    # -- what others ask -------------------------------------------------------------------------
+
+    def holder_of(self, uuid: str) -> Hold | None:
+        return next((h for h in self.holds.values() if uuid in h.devices), None)
+
+    def mps_devices(self, inventory: Inventory) -> frozenset[str]:
+        """Devices a claim shares through MPS: each gets a daemon with per-client limits (MpsManager)."""
+        return frozenset(d for h in self.holds.values() if h.strategy == "MPS" for d in h.devices)
+
+    def view(self) -> dict:
+        inventory = self.inventory.current
+        return {"claims": [self._claim_view(h, inventory) for h in sorted(self.holds.values(), key=lambda h: h.held_since)]}
+
+    def _claim_view(self, hold: Hold, inventory: Inventory | None) -> dict:
+        view = asdict(hold)
+        view["devices"] = []
+        for uuid in hold.devices:
+            found = _gpu_of(inventory, uuid) if inventory is not None else None
+            gpu, mig = found if found else (None, None)
+            view["devices"].append({
+                "uuid": uuid, "gpu_uuid": gpu.uuid if gpu else None, "gpu_index": gpu.index if gpu else None,
+                "mps_daemon": daemon_name(gpu, mig) if gpu is not None and hold.strategy == "MPS" else None})
+        return view
+
+    # -- holding and releasing -------------------------------------------------------------------
+
+    async def hold(self, uid: str, body: dict) -> dict:
+        """PUT /v1/claims/{uid}: the claim holds these devices (the same body again: nothing changes)."""
+        hold = self._checked(uid, body)
+        previous = self.holds.get(uid)
+        if previous is not None and (previous.devices, previous.strategy, previous.interval) == (
+                hold.devices, hold.strategy, hold.interval):
+            return self._claim_view(previous, self.inventory.current)
+        if previous is None and len(self.holds) >= MAX_CLAIMS:
+            raise GpudError(409, "too-many-claims", f"gpud keeps at most {MAX_CLAIMS} claims")
+        inventory = self.inventory.current
+        if hold.interval is not None and self._set_time_slice is not None and inventory is not None:
+            indices = sorted({_gpu_of(inventory, d)[0].index for d in hold.devices})
+            failed = await self._set_time_slice(indices, hold.interval)
+            if failed:
+                raise GpudError(502, "time-slice-not-set", f"the time-slice interval {hold.interval} could not be "
+                                f"set on GPUs {indices}: {failed}")
+        self.holds[uid] = hold
+        self._save(f"claim {uid}")
+        log.info("claim_held", claim=hold.describe(), devices=list(hold.devices), strategy=hold.strategy)
+        self._notify("claims", {"uid": uid, "held": True, "devices": list(hold.devices)})
+        if hold.strategy == "MPS" or (previous is not None and previous.strategy == "MPS"):
+            await self._mps_changed(f"DRA claim {uid}")
+        return self._claim_view(hold, inventory)
+
+    async def release(self, uid: str) -> dict:
+        """DELETE /v1/claims/{uid}: idempotent; an unknown claim is released already."""
+        if not UID.fullmatch(uid):
+            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
+        hold = self.holds.pop(uid, None)
+        if hold is None:
+            return {"uid": uid, "released": False}
+        try:
+            self._save(f"the release of claim {uid}")
+        except GpudError:
+            self.holds[uid] = hold
+            raise
+        log.info("claim_released", claim=hold.describe(), devices=list(hold.devices))
+        self._notify("claims", {"uid": uid, "held": False, "devices": list(hold.devices)})
+        if hold.strategy == "MPS":
+            await self._mps_changed(f"DRA claim {uid} released")
+        return {"uid": uid, "released": True}
+
+    async def _mps_changed(self, why: str) -> None:
+        if self._on_mps_change is not None:
+            await self._on_mps_change(why)
+
+    def _save(self, what: str) -> None:
+        try:
+            write_json_atomic(self.path, {"claims": [asdict(h) for h in self.holds.values()]})
+        except OSError as exc:
+            raise write_failed(self.path, exc, what) from None
+
+    def _checked(self, uid: str, body: dict) -> Hold:
+        if not UID.fullmatch(uid):
+            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
+        for key in ("namespace", "name"):
+            if not NAME.fullmatch(body[key]):
+                raise GpudError(400, "invalid-field", f"field {key!r} must be a Kubernetes name (a DNS subdomain)")
+        if not NAME.fullmatch(body["driver"]) or len(body["driver"]) > 63:
+            raise GpudError(400, "invalid-field", "field 'driver' must be a DRA driver name (a DNS subdomain, at most 63)")
+        devices = body["devices"]
+        if not devices or len(devices) > MAX_DEVICES or not all(isinstance(d, str) for d in devices):
+            raise GpudError(400, "invalid-field", f"field 'devices' must list 1 to {MAX_DEVICES} GPU or MIG UUIDs")
+        sharing = body.get("sharing") or {}
+        if not isinstance(sharing, dict) or set(sharing) - {"strategy", "interval"}:
+            raise GpudError(400, "invalid-field", "field 'sharing' takes 'strategy' and 'interval' only")
+        strategy, interval = sharing.get("strategy"), sharing.get("interval")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise GpudError(400, "invalid-field", f"sharing.strategy must be one of {', '.join(STRATEGIES)}")
+        if interval is not None and (strategy != "TimeSlicing" or interval not in INTERVALS):
+            raise GpudError(400, "invalid-field", f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
+        inventory = self.inventory.current
+        if inventory is None:
+            raise GpudError(503, "no-inventory", "gpud has not read the GPUs yet")
+        unknown = [d for d in devices if _gpu_of(inventory, d) is None]
+        if unknown:
+            raise GpudError(422, "unknown-device", f"no GPU (outside MIG mode) or MIG device {unknown[0][:80]!r} on "
+                            "this node (GET /v1/gpus)")
+        hold = Hold(uid, body["namespace"], body["name"], body["driver"], tuple(dict.fromkeys(devices)), strategy,
+                    interval, time.time())
+        for other in self.holds.values():
+            shared = strategy is not None and other.strategy == strategy
+            for device in hold.devices:
+                # a GPU in MIG mode is never held whole (_gpu_of), so a MIG device and its GPU cannot both be
+                if other.uid != uid and device in other.devices and not shared:
+                    raise GpudError(409, "device-held", f"device {device} is held by {other.describe()}",
+                                    holder={"namespace": other.namespace, "name": other.name, "uid": other.uid})
+        return hold

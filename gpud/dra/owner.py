@@ -1,0 +1,125 @@
+"""gpud as the node's one owner of its GPUs, seen from the DRA plugin: a prepared claim's devices are held
+in gpud (PUT /v1/claims/{uid}), so the device plugin refuses them to its pods, and released at Unprepare;
+devices the device plugin handed out (the kubelet's PodResources API) are refused to a claim; a claim
+that shares through MPS is made a client of gpud's supervised MPS daemon of each device, with its limits.
+Blocking calls (gpud's standard-library client): the plugin makes them off its event loop."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.parse
+from collections.abc import Iterable
+
+import grpc
+
+from gpud.client import ApiFailure, Client, DaemonUnreachable
+from gpud.device_plugin.api import podresources_pb, podresources_rpc
+from gpud.dra.config import Sharing
+
+MPS_START_WAIT_S = 10.0  # a daemon gpud starts for the claim answers within a second or two
+LIST_TIMEOUT_S = 5.0
+_QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_FACTORS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+            "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+
+
+class OwnerRefused(Exception):
+    """gpud refused or could not be asked: the message says which, and why."""
+
+
+def quantity_mib(text: str) -> int:
+    """A memory quantity in whole MiB, as NVIDIA's MPS limits are (sharing.go limit.Megabyte); at least 1."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if not match:
+        raise OwnerRefused(f"{text!r} is not a memory quantity such as 10Gi")
+    mib = int(float(match.group(1)) * _FACTORS[match.group(2)]) >> 20
+    if mib < 1:
+        raise OwnerRefused(f"the memory limit {text} is below 1 MiB")
+    return mib
+
+
+def mps_limits(sharing: Sharing, uuids: list[str]) -> dict[str, tuple[float | None, int | None]]:
+    """Per device UUID: (active thread percentage, pinned memory MiB) of an MPS config; the per-device
+    limits name a device by its UUID or its position in the claim (sharing.go Normalize)."""
+    mps = sharing.mps or {}
+    threads = mps.get("defaultActiveThreadPercentage")
+    default = mps.get("defaultPinnedDeviceMemoryLimit")
+    memory = {uuid: quantity_mib(default) if default else None for uuid in uuids}
+    for key, value in (mps.get("defaultPerDevicePinnedMemoryLimit") or {}).items():
+        uuid = uuids[int(key)] if key.isdigit() and int(key) < len(uuids) else key
+        if uuid not in memory:
+            raise OwnerRefused(f"defaultPerDevicePinnedMemoryLimit names device {key!r}, which the claim does not have")
+        memory[uuid] = quantity_mib(value)
+    return {uuid: (None if threads is None else float(threads), memory[uuid]) for uuid in uuids}
+
+
+class GpudOwner:
+    def __init__(self, client: Client, pod_resources_socket):
+        self.client = client
+        self.pod_resources_socket = pod_resources_socket
+
+    def hold(self, uid: str, namespace: str, name: str, driver: str, devices: Iterable[str],
+             sharing: Sharing | None) -> None:
+        body = {"namespace": namespace, "name": name, "driver": driver, "devices": list(devices),
+                "sharing": None if sharing is None else {"strategy": sharing.strategy, **(
+                    {"interval": sharing.interval} if sharing.interval else {})}}
+        self._call("PUT", f"/v1/claims/{uid}", body, "hold the devices in gpud")
+
+    def release(self, uid: str) -> None:
+        self._call("DELETE", f"/v1/claims/{uid}", None, "release the devices in gpud")
+
+    def mps_client(self, uid: str, uuid: str, threads: float | None, memory_mib: int | None) -> dict:
+        """What a client of the MPS daemon gpud runs for this device needs (GET /v1/mps/{name}/client-env),
+        once the daemon runs."""
+        deadline = time.monotonic() + MPS_START_WAIT_S
+        while True:
+            claims = self._call("GET", "/v1/claims", None, "read gpud's claims")
+            daemon = next((d["mps_daemon"] for c in claims["claims"] if c["uid"] == uid for d in c["devices"]
+                           if d["uuid"] == uuid), None)
+            query = {k: v for k, v in (("threads_percent", threads), ("memory_mib", memory_mib)) if v is not None}
+            client = None
+            if daemon is not None:
+                path = f"/v1/mps/{urllib.parse.quote(daemon)}/client-env" + (
+                    f"?{urllib.parse.urlencode(query)}" if query else "")
+                status, client = self.client.request("GET", path, ok_statuses=(404,))
+                if status == 404:
+                    client = None
+            if client is not None and client["state"] == "running":
+                return client
+            if time.monotonic() > deadline:
+                state = client["state"] if client else "not started"
+                raise OwnerRefused(f"gpud's MPS daemon {daemon or '(none)'} for {uuid} is {state} after "
+                                   f"{MPS_START_WAIT_S:g} s (gpud mps status says why)")
+            time.sleep(0.1)  # a poll of gpud while its daemon starts
+
+    def device_plugin_holders(self) -> dict[str, str]:
+        """Device UUID -> the pod container the device plugin gave it to, from the kubelet's PodResources
+        List (replica IDs `<uuid>::<n>` name their device); {} where there is no such socket (no device plugin
+        path on this node)."""
+        if not self.pod_resources_socket.exists():
+            return {}
+        with grpc.insecure_channel(f"unix://{self.pod_resources_socket}") as channel:
+            try:
+                answer = podresources_rpc.PodResourcesListerStub(channel).List(
+                    podresources_pb.ListPodResourcesRequest(), timeout=LIST_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise OwnerRefused(f"the kubelet's PodResources API ({self.pod_resources_socket}) did not answer: "
+                                   f"{exc.details() if hasattr(exc, 'details') else exc}") from None
+        holders = {}
+        for pod in answer.pod_resources:
+            for container in pod.containers:
+                for devices in container.devices:
+                    for device_id in devices.device_ids:
+                        holders[device_id.partition("::")[0]] = (
+                            f"pod {pod.namespace}/{pod.name} container {container.name} ({devices.resource_name})")
+        return holders
+
+    def _call(self, method: str, path: str, body, what: str):
+        try:
+            return self.client.request(method, path, body)[1]
+        except ApiFailure as exc:
+            raise OwnerRefused(f"gpud refused to {what}: {exc}") from None
+        except DaemonUnreachable as exc:
+            raise OwnerRefused(f"could not {what}: gpud is unreachable ({exc})") from None
+
