@@ -26,11 +26,29 @@ written short below as apiserver/ and apimachinery/):
 | 422 validation: label keys and values, annotations (keys, 256 KiB in all), taints (key, value, effect, unique key+effect), immutable name/uid | apimachinery/pkg/util/validation/validation.go, apimachinery/pkg/api/validation/objectmeta.go, pkg/apis/core/validation/validation.go ValidateNode, ValidateNodeUpdate, validateNodeTaints |
 | times stored as RFC 3339 seconds, UTC (metav1.Time), eventTime with microseconds (metav1.MicroTime) | apimachinery/pkg/apis/meta/v1/time.go, micro_time.go MarshalJSON |
 | Events: create (name or generateName, AlreadyExists 409, unknown namespace 404), list; validated as core/v1 events are | pkg/apis/core/validation/events.go ValidateEventCreate, legacyValidateEvent; apiserver/pkg/registry/rest/create.go BeforeCreate; plugin/pkg/admission/namespace/lifecycle |
+| GET /version: version.Info of the constructor's server_version (1.34, 1.35, 1.36), readable by every user | apimachinery/pkg/version/types.go Info; plugin/pkg/auth/authorizer/rbac/bootstrappolicy system:public-info-viewer |
+| /apis/resource.k8s.io/v1: group-qualified messages (`resourceslices.resource.k8s.io "x" not found`, `ResourceSlice.resource.k8s.io "x" is invalid`), RBAC apiGroups matched against the request's group; DELETE of a collection is the verb deletecollection | apimachinery/pkg/api/errors/errors.go (schema.GroupResource, GroupKind String); requestinfo.go NewRequestInfo; evaluation_helpers.go APIGroupMatches |
+| ResourceSlice create: generateName + 5 characters of apimachinery's rand alphabet, uid, creationTimestamp, generation 1; AlreadyExists; feature-gated fields dropped (DRADeviceTaints, DRAPartitionableDevices, DRADeviceBindingConditions, DRAConsumableCapacity, DRAListTypeAttributes, DRANodeAllocatableResources: off in 1.34/1.35 by default, the first four on in 1.36; `feature_gates` overrides); a taint's timeAdded defaulted | pkg/registry/resource/resourceslice/strategy.go PrepareForCreate, dropDisabledFields; apiserver/pkg/storage/names SimpleNameGenerator, apimachinery/pkg/util/rand; pkg/apis/resource/v1/defaults.go SetDefaults_DeviceTaint; pkg/features versioned gates (reference/dra.md 5) |
+| ResourceSlice update (PUT): name must match the URL (400), resourceVersion precondition (409, none: unconditional), generation + 1 when the spec changed, no write when nothing changed; DELETE returns the deleted object (ReturnDeletedObject), DeleteOptions preconditions (409); DELETE of the collection by field selector answers the list of what went | strategy.go PrepareForUpdate, AllowUnconditionalUpdate; resourceslice/storage/storage.go NewREST; apiserver/pkg/registry/generic/registry/store.go Update, Delete, DeleteCollection; apiserver/pkg/storage/interfaces.go Preconditions.Check |
+| ResourceSlice field selectors metadata.name, spec.nodeName, spec.driver (others 400); ResourceClaim metadata.name, metadata.namespace; watches of both as of nodes, bookmarks carry an empty object of the kind | strategy.go toSelectableFields; pkg/apis/resource/v1/conversion.go (field label conversion); generic.AddObjectMetaFieldsSet |
+| watch-list (sendInitialEvents=true with allowWatchBookmarks and resourceVersionMatch=NotOlderThan): ADDED for what exists, then a BOOKMARK annotated `k8s.io/initial-events-end: "true"`, then changes; client-go's reflector (NVIDIA's plugin) watches so | apiserver/pkg/storage/cacher/cacher.go, cache_watcher.go (KEP-3157) |
+| list `limit`: served whole when resourceVersion=0 (the watch cache ignores it) or when everything fits | apiserver/pkg/storage/cacher/cacher.go GetList |
+| ResourceSlice validation (422, paths and messages): metadata.name DNS subdomain; spec.driver required, ≤63, DNS subdomain of its lowercase (uppercase is only a warning); pool.name required, ≤253, "/"-separated DNS subdomains; pool.generation ≥0; pool.resourceSliceCount >0; driver, pool.name, nodeName immutable; exactly one of nodeName/nodeSelector (one term)/allNodes/perDeviceNodeSelection; 1.35+: not both sharedCounters and devices ("only one of `sharedCounters` or `devices` is allowed"; an empty list counts as set, as a non-nil Go slice does); devices ≤128 (1.35+: ≤64 with taints or consumesCounters), a too-long list short-circuits; device name DNS label, unique (Duplicate at spec.devices[i]); attributes+capacity ≤32; attribute and capacity names QualifiedName (C identifier ≤32, optional driver-name domain and "/"); exactly one of int/bool/string/version; string ≤64; version semver 2.0.0 ≤64; requestPolicy only with allowMultipleAllocations; taints: key a label name, value a label value, effect NoSchedule/NoExecute (+None from 1.35), ≤4 (1.34) / ≤16 (1.35+), unchanged taints not revalidated; 1.34: consumesCounters must name a counter set and counters of this slice's sharedCounters, ≤32 shared counters in all; 1.35+: ≤8 counter sets, ≤32 counters a set, ≤2 consumesCounters a device; set and counter names DNS labels | pkg/apis/resource/validation/validation.go ValidateResourceSlice(Update), validateResourceSliceSpec, validateResourcePool, validatePoolName, validateDevice, validateDeviceAttribute, validateQualifiedName, validateCIdentifier, validateDeviceTaint, validateCounterSet, validateDeviceCounterConsumption, validateSet/validateSlice; pkg/apis/core/validation ValidateCSIDriverName; validation_resourceslice_test.go (1.34 counter cases); staging/src/k8s.io/api/resource/v1/types.go limits |
+| a body that does not decode (wrong JSON types, a Quantity that does not parse): 400 "... cannot be handled as a ResourceSlice: ..." | apiserver/pkg/endpoints/handlers/create.go, update.go (transformDecodeError); apimachinery/pkg/api/resource/quantity.go ErrFormatWrong |
+| request bodies: no Content-Type is JSON; JSON and protobuf accepted (protobuf decoded by client-go's scheme in ../shared/nvidia-dra-driver/tools/pbdecode, 10 s bound; without that tool, 415 as a server without the codec); others 415 listing application/json, application/yaml, application/vnd.kubernetes.protobuf; answers always JSON | apiserver/pkg/endpoints/handlers/negotiation/negotiate.go NegotiateInputSerializerForMediaType, errors.go NewUnsupportedMediaTypeError |
+| ResourceClaims: GET one, list and watch (namespaced and across namespaces); written only by the test's helpers, requests defaulted (allocationMode ExactCount, count 1) | pkg/apis/resource/v1/defaults.go SetDefaults_ExactDeviceRequest; types.go ResourceClaimStatus |
 
-Not modelled (answered 501 and recorded): other resources and paths, PUT and DELETE, server-side apply,
-label selectors, list paging, dryRun, fieldValidation=Strict, the `$setElementOrder`, `$retainKeys` and
-`$deleteFromPrimitiveList` directives, a non-numeric resourceVersion, watching events. Also not modelled:
-managedFields, unknown fields being dropped, Quantity syntax in capacity. Where several validators of
+Not modelled (answered 501 and recorded): other resources and paths, PUT and DELETE of nodes, server-side
+apply, PATCH of ResourceSlices, any write of ResourceClaims over HTTP (status updates included), DeviceClasses,
+YAML bodies, an Accept of protobuf alone (the real server would answer in protobuf), label selectors, list
+paging, dryRun, fieldValidation=Strict, the `$setElementOrder`, `$retainKeys` and `$deleteFromPrimitiveList`
+directives, a non-numeric resourceVersion, watching events. Also not modelled: managedFields, unknown fields
+being dropped, Quantity canonical forms ("1024Mi" stays as sent; the syntax is approximated by a regex),
+node capacity syntax, ValidateNodeSelector inside a slice's nodeSelector, the rules of gated fields when their
+gate is on (requestPolicy ranges, bindingConditions, list-typed attributes, nodeAllocatableResourceMappings,
+partitionTypeAttribute), DeleteOptions' propagationPolicy/gracePeriodSeconds (nothing to do for a slice), the
+warning header for an uppercase driver name. Unverified details are marked so in comments (a QualifiedName
+with two "/", a client-set resourceVersion on create, the 1.34 short-circuit of a too-long list). Where several validators of
 the real server report the same cause, the real answer may repeat it; this one gives it once.
 """
 
@@ -60,6 +78,8 @@ from kube_http import JSON, JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH, Kube
 
 AGENT_USER = "system:serviceaccount:gpud-system:gpud-k8s-agent"
 AGENT_GROUPS = ("system:serviceaccounts", "system:serviceaccounts:gpud-system", "system:authenticated")
+DRA_USER = "system:serviceaccount:gpud-system:gpud-dra-plugin"
+RBAC_USERS = {"agent": AGENT_USER, "dra": DRA_USER}
 ADMIN_USER, ADMIN_GROUPS = "kubernetes-admin", ("system:masters", "system:authenticated")
 ANONYMOUS_USER, ANONYMOUS_GROUPS = "system:anonymous", ("system:unauthenticated",)
 PRIVILEGED_GROUP = "system:masters"  # pkg/controlplane/apiserver/options: authorizerfactory.NewPrivilegedGroups
@@ -127,17 +147,27 @@ class Unmodelled(Exception):
     """A request this stand-in does not model: answered 501 and recorded."""
 
 
-def not_found(resource: str, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+def qualified(resource: str, group: str) -> str:  # schema.GroupResource.String: "resource.group"
+    return f"{resource}.{group}" if group else resource
+
+
+def not_found(resource: str, name: str, group: str = "") -> ApiError:
+    return ApiError(404, "NotFound", f'{qualified(resource, group)} "{name}" not found',
+                    {"name": name, **({"group": group} if group else {}), "kind": resource})
 
 
 def bad_request(message: str) -> ApiError:
     return ApiError(400, "BadRequest", message)
 
 
-def conflict(resource: str, name: str, why: str) -> ApiError:  # errors.go NewConflict
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": {why}',
-                    {"name": name, "kind": resource})
+def conflict(resource: str, name: str, why: str, group: str = "") -> ApiError:  # errors.go NewConflict
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {qualified(resource, group)} "{name}": {why}',
+                    {"name": name, **({"group": group} if group else {}), "kind": resource})
+
+
+def already_exists(resource: str, name: str, group: str = "") -> ApiError:  # errors.go NewAlreadyExists
+    return ApiError(409, "AlreadyExists", f'{qualified(resource, group)} "{name}" already exists',
+                    {"name": name, **({"group": group} if group else {}), "kind": resource})
 
 
 # -- field errors, as apimachinery/pkg/util/validation/field/errors.go renders them -----------------
@@ -152,27 +182,30 @@ class FieldError:
     CAUSES = {"Invalid": ("FieldValueInvalid", "Invalid value"), "Required": ("FieldValueRequired", "Required value"),
               "NotSupported": ("FieldValueNotSupported", "Unsupported value"),
               "Duplicate": ("FieldValueDuplicate", "Duplicate value"),
-              "Forbidden": ("FieldValueForbidden", "Forbidden"), "TooLong": ("FieldValueTooLong", "Too long")}
+              "Forbidden": ("FieldValueForbidden", "Forbidden"), "TooLong": ("FieldValueTooLong", "Too long"),
+              "TooMany": ("FieldValueTooMany", "Too many"), "TypeInvalid": ("FieldValueTypeInvalid", "Invalid value")}
 
     def body(self) -> str:
         """ErrorBody: Required, Forbidden and TooLong name no value; strings are quoted (%q)."""
         text = self.CAUSES[self.kind][1]
         if self.kind not in ("Required", "Forbidden", "TooLong"):
-            text += ": " + (json.dumps(self.bad_value) if isinstance(self.bad_value, str) else str(self.bad_value))
+            value = self.bad_value
+            text += ": " + (json.dumps(value) if isinstance(value, (str, bool)) else str(value))
         return text + (f": {self.detail}" if self.detail else "")
 
     def cause(self) -> dict:
         return {"reason": self.CAUSES[self.kind][0], "message": self.body(), "field": self.path}
 
 
-def invalid(kind: str, name: str, errors: list[FieldError]) -> ApiError:
-    """errors.go NewInvalid: the message joins the distinct errors (ErrorList.ToAggregate)."""
+def invalid(kind: str, name: str, errors: list[FieldError], group: str = "") -> ApiError:
+    """errors.go NewInvalid: the message joins the distinct errors (ErrorList.ToAggregate); the kind is
+    group-qualified (schema.GroupKind.String)."""
     unique = list(dict.fromkeys(errors))
     texts = [f"{e.path}: {e.body()}" for e in unique]
     joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
-    details = {**({"name": name} if name else {}), **({"kind": kind} if kind else {}),
-               "causes": [e.cause() for e in unique]}
-    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {joined}', details)
+    details = {**({"name": name} if name else {}), **({"group": group} if group else {}),
+               **({"kind": kind} if kind else {}), "causes": [e.cause() for e in unique]}
+    return ApiError(422, "Invalid", f'{qualified(kind, group)} "{name}" is invalid: {joined}', details)
 
 
 def regex_error(message: str, fmt: str, *examples: str) -> str:  # validation.go RegexError
@@ -544,6 +577,511 @@ def validate_event(event: dict, namespace: str) -> list[FieldError]:
     return errors + validate_metadata(meta, None)
 
 
+# -- resource.k8s.io/v1: ResourceSlices and ResourceClaims -------------------------------------------
+
+RESOURCE_GROUP, RESOURCE_VERSION = "resource.k8s.io", "v1"
+RESOURCE_API_VERSION = f"{RESOURCE_GROUP}/{RESOURCE_VERSION}"
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+# apiserver/pkg/endpoints/handlers/negotiation: the serializers a built-in resource is served with (CBOR only
+# behind the CBORServingAndStorage gate, not modelled), in the order the 415 message lists them
+BODY_TYPES = (JSON, "application/yaml", PROTOBUF)
+PBDECODE = Path(__file__).resolve().parents[1].parent / "shared/nvidia-dra-driver/tools/pbdecode/pbdecode"
+PBDECODE_TIMEOUT_S = 10.0
+SERVER_VERSIONS = {"1.34": "v1.34.0", "1.35": "v1.35.0", "1.36": "v1.36.0"}
+# pkg/features/kube_features.go, versioned defaults (reference/dra.md sections 5 and 6): alpha (off) in 1.34
+# and 1.35, beta (on) in 1.36. DRAListTypeAttributes and DRANodeAllocatableResources are alpha in 1.36.
+DRA_GATES = ("DRADeviceTaints", "DRAPartitionableDevices", "DRADeviceBindingConditions", "DRAConsumableCapacity",
+             "DRAListTypeAttributes", "DRANodeAllocatableResources")
+
+
+def default_gates(version: str) -> dict[str, bool]:
+    on = version == "1.36"
+    return {"DRADeviceTaints": on, "DRAPartitionableDevices": on, "DRADeviceBindingConditions": on,
+            "DRAConsumableCapacity": on, "DRAListTypeAttributes": False, "DRANodeAllocatableResources": False}
+
+
+# staging/src/k8s.io/api/resource/v1/types.go constants
+SLICE_MAX_DEVICES = 128  # ResourceSliceMaxDevices
+SLICE_MAX_DEVICES_ADVANCED = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters (1.35+)
+MAX_ATTRIBUTES_AND_CAPACITIES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
+ATTRIBUTE_MAX_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength
+DEVICE_MAX_ID_LENGTH, DEVICE_MAX_DOMAIN_LENGTH = 32, 63  # DeviceMaxIDLength, DeviceMaxDomainLength
+POOL_NAME_MAX_LENGTH = 253  # PoolNameMaxLength
+DRIVER_NAME_MAX_LENGTH = 63  # core validation ValidateCSIDriverName
+MAX_SHARED_COUNTERS_134 = 32  # ResourceSliceMaxSharedCounters (1.34: counters in all sets of a slice)
+MAX_COUNTER_SETS, MAX_COUNTERS_PER_SET = 8, 32  # 1.35+: ResourceSliceMaxCounterSets, ...MaxCountersPerCounterSet
+MAX_CONSUMPTIONS_PER_DEVICE = 2  # 1.35+: ResourceSliceMaxDeviceCounterConsumptionsPerDevice
+TAINT_EFFECTS_DRA = {"1.34": ("NoExecute", "NoSchedule")}  # validation.go validDeviceTaintEffects, sets.List (sorted)
+TAINTS_MAX = {"1.34": 4}  # DeviceTaintsMaxLength; 16 from 1.35
+
+DNS_LABEL_FMT = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # apimachinery validation.go dns1123LabelFmt
+DNS_LABEL_MSG = ("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must "
+                 "start and end with an alphanumeric character")
+C_IDENTIFIER_FMT = "[A-Za-z_][A-Za-z0-9_]*"  # validation.go cIdentifierFmt
+C_IDENTIFIER_MSG = ("a valid C identifier must start with alphabetic character or '_', followed by a string of "
+                    "alphanumeric characters or '_'")
+# pkg/apis/resource/validation/validation.go semverRe
+SEMVER = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+                    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+                    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?")
+# apimachinery/pkg/api/resource/quantity.go: the expression its parse error names; the real parser is stricter
+# (suffixes from a fixed list, one exponent form), approximated by QUANTITY
+QUANTITY_ERROR = "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)((Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)|[eE][+-]?\d+)?")
+# apimachinery/pkg/util/rand/rand.go: the alphabet of names.SimpleNameGenerator (no vowels, no 0/1/3)
+RAND_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def dns_label_errors(value: str) -> list[str]:  # validation.go IsDNS1123Label
+    errors = ["must be no more than 63 characters"] if len(value) > 63 else []
+    if not re.fullmatch(DNS_LABEL_FMT, value):
+        errors.append(regex_error(DNS_LABEL_MSG, DNS_LABEL_FMT, "my-name", "123-abc"))
+    return errors
+
+
+def driver_name_errors(value: str, at: str) -> list[FieldError]:
+    """core validation.go ValidateCSIDriverName (validation.go validateDriverName): the DNS-subdomain check is
+    of the lowercased name; uppercase only earns a warning (strategy.go WarningsOnCreate)."""
+    errors = [FieldError("Required", at)] if not value else []
+    if len(value) > DRIVER_NAME_MAX_LENGTH:
+        errors.append(FieldError("TooLong", at, value, f"must have at most {DRIVER_NAME_MAX_LENGTH} bytes"))
+    return errors + [FieldError("Invalid", at, value, m) for m in dns_subdomain_errors(value.lower())]
+
+
+def pool_name_errors(value: str, at: str) -> list[FieldError]:  # validation.go validatePoolName
+    if not value:
+        return [FieldError("Required", at)]
+    errors = [FieldError("TooLong", at, "", f"must have at most {POOL_NAME_MAX_LENGTH} bytes")] \
+        if len(value) > POOL_NAME_MAX_LENGTH else []
+    for part in value.split("/"):
+        errors += [FieldError("Invalid", at, part, m) for m in dns_subdomain_errors(part)]
+    return errors
+
+
+def c_identifier_errors(value: str, at: str) -> list[FieldError]:  # validation.go validateCIdentifier
+    errors = [FieldError("TooLong", at, "", f"must have at most {DEVICE_MAX_ID_LENGTH} bytes")] \
+        if len(value) > DEVICE_MAX_ID_LENGTH else []
+    if not re.fullmatch(C_IDENTIFIER_FMT, value):
+        errors.append(FieldError("TypeInvalid", at, value,
+                                 regex_error(C_IDENTIFIER_MSG, C_IDENTIFIER_FMT, "my_name", "MY_NAME", "MyName")))
+    return errors
+
+
+def qualified_name_errors_dra(name: str, at: str) -> list[FieldError]:
+    """validation.go validateQualifiedName: a C identifier, or a driver-name domain, "/" and a C identifier.
+    A name with two or more "/" is checked here as domain + the rest (the source's switch has no case for
+    it in the versions read; not verified which error the real server gives)."""
+    if not name:
+        return [FieldError("Required", at, detail="name required")]
+    if "/" not in name:
+        return c_identifier_errors(name, at)
+    domain, _, ident = name.partition("/")
+    errors = [FieldError("Required", at, detail="the domain must not be empty")] if not domain \
+        else driver_name_errors(domain, at)
+    return errors + ([FieldError("Required", at, detail="the name must not be empty")] if not ident
+                     else c_identifier_errors(ident, at))
+
+
+def node_name_errors(value: str, at: str) -> list[FieldError]:  # validation.go validateNodeName (NameIsDNSSubdomain)
+    return [FieldError("Invalid", at, value, m) for m in dns_subdomain_errors(value)]
+
+
+def too_many(at: str, count: int, limit: int) -> FieldError:  # field.TooMany
+    return FieldError("TooMany", at, count, f"must have at most {limit} items")
+
+
+def decode_error(why: str, kind: str = "ResourceSlice") -> ApiError:
+    """handlers/create.go, update.go: a body that does not decode is a BadRequest (transformDecodeError)."""
+    return bad_request(f'{kind} in version "{RESOURCE_VERSION}" cannot be handled as a {kind}: {why}')
+
+
+def check_quantity(value: Any) -> None:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool) or not QUANTITY.fullmatch(str(value)):
+        raise decode_error(QUANTITY_ERROR)
+
+
+def decode_slice(document: Any) -> dict:
+    """What decoding into a v1.ResourceSlice refuses (400): wrong JSON types and bad Quantity strings."""
+    if not isinstance(document, dict):
+        raise decode_error("json: cannot unmarshal into Go value of type v1.ResourceSlice")
+    for type_meta, want in (("kind", "ResourceSlice"), ("apiVersion", RESOURCE_API_VERSION)):
+        if document.get(type_meta) not in (None, "", want):
+            # the real message comes from the codec's GVK check; its wording is not verified here
+            raise bad_request(f"the body's {type_meta} {document[type_meta]!r} is not {want!r}")
+    obj = copy.deepcopy(document)
+    meta, spec = obj.setdefault("metadata", {}), obj.setdefault("spec", {})
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        raise decode_error("json: cannot unmarshal into Go struct field ResourceSlice.metadata or spec")
+    pool = spec.get("pool") or {}
+    if not isinstance(pool, dict) or not all(isinstance(pool.get(k, 0), int) and not isinstance(pool.get(k, 0), bool)
+                                             for k in ("generation", "resourceSliceCount")):
+        raise decode_error("json: cannot unmarshal into Go struct field ResourceSliceSpec.spec.pool of type int64")
+    if not isinstance(spec.get("devices") or [], list) or not isinstance(spec.get("sharedCounters") or [], list):
+        raise decode_error("json: cannot unmarshal object into Go struct field ResourceSliceSpec.spec.devices")
+    for device in spec.get("devices") or []:
+        if not isinstance(device, dict) or not isinstance(device.get("attributes") or {}, dict) \
+                or not isinstance(device.get("capacity") or {}, dict):
+            raise decode_error("json: cannot unmarshal into Go struct field ResourceSliceSpec.spec.devices of type v1.Device")
+        for attribute in (device.get("attributes") or {}).values():
+            if not isinstance(attribute, dict):
+                raise decode_error("json: cannot unmarshal into Go value of type v1.DeviceAttribute")
+            for name, kind in (("int", int), ("bool", bool), ("string", str), ("version", str)):
+                value = attribute.get(name)
+                if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                    raise decode_error(f"json: cannot unmarshal into Go struct field DeviceAttribute.{name}")
+        for capacity in (device.get("capacity") or {}).values():
+            check_quantity(capacity.get("value") if isinstance(capacity, dict) else None)
+        for consumption in device.get("consumesCounters") or []:
+            for counter in (consumption.get("counters") or {}).values() if isinstance(consumption, dict) else [None]:
+                check_quantity(counter.get("value") if isinstance(counter, dict) else None)
+        for taint in device.get("taints") or []:
+            if not isinstance(taint, dict):
+                raise decode_error("json: cannot unmarshal into Go value of type v1.DeviceTaint")
+            if taint.get("timeAdded") is not None:
+                try:
+                    taint["timeAdded"] = go_time(taint["timeAdded"])
+                except ValueError as error:
+                    raise decode_error(str(error)) from None
+    for counter_set in spec.get("sharedCounters") or []:
+        for counter in (counter_set.get("counters") or {}).values() if isinstance(counter_set, dict) else [None]:
+            check_quantity(counter.get("value") if isinstance(counter, dict) else None)
+    return obj
+
+
+def drop_disabled_fields(slice_: dict, old: dict | None, gates: dict[str, bool]) -> None:
+    """resourceslice/strategy.go dropDisabledFields: a field of a disabled gate is dropped on create, and on
+    update unless the stored slice already uses it."""
+    spec, old_spec = slice_["spec"], (old or {}).get("spec", {})
+    devices, old_devices = spec.get("devices") or [], old_spec.get("devices") or []
+    if not gates["DRADeviceTaints"] and not any(d.get("taints") for d in old_devices):
+        for device in devices:
+            device.pop("taints", None)
+    partitionable = ("consumesCounters", "nodeName", "nodeSelector", "allNodes")
+    if not gates["DRAPartitionableDevices"] and not (
+            old_spec.get("sharedCounters") or old_spec.get("perDeviceNodeSelection") is not None
+            or any(d.get("consumesCounters") or any(d.get(f) is not None for f in partitionable[1:]) for d in old_devices)):
+        spec.pop("sharedCounters", None)
+        spec.pop("perDeviceNodeSelection", None)
+        for device in devices:
+            for name in partitionable:
+                device.pop(name, None)
+    binding = ("bindingConditions", "bindingFailureConditions", "bindsToNode")
+    if not gates["DRADeviceBindingConditions"] and not any(d.get(f) for d in old_devices for f in binding):
+        for device in devices:
+            for name in binding:
+                device.pop(name, None)
+    if not gates["DRAConsumableCapacity"] and not any(
+            d.get("allowMultipleAllocations") is not None
+            or any(c.get("requestPolicy") for c in (d.get("capacity") or {}).values()) for d in old_devices):
+        for device in devices:
+            device.pop("allowMultipleAllocations", None)
+            for capacity in (device.get("capacity") or {}).values():
+                capacity.pop("requestPolicy", None)
+    if not gates["DRAListTypeAttributes"]:
+        for device in devices:
+            for attribute in (device.get("attributes") or {}).values():
+                for name in ("ints", "bools", "strings", "versions"):
+                    attribute.pop(name, None)
+    if not gates["DRANodeAllocatableResources"]:
+        for device in devices:
+            device.pop("nodeAllocatableResourceMappings", None)
+
+
+def validate_slice(slice_: dict, old: dict | None, version: str) -> list[FieldError]:
+    """validation.go ValidateResourceSlice / ValidateResourceSliceUpdate, validateResourceSliceSpec."""
+    meta, spec = slice_["metadata"], slice_["spec"]
+    errors = []
+    if not meta.get("name"):
+        errors.append(FieldError("Required", "metadata.name", detail="name or generateName is required"))
+    else:  # objectmeta.go ValidateObjectMeta with NameIsDNSSubdomain
+        errors += [FieldError("Invalid", "metadata.name", meta["name"], m) for m in dns_subdomain_errors(meta["name"])]
+    errors += validate_metadata(meta, old)
+    driver, pool = spec.get("driver") or "", spec.get("pool") or {}
+    errors += driver_name_errors(driver, "spec.driver")
+    errors += pool_name_errors(pool.get("name") or "", "spec.pool.name")
+    if (pool.get("resourceSliceCount") or 0) <= 0:
+        errors.append(FieldError("Invalid", "spec.pool.resourceSliceCount", pool.get("resourceSliceCount") or 0,
+                                 "must be greater than zero"))
+    if (pool.get("generation") or 0) < 0:
+        errors.append(FieldError("Invalid", "spec.pool.generation", pool["generation"],
+                                 "must be greater than or equal to zero"))
+    if old is not None:  # apimachinery api/validation ValidateImmutableField
+        old_spec = old["spec"]
+        for at, new_value, old_value in (("spec.pool.name", pool.get("name"), old_spec["pool"].get("name")),
+                                         ("spec.driver", driver, old_spec.get("driver")),
+                                         ("spec.nodeName", spec.get("nodeName"), old_spec.get("nodeName"))):
+            if new_value != old_value:
+                errors.append(FieldError("Invalid", at, "<nil>" if new_value is None else new_value, "field is immutable"))
+    set_fields = []
+    if spec.get("nodeName") is not None:
+        if spec["nodeName"]:
+            set_fields.append("`nodeName`")
+            errors += node_name_errors(spec["nodeName"], "spec.nodeName")
+        else:
+            errors.append(FieldError("Invalid", "spec.nodeName", "", "must be either unset or set to a non-empty string"))
+    if spec.get("nodeSelector") is not None:
+        set_fields.append("`nodeSelector`")
+        # core validation ValidateNodeSelector (requirements' keys, operators, values) is not modelled
+        if len(spec["nodeSelector"].get("nodeSelectorTerms") or []) != 1:
+            errors.append(FieldError("Invalid", "spec.nodeSelector.nodeSelectorTerms",
+                                     json.dumps(spec["nodeSelector"].get("nodeSelectorTerms")),
+                                     "must have exactly one node selector term"))
+    for flag in ("allNodes", "perDeviceNodeSelection"):
+        if spec.get(flag) is not None:
+            if spec[flag] is True:
+                set_fields.append(f"`{flag}`")
+            else:
+                errors.append(FieldError("Invalid", f"spec.{flag}", spec[flag], "must be either unset or set to true"))
+    one_of = "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required"
+    if not set_fields:
+        errors.append(FieldError("Required", "spec", detail=one_of))
+    elif len(set_fields) > 1:
+        errors.append(FieldError("Invalid", "spec", "{" + ", ".join(set_fields) + "}",
+                                 one_of + ", but multiple fields are set"))
+    devices, counter_sets = spec.get("devices"), spec.get("sharedCounters")
+    if version != "1.34" and devices is not None and counter_sets is not None:
+        errors.append(FieldError("Invalid", "spec", "", "only one of `sharedCounters` or `devices` is allowed"))
+    devices, counter_sets = devices or [], counter_sets or []
+    limit = SLICE_MAX_DEVICES
+    if version != "1.34" and any(d.get("taints") or d.get("consumesCounters") for d in devices):
+        limit = SLICE_MAX_DEVICES_ADVANCED
+    if len(devices) > limit:  # validateSet: the size check short-circuits the items' checks
+        errors.append(too_many("spec.devices", len(devices), limit))
+    else:
+        old_devices = {d["name"]: d for d in (old or {}).get("spec", {}).get("devices") or []}
+        per_device = spec.get("perDeviceNodeSelection") is True
+        for i, device in enumerate(devices):
+            errors += validate_device(device, old_devices.get(device.get("name")), f"spec.devices[{i}]", per_device,
+                                      counter_sets, version)
+        seen = set()
+        for i, device in enumerate(devices):
+            if device.get("name") in seen:
+                errors.append(FieldError("Duplicate", f"spec.devices[{i}]", device.get("name")))
+            seen.add(device.get("name"))
+    errors += validate_counter_sets(counter_sets, version)
+    return errors
+
+
+def validate_counter_sets(counter_sets: list[dict], version: str) -> list[FieldError]:
+    """validation.go: 1.34 validateSharedCounters (names unique, at most 32 counters in all the sets), 1.35+
+    validateSet(spec.SharedCounters, ResourceSliceMaxCounterSets, validateCounterSet)."""
+    errors, seen = [], set()
+    if version != "1.34" and len(counter_sets) > MAX_COUNTER_SETS:
+        return [too_many("spec.sharedCounters", len(counter_sets), MAX_COUNTER_SETS)]
+    for i, counter_set in enumerate(counter_sets):
+        at = f"spec.sharedCounters[{i}]"
+        name, counters = counter_set.get("name") or "", counter_set.get("counters") or {}
+        errors += [FieldError("Required", f"{at}.name")] if not name else \
+            [FieldError("Invalid", f"{at}.name", name, m) for m in dns_label_errors(name)]
+        if not counters:
+            errors.append(FieldError("Required", f"{at}.counters"))
+        elif version != "1.34" and len(counters) > MAX_COUNTERS_PER_SET:
+            errors.append(too_many(f"{at}.counters", len(counters), MAX_COUNTERS_PER_SET))
+        for key in counters:
+            errors += [FieldError("Invalid", f"{at}.counters[{key}]", key, m) for m in dns_label_errors(key)]
+    for i, counter_set in enumerate(counter_sets):
+        if counter_set.get("name") in seen:
+            errors.append(FieldError("Duplicate", f"spec.sharedCounters[{i}]" + (".name" if version == "1.34" else ""),
+                                     counter_set.get("name")))
+        seen.add(counter_set.get("name"))
+    total = sum(len(c.get("counters") or {}) for c in counter_sets)
+    if version == "1.34" and total > MAX_SHARED_COUNTERS_134:
+        errors.append(FieldError("Invalid", "spec.sharedCounters", total,
+                                 f"the total number of shared counters must not exceed {MAX_SHARED_COUNTERS_134}"))
+    return errors
+
+
+def validate_device(device: dict, old: dict | None, at: str, per_device: bool, counter_sets: list[dict],
+                    version: str) -> list[FieldError]:
+    """validation.go validateDevice."""
+    name = device.get("name") or ""
+    errors = [FieldError("Invalid", f"{at}.name", name, m) for m in dns_label_errors(name)]
+    attributes, capacity = device.get("attributes") or {}, device.get("capacity") or {}
+    if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
+        errors.append(FieldError("Invalid", at, len(attributes) + len(capacity), "the total number of attributes "
+                                 f"and capacities must not exceed {MAX_ATTRIBUTES_AND_CAPACITIES}"))
+    for key, attribute in attributes.items():  # validateMap(validateQualifiedName, validateDeviceAttribute)
+        where = f"{at}.attributes[{key}]"
+        errors += qualified_name_errors_dra(key, where)
+        values = [k for k in ("bool", "int", "string", "version") if attribute.get(k) is not None]
+        if isinstance(attribute.get("string"), str) and len(attribute["string"]) > ATTRIBUTE_MAX_VALUE_LENGTH:
+            errors.append(FieldError("TooLong", f"{where}.string", "", f"must have at most {ATTRIBUTE_MAX_VALUE_LENGTH} bytes"))
+        if isinstance(attribute.get("version"), str):
+            if not SEMVER.fullmatch(attribute["version"]):
+                errors.append(FieldError("Invalid", f"{where}.version", attribute["version"],
+                                         "must be a string compatible with semver.org spec 2.0.0"))
+            if len(attribute["version"]) > ATTRIBUTE_MAX_VALUE_LENGTH:
+                errors.append(FieldError("TooLong", f"{where}.version", "",
+                                         f"must have at most {ATTRIBUTE_MAX_VALUE_LENGTH} bytes"))
+        if len(values) != 1:  # 1.35 source: Invalid(fldPath, "", ...) for none; the Go struct (%v) for several
+            shown = "" if not values else "{" + " ".join(f"{k}:{attribute[k]}" for k in values) + "}"
+            errors.append(FieldError("Invalid", where, shown, "exactly one value must be specified"))
+    for key, value in capacity.items():
+        where = f"{at}.capacity[{key}]"
+        errors += qualified_name_errors_dra(key, where)
+        if value.get("requestPolicy") is not None and device.get("allowMultipleAllocations") is not True:
+            errors.append(FieldError("Forbidden", f"{where}.requestPolicy", detail="allowMultipleAllocations must be true"))
+        # requestPolicy's own rules (validateRequestPolicy) are not modelled
+    taints = device.get("taints") or []
+    taint_limit = TAINTS_MAX.get(version, 16)
+    if old is None or taints != (old.get("taints") or []):  # unchanged taints are not validated again
+        if len(taints) > taint_limit:  # validateSlice: the size check short-circuits (1.35 source; assumed in 1.34)
+            errors.append(too_many(f"{at}.taints", len(taints), taint_limit))
+        else:
+            for j, taint in enumerate(taints):
+                errors += validate_device_taint(taint, f"{at}.taints[{j}]", version)
+    consumptions = device.get("consumesCounters") or []
+    if version != "1.34" and len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
+        errors.append(too_many(f"{at}.consumesCounters", len(consumptions), MAX_CONSUMPTIONS_PER_DEVICE))
+        consumptions = []
+    known = {c.get("name"): set(c.get("counters") or {}) for c in counter_sets}
+    for j, consumption in enumerate(consumptions):
+        where = f"{at}.consumesCounters[{j}]"
+        counter_set = consumption.get("counterSet") or ""
+        errors += [FieldError("Required", f"{where}.counterSet")] if not counter_set else \
+            [FieldError("Invalid", f"{where}.counterSet", counter_set, m) for m in dns_label_errors(counter_set)]
+        if not consumption.get("counters"):
+            errors.append(FieldError("Required", f"{where}.counters"))
+        if version == "1.34":  # 1.34: the counter sets are in this slice (validation_resourceslice_test.go cases)
+            if counter_set not in known:
+                errors.append(FieldError("Invalid", f"{where}.counterSet", counter_set,
+                                         "must reference a counterSet defined in the ResourceSlice sharedCounters"))
+            else:
+                for counter in consumption.get("counters") or {}:
+                    if counter not in known[counter_set]:
+                        errors.append(FieldError("Invalid", f"{where}.counters", counter,
+                                                 "must reference a counter defined in the ResourceSlice sharedCounters"))
+    selection = [f"`{f}`" for f in ("nodeName", "nodeSelector", "allNodes") if device.get(f) is not None]
+    if per_device:
+        message = ("exactly one of `nodeName`, `nodeSelector`, or `allNodes` is required when "
+                   "`perDeviceNodeSelection` is set to true in the ResourceSlice spec")
+        if device.get("nodeName") == "":
+            selection.remove("`nodeName`")
+            errors.append(FieldError("Invalid", f"{at}.nodeName", "", "must not be empty"))
+        elif device.get("nodeName"):
+            errors += node_name_errors(device["nodeName"], f"{at}.nodeName")
+        if device.get("allNodes") is False:
+            selection.remove("`allNodes`")
+            errors.append(FieldError("Invalid", f"{at}.allNodes", False, "must be either unset or set to true"))
+        if not selection:
+            errors.append(FieldError("Required", at, detail=message))
+        elif len(selection) > 1:
+            errors.append(FieldError("Invalid", at, "{" + ", ".join(selection) + "}", message))
+    elif selection:
+        errors.append(FieldError("Invalid", at, "<nil>", "`nodeName`, `nodeSelector` and `allNodes` can only be set "
+                                 "if `perDeviceNodeSelection` is set to true in the ResourceSlice spec"))
+    return errors
+
+
+def validate_device_taint(taint: dict, at: str, version: str) -> list[FieldError]:
+    """validation.go validateDeviceTaint: key a label name, value a label value, effect required and known."""
+    key, value, effect = taint.get("key") or "", taint.get("value") or "", taint.get("effect") or ""
+    errors = [FieldError("Invalid", f"{at}.key", key, m) for m in qualified_name_errors(key)]
+    errors += [FieldError("Invalid", f"{at}.value", value, m) for m in label_value_errors(value)] if value else []
+    effects = TAINT_EFFECTS_DRA.get(version, ("NoExecute", "NoSchedule", "None"))
+    if not effect:
+        errors.append(FieldError("Required", f"{at}.effect"))
+    elif effect not in effects:
+        errors.append(FieldError("NotSupported", f"{at}.effect", effect,
+                                 "supported values: " + ", ".join(json.dumps(e) for e in effects)))
+    return errors
+
+
+def encode_slice(slice_: dict) -> dict:
+    """The slice as the server writes it back (encoding/json of v1.ResourceSlice): omitempty fields that are
+    empty go, `devices` (no omitempty) is null when empty, as a slice read from etcd's protobuf is."""
+    def prune(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: prune(v) for k, v in value.items() if v is not None and v != {} and v != []}
+        if isinstance(value, list):
+            return [prune(v) for v in value]
+        return value
+
+    obj = {"kind": "ResourceSlice", "apiVersion": RESOURCE_API_VERSION, "metadata": prune(slice_["metadata"])}
+    spec = prune(slice_["spec"])
+    spec.setdefault("driver", "")
+    spec["pool"] = {"name": "", "generation": 0, "resourceSliceCount": 0, **spec.get("pool", {})}
+    for device in spec.get("devices") or []:  # value-typed fields inside a device are written even when empty
+        device.setdefault("name", "")
+        for capacity in (device.get("capacity") or {}).values():
+            capacity.setdefault("value", "0")
+    spec["devices"] = spec.get("devices") or None
+    obj["spec"] = spec
+    return obj
+
+
+def slice_fields(slice_: dict) -> dict[str, str]:  # resourceslice/strategy.go toSelectableFields
+    return {"metadata.name": slice_["metadata"]["name"], "spec.nodeName": slice_["spec"].get("nodeName") or "",
+            "spec.driver": slice_["spec"].get("driver") or ""}
+
+
+def claim_fields(claim: dict) -> dict[str, str]:  # generic.AddObjectMetaFieldsSet, namespaced
+    return {"metadata.name": claim["metadata"]["name"], "metadata.namespace": claim["metadata"]["namespace"]}
+
+
+def empty_slice(resource_version: int) -> dict:
+    """A bookmark's object: a zero v1.ResourceSlice with only its resourceVersion (cf. bookmark_object)."""
+    return {"kind": "ResourceSlice", "apiVersion": RESOURCE_API_VERSION,
+            "metadata": {"resourceVersion": str(resource_version)},
+            "spec": {"driver": "", "pool": {"name": "", "generation": 0, "resourceSliceCount": 0}, "devices": None}}
+
+
+def empty_claim(resource_version: int) -> dict:
+    return {"kind": "ResourceClaim", "apiVersion": RESOURCE_API_VERSION,
+            "metadata": {"resourceVersion": str(resource_version)}, "spec": {"devices": {}}, "status": {}}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One resource the stand-in serves: its kind, API group and version, scope, field selectors, and what its
+    watch bookmarks carry."""
+    resource: str
+    kind: str
+    group: str
+    namespaced: bool
+    fields: Callable[[dict], dict[str, str]]
+    bookmark: Callable[[int], dict]
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/v1" if self.group else "v1"
+
+    def typed(self, obj: dict) -> dict:
+        if self.resource == "resourceslices":
+            return encode_slice(obj)
+        return {"kind": self.kind, "apiVersion": self.api_version, **obj}
+
+
+def unsupported_field(label: str) -> ApiError:
+    return bad_request(f"field label not supported: {label}")
+
+
+def parse_terms(text: str, labels: tuple[str, ...]) -> list[tuple[str, str, bool]]:
+    """fields.ParseSelector, then the resource's field label conversion (pkg/apis/resource/v1/conversion.go
+    for resourceslices: metadata.name, spec.nodeName, spec.driver)."""
+    terms = []
+    for term in filter(None, text.split(",")):
+        match = re.fullmatch(r"([^=!]+)(==|!=|=)(.*)", term)
+        if not match:
+            raise bad_request(f"invalid selector: '{text}'; can't understand '{term}'")
+        label, operator, value = match.groups()
+        if label not in labels:
+            raise unsupported_field(label)
+        terms.append((label, value, operator != "!="))
+    return terms
+
+
+NODES = Kind("nodes", "Node", "", False, lambda n: node_fields(n), lambda rv: bookmark_object(rv))
+SLICES = Kind("resourceslices", "ResourceSlice", RESOURCE_GROUP, False, slice_fields, empty_slice)
+CLAIMS = Kind("resourceclaims", "ResourceClaim", RESOURCE_GROUP, True, claim_fields, empty_claim)
+RESOURCE_KINDS = {kind.resource: kind for kind in (SLICES, CLAIMS)}
+
+
+def matches(terms: list[tuple[str, str, bool]], kind: Kind, obj: dict) -> bool:
+    fields = kind.fields(obj)
+    return all((fields[label] == value) == equal for label, value, equal in terms)
+
+
 # -- requests --------------------------------------------------------------------------------------
 
 @dataclass
@@ -554,15 +1092,19 @@ class RequestInfo:
     subresource: str = ""
     name: str = ""
     namespace: str = ""
+    api_group: str = ""
 
     def forbidden(self, user: str) -> ApiError:
-        """responsewriters/errors.go forbiddenMessage + errors.go NewForbidden."""
+        """responsewriters/errors.go forbiddenMessage + errors.go NewForbidden (group-qualified resource)."""
         shown = f"{self.resource}/{self.subresource}" if self.subresource else self.resource
         scope = f'in the namespace "{self.namespace}"' if self.namespace else "at the cluster scope"
-        what = f'{self.resource} "{self.name}"' if self.name else self.resource
+        resource = qualified(self.resource, self.api_group)
+        what = f'{resource} "{self.name}"' if self.name else resource
         return ApiError(403, "Forbidden",
-                        f'{what} is forbidden: User "{user}" cannot {self.verb} resource "{shown}" in API group "" {scope}',
-                        {**({"name": self.name} if self.name else {}), "kind": self.resource})
+                        f'{what} is forbidden: User "{user}" cannot {self.verb} resource "{shown}" in API group '
+                        f'"{self.api_group}" {scope}',
+                        {**({"name": self.name} if self.name else {}),
+                         **({"group": self.api_group} if self.api_group else {}), "kind": self.resource})
 
 
 def query_bool(query: dict, key: str) -> bool:
@@ -601,7 +1143,7 @@ def rule_allows(rule: dict, info: RequestInfo) -> bool:
     verbs, groups = rule.get("verbs") or [], rule.get("apiGroups") or []
     resources, names = rule.get("resources") or [], rule.get("resourceNames") or []
     resource_ok = any(r in ("*", combined) or (info.subresource and r == f"*/{info.subresource}") for r in resources)
-    return (("*" in verbs or info.verb in verbs) and ("*" in groups or "" in groups) and resource_ok
+    return (("*" in verbs or info.verb in verbs) and ("*" in groups or info.api_group in groups) and resource_ok
             and (not names or info.name in names))
 
 
@@ -610,6 +1152,8 @@ class Watch:
     queue: asyncio.Queue
     terms: list
     bookmarks: bool
+    kind: Kind | None = None  # None: nodes
+    namespace: str = ""
 
 
 END, ABORT, BOOKMARK = object(), object(), object()
@@ -625,21 +1169,32 @@ class KubeApiStandIn:
     """The API server at `url` (HTTPS, certificate signed by `ca_file`); `tokens` has "admin" and "agent"."""
 
     def __init__(self, bookmark_period_s: float = BOOKMARK_PERIOD_S, anonymous_auth: bool = True,
-                 min_request_timeout_s: float = MIN_REQUEST_TIMEOUT_S):
+                 min_request_timeout_s: float = MIN_REQUEST_TIMEOUT_S, server_version: str = "1.34",
+                 feature_gates: dict[str, bool] | None = None):
+        if server_version not in SERVER_VERSIONS:
+            raise ValueError(f"server_version {server_version!r}: one of {', '.join(SERVER_VERSIONS)}")
+        unknown = set(feature_gates or {}) - set(DRA_GATES)
+        if unknown:
+            raise ValueError(f"feature gates not modelled: {sorted(unknown)}")
+        self.server_version = server_version
+        self.feature_gates = {**default_gates(server_version), **(feature_gates or {})}
         self.bookmark_period_s = bookmark_period_s
         self.anonymous_auth = anonymous_auth
         self.min_request_timeout_s = min_request_timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="kube-stand-in-", dir="/tmp"))
-        self.tokens = {"admin": uuid.uuid4().hex, "agent": uuid.uuid4().hex}
-        self._users = {self.tokens["admin"]: (ADMIN_USER, ADMIN_GROUPS), self.tokens["agent"]: (AGENT_USER, AGENT_GROUPS)}
+        self.tokens = {"admin": uuid.uuid4().hex, "agent": uuid.uuid4().hex, "dra": uuid.uuid4().hex}
+        self._users = {self.tokens["admin"]: (ADMIN_USER, ADMIN_GROUPS), self.tokens["agent"]: (AGENT_USER, AGENT_GROUPS),
+                       self.tokens["dra"]: (DRA_USER, AGENT_GROUPS)}
         self._lock = threading.RLock()
         self._revision = 1
         self._compacted = 0
         self._nodes: dict[str, dict] = {}
         self._events: dict[tuple[str, str], dict] = {}
-        self._history: list[tuple[int, str, dict]] = []  # (resourceVersion, type, node)
+        self._slices: dict[str, dict] = {}
+        self._claims: dict[tuple[str, str], dict] = {}
+        self._history: list[tuple[int, str, dict, str]] = []  # (resourceVersion, type, object, resource)
         self._watches: list[Watch] = []
-        self._agent_rules: list[dict] = []
+        self._rules: dict[str, list[dict]] = {AGENT_USER: [], DRA_USER: []}
         self._requests: list[dict] = []
         self._unmodelled: list[str] = []
         self._faults = Faults()
@@ -748,8 +1303,98 @@ class KubeApiStandIn:
 
     def bind_agent_rbac(self, rules: list[dict]) -> None:
         """ClusterRole gpud-k8s-agent with these PolicyRules, bound to the agent's ServiceAccount."""
+        self.bind_rbac("agent", rules)
+
+    def bind_rbac(self, who: str, rules: list[dict]) -> None:
+        """A ClusterRole with these PolicyRules bound to `who`'s ServiceAccount ("agent" or "dra"), replacing
+        what it was bound to before."""
         with self._lock:
-            self._agent_rules = copy.deepcopy(rules)
+            self._rules[RBAC_USERS[who]] = copy.deepcopy(rules)
+
+    @property
+    def version(self) -> dict:
+        """What GET /version answers (apimachinery/pkg/version/types.go Info)."""
+        major, minor = self.server_version.split(".")
+        return {"major": major, "minor": minor, "emulationMajor": major, "emulationMinor": minor,
+                "minCompatibilityMajor": major, "minCompatibilityMinor": str(int(minor) - 1),
+                "gitVersion": SERVER_VERSIONS[self.server_version], "gitCommit": "0" * 40, "gitTreeState": "clean",
+                "buildDate": "2025-08-27T00:00:00Z", "goVersion": "go1.24.6", "compiler": "gc",
+                "platform": "linux/amd64"}
+
+    # -- resource.k8s.io ---------------------------------------------------------------------------
+
+    def resource_slices(self, node: str | None = None, driver: str | None = None) -> list[dict]:
+        """The ResourceSlices stored, as the server writes them, of one node and/or driver."""
+        with self._lock:
+            return [encode_slice(copy.deepcopy(s)) for _, s in sorted(self._slices.items())
+                    if (node is None or s["spec"].get("nodeName") == node)
+                    and (driver is None or s["spec"].get("driver") == driver)]
+
+    def wipe_resource_slices(self, node: str, driver: str | None = None) -> list[dict]:
+        """What the kubelet does when a node's plugin goes (or at its start): DELETE of the collection with a
+        fieldSelector of the node (and driver), as the admin user, through the HTTP path."""
+        selector = f"spec.nodeName={node}" + (f",spec.driver={driver}" if driver else "")
+        status, answer = self.http("admin").request("DELETE", "/apis/resource.k8s.io/v1/resourceslices",
+                                                    query={"fieldSelector": selector})
+        assert status == 200, (status, answer)
+        return answer["items"]
+
+    def create_resource_claim(self, namespace: str, name: str, requests: list[dict], results: list[dict] | None,
+                              config: list[dict] | None = None, reserved_for: list[dict] | None = None,
+                              node: str | None = None) -> dict:
+        """A ResourceClaim as the scheduler leaves it once allocated (status.allocation.devices.results and
+        config, nodeSelector of `node`), or unallocated (results None). A request without `exactly` or
+        `firstAvailable` is taken as the `exactly` one (allocationMode ExactCount and count 1 defaulted:
+        pkg/apis/resource/v1/defaults.go)."""
+        with self._lock:
+            assert (namespace, name) not in self._claims, (namespace, name)
+            claim = {"metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                                  "creationTimestamp": now_time()},
+                     "spec": {"devices": {"requests": [self._claim_request(r) for r in requests]}}, "status": {}}
+            self._allocate(claim, results, config, reserved_for, node)
+            return copy.deepcopy(self._commit(claim, "ADDED", CLAIMS))
+
+    def set_claim_allocation(self, namespace: str, name: str, results: list[dict] | None,
+                             config: list[dict] | None = None, reserved_for: list[dict] | None = None,
+                             node: str | None = None) -> dict:
+        """The claim's status replaced: allocated with these results, or deallocated (results None)."""
+        with self._lock:
+            claim = copy.deepcopy(self._claims[(namespace, name)])
+            claim["status"] = {}
+            self._allocate(claim, results, config, reserved_for, node)
+            return copy.deepcopy(self._commit(claim, "MODIFIED", CLAIMS))
+
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._commit(copy.deepcopy(self._claims[(namespace, name)]), "DELETED", CLAIMS)
+
+    def resource_claim(self, namespace: str, name: str) -> dict:
+        with self._lock:
+            return CLAIMS.typed(copy.deepcopy(self._claims[(namespace, name)]))
+
+    @staticmethod
+    def _claim_request(request: dict) -> dict:
+        request = copy.deepcopy(request)
+        if "exactly" not in request and "firstAvailable" not in request:
+            request = {"name": request.pop("name"), "exactly": request}
+        for exact in [request.get("exactly")] + list(request.get("firstAvailable") or []):
+            if exact is not None:
+                exact.setdefault("allocationMode", "ExactCount")
+                if exact["allocationMode"] == "ExactCount":
+                    exact.setdefault("count", 1)
+        return request
+
+    @staticmethod
+    def _allocate(claim: dict, results: list[dict] | None, config: list[dict] | None,
+                  reserved_for: list[dict] | None, node: str | None) -> None:
+        if results is not None:
+            devices = {"results": copy.deepcopy(results), **({"config": copy.deepcopy(config)} if config else {})}
+            claim["status"]["allocation"] = {"devices": devices}
+            if node is not None:  # the scheduler's selector of a node-local allocation
+                claim["status"]["allocation"]["nodeSelector"] = {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+        if reserved_for:
+            claim["status"]["reservedFor"] = copy.deepcopy(reserved_for)
 
     @property
     def requests(self) -> list[dict]:
@@ -795,15 +1440,28 @@ class KubeApiStandIn:
 
     # -- storage -----------------------------------------------------------------------------------
 
-    def _commit(self, node: dict, kind: str) -> dict:
-        """A write: the next revision, stored, in the watch history, sent to each watch."""
+    def _table(self, kind: Kind) -> dict:
+        return {"nodes": self._nodes, "resourceslices": self._slices, "resourceclaims": self._claims}[kind.resource]
+
+    @staticmethod
+    def _key(kind: Kind, obj: dict) -> Any:
+        meta = obj["metadata"]
+        return (meta["namespace"], meta["name"]) if kind.namespaced else meta["name"]
+
+    def _commit(self, obj: dict, event: str, kind: Kind = NODES) -> dict:
+        """A write: the next revision, stored (or removed: DELETED), in the watch history, sent to each watch
+        of that resource."""
         self._revision += 1
-        node["metadata"]["resourceVersion"] = str(self._revision)
-        self._nodes[node["metadata"]["name"]] = node
-        self._history.append((self._revision, kind, copy.deepcopy(node)))
+        obj["metadata"]["resourceVersion"] = str(self._revision)
+        if event == "DELETED":
+            self._table(kind).pop(self._key(kind, obj), None)
+        else:
+            self._table(kind)[self._key(kind, obj)] = obj
+        self._history.append((self._revision, event, copy.deepcopy(obj), kind.resource))
         for watch in self._watches:
-            self._loop.call_soon_threadsafe(watch.queue.put_nowait, (kind, copy.deepcopy(node)))
-        return typed("Node", node)
+            if (watch.kind or NODES) is kind:
+                self._loop.call_soon_threadsafe(watch.queue.put_nowait, (event, copy.deepcopy(obj)))
+        return kind.typed(obj)
 
     def _patch_node(self, name: str, subresource: str, content_type: str, body: bytes) -> dict:
         current = self._nodes.get(name)
@@ -859,6 +1517,82 @@ class KubeApiStandIn:
         self._events[(namespace, meta["name"])] = event
         return typed("Event", copy.deepcopy(event))
 
+    def _create_slice(self, document: Any) -> dict:
+        """create.go + rest.BeforeCreate (generateName, uid, creationTimestamp) + strategy.go PrepareForCreate
+        (generation 1, dropDisabledFields) + ValidateResourceSlice; defaults.go SetDefaults_DeviceTaint."""
+        obj = decode_slice(document)
+        meta = obj["metadata"]
+        if not meta.get("name") and meta.get("generateName"):  # names.SimpleNameGenerator
+            meta["name"] = meta["generateName"] + "".join(random.choices(RAND_ALPHABET, k=5))
+        for system in ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
+                       "managedFields", "selfLink"):
+            meta.pop(system, None)  # FillObjectMetaSystemFields sets them; a client's resourceVersion: not verified
+        meta.pop("namespace", None)  # cluster-scoped: rest.BeforeCreate clears it
+        for type_meta in ("kind", "apiVersion"):
+            obj.pop(type_meta, None)
+        self._default_taints(obj)
+        drop_disabled_fields(obj, None, self.feature_gates)
+        if errors := validate_slice(obj, None, self.server_version):
+            raise invalid("ResourceSlice", meta.get("name", ""), errors, RESOURCE_GROUP)
+        if meta["name"] in self._slices:
+            raise already_exists("resourceslices", meta["name"], RESOURCE_GROUP)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_time(), generation=1)
+        return copy.deepcopy(self._commit(obj, "ADDED", SLICES))
+
+    def _update_slice(self, name: str, document: Any) -> dict:
+        """update.go + registry/store.go Update (resourceVersion precondition; AllowUnconditionalUpdate) +
+        rest.BeforeUpdate + strategy.go PrepareForUpdate (generation + 1 when the spec changed) +
+        ValidateResourceSliceUpdate; an update that changes nothing is not written."""
+        current = self._slices.get(name)
+        obj = decode_slice(document)
+        meta = obj["metadata"]
+        if meta.get("name") != name:  # rest.go checkName
+            raise bad_request(f"the name of the object ({meta.get('name', '')}) does not match the name on the URL ({name})")
+        if current is None:  # AllowCreateOnUpdate is false
+            raise not_found("resourceslices", name, RESOURCE_GROUP)
+        if meta.get("resourceVersion") not in (None, "", current["metadata"]["resourceVersion"]):
+            raise conflict("resourceslices", name, OPTIMISTIC_LOCK_ERROR, RESOURCE_GROUP)
+        for type_meta in ("kind", "apiVersion"):
+            obj.pop(type_meta, None)
+        meta.pop("namespace", None)
+        meta.pop("managedFields", None)
+        meta["creationTimestamp"] = current["metadata"]["creationTimestamp"]
+        meta.setdefault("uid", current["metadata"]["uid"])
+        meta["generation"] = current["metadata"]["generation"]
+        self._default_taints(obj)
+        drop_disabled_fields(obj, current, self.feature_gates)
+        if encode_slice(obj)["spec"] != encode_slice(current)["spec"]:
+            meta["generation"] = current["metadata"]["generation"] + 1
+        if errors := validate_slice(obj, current, self.server_version):
+            raise invalid("ResourceSlice", name, errors, RESOURCE_GROUP)
+        meta["resourceVersion"] = current["metadata"]["resourceVersion"]
+        if encode_slice(obj) == encode_slice(current):
+            return SLICES.typed(copy.deepcopy(current))
+        return copy.deepcopy(self._commit(obj, "MODIFIED", SLICES))
+
+    def _delete_slice(self, name: str, options: dict) -> dict:
+        """registry/store.go Delete with ReturnDeletedObject (resourceslice/storage/storage.go): the object as
+        it was stored; the watch's DELETED event carries the deletion's resourceVersion. Preconditions:
+        storage/interfaces.go Preconditions.Check."""
+        current = self._slices.get(name)
+        if current is None:
+            raise not_found("resourceslices", name, RESOURCE_GROUP)
+        preconditions = options.get("preconditions") or {}
+        for key, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            if preconditions.get(key) and preconditions[key] != current["metadata"][key]:
+                raise conflict("resourceslices", name, f"Precondition failed: {label} in precondition: "
+                               f"{preconditions[key]}, {label} in object meta: {current['metadata'][key]}", RESOURCE_GROUP)
+        answer = SLICES.typed(copy.deepcopy(current))
+        self._commit(copy.deepcopy(current), "DELETED", SLICES)
+        return answer
+
+    @staticmethod
+    def _default_taints(obj: dict) -> None:
+        for device in obj["spec"].get("devices") or []:
+            for taint in device.get("taints") or []:
+                if isinstance(taint, dict) and taint.get("timeAdded") is None:
+                    taint["timeAdded"] = now_time()
+
     # -- HTTP --------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -871,6 +1605,8 @@ class KubeApiStandIn:
         try:
             user, groups = self._authenticate(request)
             record["user"] = user
+            if request.path == "/version":
+                return self._version(request, record, user)
             info = self._request_info(request)
             record["verb"] = info.verb
             if user is None:
@@ -896,15 +1632,34 @@ class KubeApiStandIn:
         scheme, _, token = header.partition(" ")
         return self._users.get(token.strip(), (None, ())) if scheme.lower() == "bearer" else (None, ())
 
+    def _version(self, request: web.Request, record: dict, user: str | None) -> web.Response:
+        """GET /version: version.Info (apimachinery/pkg/version/types.go); RBAC's system:public-info-viewer
+        lets every user, even anonymous, read it."""
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        if request.method != "GET":
+            raise Unmodelled(f"{request.method} /version")
+        self._injected_failure(request)
+        return self._answer(record, self.version)
+
     def _request_info(self, request: web.Request) -> RequestInfo:
         parts = [p for p in request.path.split("/") if p]
         verb = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(request.method)
-        if parts[:2] != ["api", "v1"] or verb is None or len(parts) < 3 or parts[2] == "watch":
+        if parts[:2] == ["api", "v1"]:
+            group, rest = "", parts[2:]
+        elif parts[:3] == ["apis", RESOURCE_GROUP, RESOURCE_VERSION]:
+            group, rest = RESOURCE_GROUP, parts[3:]
+        else:
             raise Unmodelled(f"{request.method} {request.path}")
-        rest, namespace = parts[2:], ""
+        if verb is None or not rest or rest[0] == "watch":
+            raise Unmodelled(f"{request.method} {request.path}")
+        namespace = ""
         if rest[0] == "namespaces" and len(rest) >= 3:
             namespace, rest = rest[1], rest[2:]
-        info = RequestInfo(verb, rest[0], rest[2] if len(rest) > 2 else "", rest[1] if len(rest) > 1 else "", namespace)
+        info = RequestInfo(verb, rest[0], rest[2] if len(rest) > 2 else "", rest[1] if len(rest) > 1 else "", namespace,
+                           group)
+        if not info.name and verb == "delete":  # requestinfo.go: a collection is deleted as deletecollection
+            info.verb = "deletecollection"
         if not info.name and verb == "get":  # requestinfo.go: a collection is listed or watched
             info.verb = "watch" if query_bool(request.query, "watch") else "list"
             match = re.fullmatch(r"metadata\.name==?([^,]*)", request.query.get("fieldSelector", ""))
@@ -926,11 +1681,17 @@ class KubeApiStandIn:
         if PRIVILEGED_GROUP in groups:
             return
         with self._lock:
-            rules = self._agent_rules if user == AGENT_USER else []
+            rules = self._rules.get(user, [])
             if not any(rule_allows(rule, info) for rule in rules):
                 raise info.forbidden(user)
 
     async def _serve(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
+        accept = request.headers.get("Accept", "")
+        if PROTOBUF in accept and not any(t in accept for t in ("json", "*/*")):
+            # the real server would answer in protobuf; this one writes JSON only
+            raise Unmodelled("an Accept of protobuf alone (answers in protobuf)")
+        if info.api_group == RESOURCE_GROUP:
+            return await self._serve_resource(request, info, record)
         route = (request.method, info.resource, info.namespace != "", bool(info.name), info.subresource)
         if route[:2] == ("POST", "events") and info.namespace and not info.name:
             body = await self._body(request, (JSON,))
@@ -960,6 +1721,98 @@ class KubeApiStandIn:
                 return self._answer(record, self._patch_node(info.name, info.subresource, self._content_type(request), body))
         raise Unmodelled(f"{request.method} {request.path}")
 
+    async def _serve_resource(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
+        kind = RESOURCE_KINDS.get(info.resource)
+        if kind is None or info.subresource or (info.namespace and not kind.namespaced):
+            raise Unmodelled(f"{request.method} {request.path}")
+        named = bool(info.name) and "fieldSelector" not in request.query
+        if request.method == "GET" and named:
+            if kind.namespaced and not info.namespace:
+                raise Unmodelled(f"{request.method} {request.path}")
+            with self._lock:
+                obj = self._table(kind).get((info.namespace, info.name) if kind.namespaced else info.name)
+                if obj is None:
+                    raise not_found(kind.resource, info.name, RESOURCE_GROUP)
+                return self._answer(record, kind.typed(copy.deepcopy(obj)))
+        if request.method == "GET":
+            return await self._list_or_watch(request, record, kind, info.namespace)
+        if kind is not SLICES:
+            raise Unmodelled(f"{request.method} {request.path} (claims are written by the test's helpers)")
+        self._refuse_unmodelled_options(request.query)
+        if request.method == "POST" and not info.name:
+            document = await self._object_body(request, record)
+            with self._lock:
+                return self._answer(record, self._create_slice(document), 201)
+        if request.method == "PUT" and info.name:
+            document = await self._object_body(request, record)
+            with self._lock:
+                return self._answer(record, self._update_slice(info.name, document))
+        if request.method == "DELETE" and named:
+            options = await self._delete_options(request, record)
+            with self._lock:
+                return self._answer(record, self._delete_slice(info.name, options))
+        if request.method == "DELETE" and not info.name:
+            options = await self._delete_options(request, record)
+            terms = parse_terms(request.query.get("fieldSelector", ""), ("metadata.name", "spec.nodeName", "spec.driver"))
+            for unmodelled in ("labelSelector", "limit", "continue"):
+                if request.query.get(unmodelled):
+                    raise Unmodelled(f"the delete-collection option {unmodelled}")
+            with self._lock:
+                version = str(self._revision)
+                chosen = [name for name, s in sorted(self._slices.items()) if matches(terms, SLICES, s)]
+                items = [self._delete_slice(name, options) for name in chosen]
+            for item in items:
+                for type_meta in ("kind", "apiVersion"):
+                    item.pop(type_meta, None)
+            # registry/store.go DeleteCollection: the list of what it deleted
+            return self._answer(record, {"kind": "ResourceSliceList", "apiVersion": RESOURCE_API_VERSION,
+                                         "metadata": {"resourceVersion": version}, "items": items})
+        raise Unmodelled(f"{request.method} {request.path}")
+
+    async def _object_body(self, request: web.Request, record: dict) -> Any:
+        """negotiation.NegotiateInputSerializer: no Content-Type is JSON; JSON and protobuf are decoded, YAML
+        is not modelled, anything else 415."""
+        content_type = self._content_type(request) or JSON
+        accepted = BODY_TYPES if PBDECODE.exists() else BODY_TYPES[:2]
+        if content_type not in accepted:
+            raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
+                           f"accepted media types include: {', '.join(accepted)}")
+        if content_type == "application/yaml":
+            raise Unmodelled("a YAML request body")
+        body = await self._read_limited(request)
+        record["body"] = body
+        if content_type == PROTOBUF:
+            return await self._decode_protobuf(body)
+        try:
+            return json.loads(body)
+        except ValueError as error:
+            raise decode_error(str(error)) from None
+
+    async def _delete_options(self, request: web.Request, record: dict) -> dict:
+        if "gracePeriodSeconds" in request.query or "propagationPolicy" in request.query:
+            pass  # a ResourceSlice has no finalizers or graceful deletion: both change nothing here
+        if not request.can_read_body:
+            return {}
+        options = await self._object_body(request, record)
+        return options if isinstance(options, dict) else {}
+
+    @staticmethod
+    async def _decode_protobuf(body: bytes) -> Any:
+        """The protobuf body decoded by client-go's own scheme (tools/pbdecode), in bounded time."""
+        process = await asyncio.create_subprocess_exec(str(PBDECODE), stdin=asyncio.subprocess.PIPE,
+                                                       stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(process.communicate(body), PBDECODE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            process.kill()
+            await process.wait()
+            raise ApiError(500, "InternalError", "Internal error occurred: the stand-in's protobuf decoder "
+                           "did not answer in time") from None
+        if process.returncode != 0:
+            first = (err.decode(errors="replace").strip().splitlines() or ["undecodable"])[0]
+            raise bad_request(f"the protobuf body does not decode: {first}")
+        return json.loads(out)
+
     @staticmethod
     def _content_type(request: web.Request) -> str:
         return request.headers.get("Content-Type", "").split(";")[0].strip()
@@ -974,6 +1827,10 @@ class KubeApiStandIn:
                            f"accepted media types include: {', '.join(accepted)}")
         if accepted == (JSON,) and content_type not in (JSON, ""):
             raise Unmodelled(f"a {content_type} request body")
+        return await self._read_limited(request)
+
+    @staticmethod
+    async def _read_limited(request: web.Request) -> bytes:
         body = bytearray()
         while chunk := await request.content.read(MAX_REQUEST_BODY_BYTES + 1 - len(body)):
             body += chunk
@@ -991,33 +1848,53 @@ class KubeApiStandIn:
         record["status"] = status
         return web.json_response(document, status=status)
 
-    async def _list_or_watch(self, request: web.Request, record: dict) -> web.StreamResponse:
+    async def _list_or_watch(self, request: web.Request, record: dict, kind: Kind = NODES,
+                             namespace: str = "") -> web.StreamResponse:
         query = request.query
-        for unmodelled in ("labelSelector", "limit", "continue", "resourceVersionMatch", "sendInitialEvents"):
+        initial_events = query_bool(query, "sendInitialEvents")
+        if initial_events and not (query_bool(query, "watch") and query_bool(query, "allowWatchBookmarks")
+                                   and query.get("resourceVersionMatch") == "NotOlderThan"):
+            raise Unmodelled("sendInitialEvents other than in a watch with bookmarks and resourceVersionMatch=NotOlderThan")
+        for unmodelled in ("labelSelector", "continue") + (() if initial_events else ("resourceVersionMatch",)):
             if query.get(unmodelled):
                 raise Unmodelled(f"the list option {unmodelled}")
+        limit = query.get("limit", "")
+        if limit and (not limit.isdigit() or kind is NODES):
+            raise Unmodelled("the list option limit")
         timeout = None
         if "timeoutSeconds" in query:
             try:
                 timeout = int(query["timeoutSeconds"])
             except ValueError:
                 raise bad_request(f'strconv.ParseInt: parsing "{query["timeoutSeconds"]}": invalid syntax') from None
-        terms = parse_field_selector(query.get("fieldSelector", ""))
+        if kind is NODES:
+            terms = parse_field_selector(query.get("fieldSelector", ""))
+        else:
+            labels = ("metadata.name", "metadata.namespace") if kind.namespaced else \
+                ("metadata.name", "spec.nodeName", "spec.driver")
+            terms = parse_terms(query.get("fieldSelector", ""), labels)
         version = query.get("resourceVersion", "")
         if version and not version.isdigit():
             raise Unmodelled("a non-numeric resourceVersion")
         if not query_bool(query, "watch"):
             with self._lock:
-                items = [copy.deepcopy(n) for _, n in sorted(self._nodes.items()) if selected(terms, n)]
-                return self._answer(record, {"kind": "NodeList", "apiVersion": "v1",
+                items = [kind.typed(copy.deepcopy(o)) for _, o in sorted(self._table(kind).items())
+                         if matches(terms, kind, o) and (not namespace or o["metadata"].get("namespace") == namespace)]
+                # the watch cache serves resourceVersion=0 whole, ignoring limit (cacher.go); paging is not modelled
+                if limit and version != "0" and len(items) > int(limit):
+                    raise Unmodelled("list paging (more items than limit)")
+                for item in items:
+                    for type_meta in ("kind", "apiVersion"):
+                        item.pop(type_meta, None)
+                return self._answer(record, {"kind": f"{kind.kind}List", "apiVersion": kind.api_version,
                                              "metadata": {"resourceVersion": str(self._revision)}, "items": items})
         if not timeout:  # get.go: no timeout asked, a random one from the server's minimum
             timeout = self.min_request_timeout_s * (random.random() + 1.0)
-        return await self._watch(request, record, Watch(asyncio.Queue(), terms, query_bool(query, "allowWatchBookmarks")),
-                                 int(version or 0), timeout)
+        watch = Watch(asyncio.Queue(), terms, query_bool(query, "allowWatchBookmarks"), kind, namespace)
+        return await self._watch(request, record, watch, int(version or 0), timeout, initial_events)
 
     async def _watch(self, request: web.Request, record: dict, watch: Watch, version: int,
-                     timeout: float) -> web.StreamResponse:
+                     timeout: float, initial_events: bool = False) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         response = web.StreamResponse(status=200, headers={"Content-Type": JSON})
@@ -1025,13 +1902,18 @@ class KubeApiStandIn:
         await response.prepare(request)  # the real server flushes its 200 before any event
         record["status"] = 200
         try:
+            kind = watch.kind or NODES
             error = await self._wait_for_revision(version)
-            start = self._start_watch(watch, version) if error is None else None
+            start = self._start_watch(watch, 0 if initial_events else version) if error is None else None
             if error is not None or isinstance(start, ApiError):
                 await self._send(response, {"type": "ERROR", "object": (error or start).status})
                 return await self._finish(response)
-            for kind, node in start:
-                await self._send(response, {"type": kind, "object": typed("Node", node)})
+            for event, obj in start:
+                await self._send(response, {"type": event, "object": kind.typed(obj)})
+            if initial_events:  # KEP-3157 watch-list: a bookmark annotated as the initial events' end
+                end = kind.bookmark(self._revision)
+                end["metadata"]["annotations"] = {"k8s.io/initial-events-end": "true"}
+                await self._send(response, {"type": "BOOKMARK", "object": end})
             next_bookmark = self._next_bookmark(loop.time(), deadline, watch)
             while (left := deadline - loop.time()) > 0:
                 try:
@@ -1047,9 +1929,9 @@ class KubeApiStandIn:
                 if item is END:
                     break
                 if item is BOOKMARK and watch.bookmarks:
-                    await self._send(response, {"type": "BOOKMARK", "object": bookmark_object(self._revision)})
-                elif isinstance(item, tuple) and selected(watch.terms, item[1]):
-                    await self._send(response, {"type": item[0], "object": typed("Node", item[1])})
+                    await self._send(response, {"type": "BOOKMARK", "object": kind.bookmark(self._revision)})
+                elif isinstance(item, tuple) and self._watched(watch, item[1]):
+                    await self._send(response, {"type": item[0], "object": kind.typed(item[1])})
             return await self._finish(response)
         except (ConnectionResetError, asyncio.CancelledError):
             return response
@@ -1070,16 +1952,23 @@ class KubeApiStandIn:
             await asyncio.sleep(0.05)
         return None
 
+    @staticmethod
+    def _watched(watch: Watch, obj: dict) -> bool:
+        return matches(watch.terms, watch.kind or NODES, obj) and \
+            (not watch.namespace or obj["metadata"].get("namespace") == watch.namespace)
+
     def _start_watch(self, watch: Watch, version: int) -> list | ApiError:
         """cacher.go Watch: the initial events, and the watch registered for what follows, atomically."""
+        kind = watch.kind or NODES
         with self._lock:
             if version == 0:
-                start = [("ADDED", copy.deepcopy(n)) for _, n in sorted(self._nodes.items()) if selected(watch.terms, n)]
+                start = [("ADDED", copy.deepcopy(o)) for _, o in sorted(self._table(kind).items())
+                         if self._watched(watch, o)]
             elif version < self._compacted:
                 return ApiError(410, "Expired", f"too old resource version: {version} ({self._compacted})")
             else:
-                start = [(kind, copy.deepcopy(n)) for rv, kind, n in self._history
-                         if rv > version and selected(watch.terms, n)]
+                start = [(event, copy.deepcopy(o)) for rv, event, o, resource in self._history
+                         if rv > version and resource == kind.resource and self._watched(watch, o)]
             self._watches.append(watch)
             return start
 

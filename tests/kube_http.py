@@ -34,8 +34,8 @@ class KubeHttp:
     def _connection(self, timeout: float | None) -> http.client.HTTPSConnection:
         return http.client.HTTPSConnection(self.host, self.port, context=self.context, timeout=timeout)
 
-    def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": JSON}
+    def _headers(self, content_type: str | None, accept: str = JSON) -> dict[str, str]:
+        headers = {"Accept": accept}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         if content_type is not None:
@@ -43,13 +43,15 @@ class KubeHttp:
         return headers
 
     def request(self, method: str, path: str, body: Any = None, content_type: str = JSON,
-                query: dict[str, str] | None = None) -> tuple[int, Any]:
-        """(status, the decoded JSON answer, or the raw text where it is not JSON)."""
+                query: dict[str, str] | None = None, accept: str = JSON) -> tuple[int, Any]:
+        """(status, the decoded JSON answer, or the raw text where it is not JSON); a bytes body is sent as
+        it is, anything else as JSON."""
         url = path + ("?" + urllib.parse.urlencode(query) if query else "")
         payload = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         conn = self._connection(self.timeout)
         try:
-            conn.request(method, url, body=payload, headers=self._headers(content_type if payload is not None else None))
+            conn.request(method, url, body=payload,
+                         headers=self._headers(content_type if payload is not None else None, accept))
             response = conn.getresponse()
             raw = response.read()
         finally:
@@ -66,6 +68,12 @@ class KubeHttp:
 
     def patch(self, path: str, patch: Any, content_type: str = MERGE_PATCH) -> tuple[int, Any]:
         return self.request("PATCH", path, patch, content_type)
+
+    def put(self, path: str, obj: Any, content_type: str = JSON) -> tuple[int, Any]:
+        return self.request("PUT", path, obj, content_type)
+
+    def delete(self, path: str, options: Any = None, **query: str) -> tuple[int, Any]:
+        return self.request("DELETE", path, options, query=query or None)
 
     def watch(self, path: str, timeout: float = 10.0, **query: str) -> Iterator[dict]:
         """The events of a watch (query `watch=true` is added), one decoded JSON object each, until the
@@ -86,3 +94,14 @@ class KubeHttp:
 
 def node_path(name: str, subresource: str | None = None) -> str:
     return f"/api/v1/nodes/{urllib.parse.quote(name, safe='')}" + (f"/{subresource}" if subresource else "")
+
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+def slice_path(name: str) -> str:
+    return f"{SLICES_PATH}/{urllib.parse.quote(name, safe='')}"
+
+
+def claim_path(namespace: str, name: str | None = None) -> str:
+    return f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims" + (f"/{name}" if name else "")
