@@ -31,6 +31,9 @@ from gpud.logs import get_logger
 log = get_logger("dra_plugin")
 
 MAX_DEVICES, MAX_DEVICES_WITH_TAINTS = 128, 64
+# A burst of changes (the kubelet's wipe deletes every slice of the node, an XID on 8 GPUs) is written
+# once: the publisher waits this long after the first before it compares and writes.
+COALESCE_S = 0.05
 GENERATE_NAME_MAX = 253 - 5  # the server appends 5 characters (apiserver names.SimpleNameGenerator)
 
 
@@ -86,6 +89,7 @@ class SlicePublisher:
         backoff = Backoff()
         while True:
             await self._dirty.wait()
+            await asyncio.sleep(COALESCE_S)  # fixed time: gathers a burst into one write
             self._dirty.clear()
             try:
                 await self.publish()
@@ -125,7 +129,15 @@ class SlicePublisher:
                 old = existing[index]
                 body["metadata"] = {**copy.deepcopy(old["metadata"]), "ownerReferences": body["metadata"]["ownerReferences"]}
                 body["metadata"].pop("generateName", None)
-                result = await self.api.update_slice(body)
+                try:
+                    result = await self.api.update_slice(body)
+                except KubeError as exc:
+                    if exc.status != 404:
+                        raise
+                    # deleted since it was seen (the watch's DELETED is on its way): made anew
+                    self.slices.pop(old["metadata"]["name"], None)
+                    result = await self.api.create_slice(slice_body(self.api.driver, self.api.node_name, self.node_uid,
+                                                                    self.generation, len(chunks), index, devices))
             else:
                 result = await self.api.create_slice(body)
             self._check_taints(devices, result)
