@@ -288,6 +288,9 @@ def _add_dra_plugin(commands: Any) -> None:
     plugin.add_argument("--pod-resources-socket", type=Path,
                         help="the kubelet's PodResources API, read so that a GPU the device plugin handed out is "
                              "never prepared for a claim (default <kubelet-dir>/pod-resources/kubelet.sock)")
+    plugin.add_argument("--unhealthy-after", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="report every device Unknown (and taint it unmonitored) once gpud has been unreachable "
+                             "this long (default 30)")
     plugin.add_argument("--taint-no-execute", action="store_true",
                         help="taint a device that needs a reset, a reboot or inspection NoExecute (its pods are "
                              "evicted) instead of NoSchedule")
@@ -516,7 +519,7 @@ def _dra_plugin(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     return run(args.socket, args.kubeconfig, args.node_name, args.kubelet_dir, args.driver_name, args.cdi_dir,
-               args.taint_no_execute, args.pod_resources_socket)
+               args.taint_no_execute, args.pod_resources_socket, args.unhealthy_after)
 
 
 def _driver_name(text: str) -> str:

@@ -245,7 +245,8 @@ class DraPlugin:
 
 
 async def run_async(gpud_socket: Path | None, kubeconfig: Path | None, node_name: str, kubelet_dir: Path,
-                    driver: str, cdi_dir: Path, no_execute: bool, pod_resources_socket: Path | None) -> int:
+                    driver: str, cdi_dir: Path, no_execute: bool, pod_resources_socket: Path | None,
+                    unreachable_grace_s: float) -> int:
     from kubernetes_asyncio.config import ConfigException
 
     from gpud.kubernetes.node_api import api_client
@@ -257,14 +258,15 @@ async def run_async(gpud_socket: Path | None, kubeconfig: Path | None, node_name
         return 2
     try:
         plugin = DraPlugin(gpud_socket, DraApi(client, node_name, driver), kubelet_dir, cdi_dir, no_execute,
-                           pod_resources_socket=pod_resources_socket)
+                           unreachable_grace_s=unreachable_grace_s, pod_resources_socket=pod_resources_socket)
         return await plugin.serve()
     finally:
         await client.close()
 
 
 def run(gpud_socket: Path | None, kubeconfig: Path | None, node_name: str, kubelet_dir: Path, driver: str,
-        cdi_dir: Path, no_execute: bool = False, pod_resources_socket: Path | None = None) -> int:
+        cdi_dir: Path, no_execute: bool = False, pod_resources_socket: Path | None = None,
+        unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S) -> int:
     return asyncio.run(run_async(gpud_socket, kubeconfig, node_name, kubelet_dir, driver, cdi_dir, no_execute,
-                                 pod_resources_socket))
+                                 pod_resources_socket, unreachable_grace_s))
 
