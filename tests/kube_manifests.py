@@ -15,7 +15,7 @@ MANIFESTS = REPO / "deploy" / "kubernetes"
 NAMESPACE = "gpud-system"
 AGENT = "gpud-k8s-agent"  # the agent's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
 DRA_PLUGIN = "gpud-dra-plugin"  # the DRA plugin's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
-DRA_RBAC = "dra-plugin-rbac.yaml"  # the DRA plugin's ServiceAccount, ClusterRole and ClusterRoleBinding
+DRA_RBAC = "rbac.yaml"  # the DRA plugin's ServiceAccount, ClusterRole and ClusterRoleBinding, after the agent's
 DEVICE_CLASSES = "deviceclasses.yaml"
 # The first Kubernetes release that serves every object of a manifest, where that is not every release
 # the tests check: DeviceClass resource.k8s.io/v1 is served from 1.34 (before it, v1beta1/v1beta2 only).
@@ -46,7 +46,7 @@ def agent_rbac_rules() -> list[dict[str, Any]]:
 
 
 def dra_rbac_rules() -> list[dict[str, Any]]:
-    """The rules of the ClusterRole gpud-dra-plugin (dra-plugin-rbac.yaml): what `gpud dra-plugin` may do."""
+    """The rules of the ClusterRole gpud-dra-plugin (rbac.yaml): what `gpud dra-plugin` may do."""
     return find(DRA_RBAC, "ClusterRole", DRA_PLUGIN)["rules"]
 
 

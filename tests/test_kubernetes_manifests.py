@@ -40,7 +40,7 @@ def _validate(document: dict, version: str) -> str:
 def test_manifests_are_there():
     assert set(kube_manifests.manifest_names()) >= {
         "namespace.yaml", "rbac.yaml", "agent-daemonset.yaml", "gpud-daemonset.yaml", "sharing-configs.yaml",
-        "gpud-device-plugin.yaml", "gpud-dra-plugin.yaml", "dra-plugin-rbac.yaml", "deviceclasses.yaml"}
+        "gpud-device-plugin.yaml", "gpud-dra-plugin.yaml", "deviceclasses.yaml"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -420,11 +420,13 @@ def test_the_dra_binding_gives_its_role_to_the_plugins_service_account_only():
     binding = kube_manifests.find(kube_manifests.DRA_RBAC, "ClusterRoleBinding", name)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
-    # and the agent's role is not given to it, nor its role to the agent
+    # and the agent's role is not given to it, nor its role to the agent: rbac.yaml holds the two
+    # accounts, roles and bindings and nothing else
     agent_binding = kube_manifests.find("rbac.yaml", "ClusterRoleBinding", kube_manifests.AGENT)
     assert [subject["name"] for subject in agent_binding["subjects"]] == [kube_manifests.AGENT]
-    assert {document["kind"] for document in kube_manifests.load(kube_manifests.DRA_RBAC)} == {
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    assert sorted((document["kind"], document["metadata"]["name"]) for document in kube_manifests.load("rbac.yaml")) == \
+        sorted((kind, who) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+               for who in (kube_manifests.AGENT, name))
 
 
 def _dra_daemonset() -> dict:
