@@ -35,7 +35,7 @@ if [ "$1" = "1" ]; then
     # preset` on $1 = 1, through systemd-update-helper; Fedora's packaging guidelines, "Systemd").
     # Fedora's and RHEL's default preset is `disable *`: `systemctl enable --now gpud` turns it on, or
     # a preset file (/etc/systemd/system-preset/80-gpud.preset: `enable gpud.service`) before install.
-    # gpud.socket and the device plugin are left as they are, as on Debian.
+    # gpud.socket and the two Kubernetes plugins are left as they are, as on Debian.
     rm -f /var/lib/gpud/enabled-at-removal
     systemctl --no-reload preset gpud.service >/dev/null 2>&1 || :
 elif [ "$1" = "configure" ] && { [ -z "$2" ] || [ -e /var/lib/gpud/enabled-at-removal ]; }; then
@@ -52,7 +52,7 @@ elif [ "$1" = "configure" ] && { [ -z "$2" ] || [ -e /var/lib/gpud/enabled-at-re
     fi
 elif [ -d /run/systemd/system ]; then
     # deb "configure <old>", rpm 2: another version replaced this one, the same for both. The units
-    # stay enabled or disabled as the operator left them; a running gpud (and device plugin)
+    # stay enabled or disabled as the operator left them; a running gpud (and its plugins)
     # restarts on the new code, a stopped one stays stopped: rpm's %systemd_postun_with_restart
     # (try-restart), done here in the new package's %post so that the new version's code decides
     # how (the old package's %postun runs the old code). gpud's MPS control daemons keep
@@ -65,5 +65,5 @@ elif [ -d /run/systemd/system ]; then
     if [ -d /run/gpud ] && [ ! -L /run/gpud ]; then
         chown root:root /run/gpud && chmod 0755 /run/gpud
     fi
-    systemctl try-restart gpud.service gpud-device-plugin.service
+    systemctl try-restart gpud.service gpud-device-plugin.service gpud-dra-plugin.service
 fi

@@ -18,9 +18,9 @@ if [ "$1" = "remove" ] || [ "$1" = "0" ]; then
     # disable --now` where systemd runs, `--no-reload disable` where it does not; systemd's
     # src/rpm/systemd-update-helper.in, remove-system-units).
     if [ -d /run/systemd/system ]; then
-        systemctl --no-reload disable --now gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
+        systemctl --no-reload disable --now gpud-device-plugin.service gpud-dra-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     else
-        systemctl --no-reload disable gpud-device-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
+        systemctl --no-reload disable gpud-device-plugin.service gpud-dra-plugin.service gpud.service gpud.socket >/dev/null 2>&1 || true
     fi
     # gpud leaves its MPS control daemons running across its own restarts and upgrades
     # (KillMode=process); when gpud itself goes away, they go too. Not a loop over the pipes here:

@@ -1,5 +1,6 @@
 """gpud's Kubernetes manifests (deploy/kubernetes/) as tests read them: every document of a file, the node
-agent's RBAC rules, and the named sharing configs of the ConfigMap gpud-sharing-configs."""
+agent's and the DRA plugin's RBAC rules, the DeviceClasses, and the named sharing configs of the ConfigMap
+gpud-sharing-configs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from helpers import REPO
 MANIFESTS = REPO / "deploy" / "kubernetes"
 NAMESPACE = "gpud-system"
 AGENT = "gpud-k8s-agent"  # the agent's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
+DRA_PLUGIN = "gpud-dra-plugin"  # the DRA plugin's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
+DRA_RBAC = "rbac.yaml"  # the DRA plugin's ServiceAccount, ClusterRole and ClusterRoleBinding, after the agent's
+DEVICE_CLASSES = "deviceclasses.yaml"
+# The first Kubernetes release that serves every object of a manifest, where that is not every release
+# the tests check: DeviceClass resource.k8s.io/v1 is served from 1.34 (before it, v1beta1/v1beta2 only).
+FIRST_RELEASE = {DEVICE_CLASSES: "1.34"}
 
 
 def manifest_names() -> list[str]:
@@ -36,6 +43,37 @@ def find(name: str, kind: str, object_name: str) -> dict[str, Any]:
 def agent_rbac_rules() -> list[dict[str, Any]]:
     """The rules of the ClusterRole gpud-k8s-agent (rbac.yaml)."""
     return find("rbac.yaml", "ClusterRole", AGENT)["rules"]
+
+
+def dra_rbac_rules() -> list[dict[str, Any]]:
+    """The rules of the ClusterRole gpud-dra-plugin (rbac.yaml): what `gpud dra-plugin` may do."""
+    return find(DRA_RBAC, "ClusterRole", DRA_PLUGIN)["rules"]
+
+
+def rbac_grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) for each combination the PolicyRules grant (no resourceNames or
+    nonResourceURLs: the caller checks that a rule has no other keys)."""
+    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def device_classes() -> dict[str, dict[str, Any]]:
+    """DeviceClass name -> its spec (deviceclasses.yaml)."""
+    return {document["metadata"]["name"]: document["spec"] for document in load(DEVICE_CLASSES)
+            if document.get("kind") == "DeviceClass"}
+
+
+def releases_for(name: str, releases: tuple[str, ...]) -> tuple[str, ...]:
+    """Of these Kubernetes releases ("1.34"), those that serve every object of deploy/kubernetes/<name>."""
+    first = FIRST_RELEASE.get(name)
+    if first is None:
+        return releases
+    return tuple(release for release in releases if _minor(release) >= _minor(first))
+
+
+def _minor(release: str) -> tuple[int, int]:
+    major, minor = release.split(".")[:2]
+    return int(major), int(minor)
 
 
 def sharing_configs() -> dict[str, str]:

@@ -202,8 +202,8 @@ def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container,
             assert cli and all((root / path.lstrip("/")).exists() for path in cli)
             assert "gpud-admin:" in (root / "etc/group").read_text()  # the postinstall scriptlet ran
             assert _enabled_in(root, "gpud.service") == expected, operator_preset
-            # the socket and the device plugin are not the package's to turn on, preset or not
-            for unit in ("gpud.socket", "gpud-device-plugin.service"):
+            # the socket and the two plugins are not the package's to turn on, preset or not
+            for unit in ("gpud.socket", "gpud-device-plugin.service", "gpud-dra-plugin.service"):
                 assert _enabled_in(root, unit) == "disabled", unit
             erase = rpm("-e", "gpud")
             assert erase.returncode == 0, erase.stderr

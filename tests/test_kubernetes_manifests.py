@@ -1,8 +1,9 @@
 """gpud's Kubernetes manifests (deploy/kubernetes/): every object is valid for each Kubernetes release
 1.30 to 1.35 (kubernetes-validate's strict JSON schemas, generated from each release's OpenAPI; an
-unknown field or a wrong type is refused, as `kubectl apply --validate=strict` refuses it), the node
-agent's RBAC is exactly what it needs, its DaemonSets tolerate the agent's own taint and select the
-right nodes, and the configs they carry load with gpud's own loaders."""
+unknown field or a wrong type is refused, as `kubectl apply --validate=strict` refuses it), or from the
+first release that serves it (DeviceClass resource.k8s.io/v1: 1.34), the node agent's and the DRA
+plugin's RBAC is exactly what each needs, the DaemonSets tolerate the agent's own taint and select the
+right nodes, the DeviceClasses are NVIDIA's, and the configs they carry load with gpud's own loaders."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _validate(document: dict, version: str) -> str:
 def test_manifests_are_there():
     assert set(kube_manifests.manifest_names()) >= {
         "namespace.yaml", "rbac.yaml", "agent-daemonset.yaml", "gpud-daemonset.yaml", "sharing-configs.yaml",
-        "gpud-device-plugin.yaml"}
+        "gpud-device-plugin.yaml", "gpud-dra-plugin.yaml", "deviceclasses.yaml"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -49,14 +50,26 @@ def test_kubernetes_validate_ships_the_release(version):
                                f"Kubernetes {version} (it has {sorted(shipped)}): upgrade it"
 
 
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("name", kube_manifests.manifest_names())
+@pytest.mark.parametrize(("name", "version"), [
+    (name, version) for name in kube_manifests.manifest_names()
+    for version in kube_manifests.releases_for(name, KUBERNETES_VERSIONS)])
 def test_manifest_validates_strictly(name, version):
     documents = kube_manifests.load(name)
     assert documents, name
     for document in documents:
         # A missing schema (an unknown kind or apiVersion) raises SchemaNotFoundError: a failure too.
         assert _validate(document, version) == version, (name, document["kind"])
+
+
+def test_only_the_device_classes_need_a_newer_release_and_they_do():
+    # Every other manifest is checked against every release; each restriction is one the schemas need.
+    assert set(kube_manifests.FIRST_RELEASE) == {kube_manifests.DEVICE_CLASSES}
+    assert kube_manifests.releases_for(kube_manifests.DEVICE_CLASSES, KUBERNETES_VERSIONS) == ("1.34", "1.35")
+    for document in kube_manifests.load(kube_manifests.DEVICE_CLASSES):
+        assert document["apiVersion"] == "resource.k8s.io/v1"
+        # 1.33 has no resource.k8s.io/v1 (its DeviceClass is v1beta1 and v1beta2): no schema to check against
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(document, "1.33.0", strict=True)
 
 
 def _agent_daemonset() -> dict:
@@ -182,7 +195,7 @@ def test_every_daemonset_tolerates_the_agents_unhealthy_taint():
         # by a NoExecute taint of the operator's) keeps these pods off
         assert not any(_tolerates(toleration, {"key": "example.com/maintenance", "effect": "NoExecute"})
                        for toleration in tolerations)
-    assert names == {"gpud-k8s-agent", "gpud", "gpud-device-plugin"}
+    assert names == {"gpud-k8s-agent", "gpud", "gpud-device-plugin", "gpud-dra-plugin"}
 
 
 def test_the_tolerance_check_itself():
@@ -370,7 +383,128 @@ def test_every_gpud_command_in_the_manifests_is_one_gpud_accepts():
                 for daemonset in kube_manifests.daemonsets()
                 for container in daemonset["spec"]["template"]["spec"]["containers"]]
     gpud_commands = [argv[1:] for argv in commands if argv[:1] == ["gpud"]]
-    assert {argv[0] for argv in gpud_commands} >= {"serve", "device-plugin", "k8s-agent"}
+    assert {argv[0] for argv in gpud_commands} >= {"serve", "device-plugin", "k8s-agent", "dra-plugin"}
     for argv in gpud_commands:
         args = build_parser().parse_args(argv)
         assert callable(args.run), argv
+
+
+# -- the DRA plugin: its RBAC, its DaemonSet, the DeviceClasses ----------------------------------------
+
+
+def test_dra_rbac_is_exactly_what_the_plugin_calls():
+    rules = kube_manifests.dra_rbac_rules()
+    for rule in rules:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, nonResourceURLs
+    assert kube_manifests.rbac_grants(rules) == {
+        # its Node's UID, for the slices' owner reference
+        ("", "nodes", "get"),
+        # its own node's slices (gpud/dra/kube.py: list and watch with field selectors, create,
+        # update (replace), delete by name)
+        *(("resource.k8s.io", "resourceslices", verb)
+          for verb in ("get", "list", "watch", "create", "update", "delete")),
+        # the claim the kubelet names in NodePrepareResources
+        ("resource.k8s.io", "resourceclaims", "get"),
+    }
+    granted = kube_manifests.rbac_grants(rules)
+    assert not any("*" in item for item in granted)
+    assert not any(verb in {"patch", "deletecollection", "escalate", "bind", "impersonate"} for _, _, verb in granted)
+    assert not any(resource in {"secrets", "pods", "configmaps", "nodes/status", "resourceclaims/status",
+                                "deviceclasses"} for _, resource, _ in granted)
+
+
+def test_the_dra_binding_gives_its_role_to_the_plugins_service_account_only():
+    name, namespace = kube_manifests.DRA_PLUGIN, kube_manifests.NAMESPACE
+    account = kube_manifests.find(kube_manifests.DRA_RBAC, "ServiceAccount", name)
+    assert account["metadata"]["namespace"] == namespace
+    binding = kube_manifests.find(kube_manifests.DRA_RBAC, "ClusterRoleBinding", name)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+    # and the agent's role is not given to it, nor its role to the agent: rbac.yaml holds the two
+    # accounts, roles and bindings and nothing else
+    agent_binding = kube_manifests.find("rbac.yaml", "ClusterRoleBinding", kube_manifests.AGENT)
+    assert [subject["name"] for subject in agent_binding["subjects"]] == [kube_manifests.AGENT]
+    assert sorted((document["kind"], document["metadata"]["name"]) for document in kube_manifests.load("rbac.yaml")) == \
+        sorted((kind, who) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+               for who in (kube_manifests.AGENT, name))
+
+
+def _dra_daemonset() -> dict:
+    return copy.deepcopy(kube_manifests.find("gpud-dra-plugin.yaml", "DaemonSet", kube_manifests.DRA_PLUGIN))
+
+
+def test_the_dra_plugin_daemonset():
+    from gpud.cli import build_parser
+
+    plugin = _dra_daemonset()
+    assert plugin["metadata"]["namespace"] == kube_manifests.NAMESPACE
+    spec = plugin["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == kube_manifests.DRA_PLUGIN
+    assert spec["priorityClassName"] == "system-node-critical" and spec["terminationGracePeriodSeconds"] > 0
+    assert not spec.get("hostPID") and not spec.get("hostNetwork") and not spec.get("hostIPC")
+    assert "runtimeClassName" not in spec  # no GPU, no NVIDIA library in its container
+    assert _runs_on(plugin, {"nvidia.com/gpu.health": "healthy"})  # gpud's own label: where gpud runs
+    assert not _runs_on(plugin, {"kubernetes.io/os": "linux"})
+
+    (container,) = spec["containers"]
+    assert container["name"] == "dra-plugin"
+    assert container["command"] == ["gpud"] and container["args"] == ["dra-plugin", "--log-format", "json"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["GPUD_SOCKET"]["value"] == "/run/gpud/gpud.sock"
+    security = container["securityContext"]
+    assert security["runAsUser"] == 0 and security["capabilities"] == {"drop": ["ALL"]}
+    assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+    assert not security.get("privileged")
+    assert {"requests", "limits"} <= set(container["resources"])
+
+    # Each place its command uses (its defaults: no flag but the log format) is the host's, at the same path.
+    args = build_parser().parse_args(container["args"])
+    kubelet, cdi = str(args.kubelet_dir), str(args.cdi_dir)
+    assert (kubelet, cdi, args.driver_name) == ("/var/lib/kubelet", "/var/run/cdi", "gpu.nvidia.com")
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    mounts = _mounts(container)
+    assert {mount["name"] for mount in mounts.values()} <= set(volumes)
+    host_paths = {path: volumes[mount["name"]]["hostPath"]["path"] for path, mount in mounts.items()
+                  if "hostPath" in volumes[mount["name"]]}
+    writable = {f"{kubelet}/plugins_registry", f"{kubelet}/plugins", cdi}
+    read_only = {"/run/gpud", f"{kubelet}/pod-resources"}
+    assert set(host_paths) == writable | read_only
+    assert all(host_paths[path] == path for path in host_paths), host_paths
+    assert {path for path in host_paths if not mounts[path].get("readOnly")} == writable
+    # the sockets: gpud's (shared as gpud-device-plugin.yaml shares it), the plugin's two (the kubelet's
+    # <root>/plugins_registry/<driver>-reg.sock and <root>/plugins/<driver>/dra.sock), the checkpoint's directory
+    assert env["GPUD_SOCKET"]["value"].rpartition("/")[0] in host_paths
+    assert volumes[mounts["/run/gpud"]["name"]]["hostPath"] == \
+        kube_manifests.find("gpud-device-plugin.yaml", "DaemonSet", "gpud-device-plugin")["spec"]["template"][
+            "spec"]["volumes"][0]["hostPath"]
+    assert not [mount for mount in mounts.values() if mount.get("mountPropagation")]
+
+    # The service account's token, mounted by hand where the plugin's client looks for it.
+    assert spec["automountServiceAccountToken"] is False
+    token = mounts["/var/run/secrets/kubernetes.io/serviceaccount"]
+    assert token["readOnly"] is True
+    sources = volumes[token["name"]]["projected"]["sources"]
+    assert {"serviceAccountToken", "configMap", "downwardAPI"} == {key for source in sources for key in source}
+
+
+# NVIDIA's selectors, verbatim (kubernetes-sigs/dra-driver-nvidia-gpu,
+# deployments/helm/dra-driver-nvidia-gpu/templates/deviceclass-gpu.yaml and deviceclass-mig.yaml).
+NVIDIA_DEVICE_CLASSES = {
+    "gpu.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
+    "mig.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'",
+}
+
+
+def test_the_device_classes_are_nvidias():
+    classes = kube_manifests.device_classes()
+    assert set(classes) == set(NVIDIA_DEVICE_CLASSES)
+    for name, spec in classes.items():
+        assert spec["selectors"] == [{"cel": {"expression": NVIDIA_DEVICE_CLASSES[name]}}], name
+        assert "config" not in spec, name
+    # Pods' plain nvidia.com/gpu requests, met by whole GPUs (where the DRAExtendedResource gate is on)
+    assert classes["gpu.nvidia.com"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert "extendedResourceName" not in classes["mig.nvidia.com"]
+    # the plugin publishes under the driver the classes select
+    from gpud.dra import DEFAULT_DRIVER_NAME
+    assert DEFAULT_DRIVER_NAME == "gpu.nvidia.com"

@@ -105,7 +105,8 @@ def test_deb_metadata_conffiles_and_scripts(packages):
     assert b"conffiles" in control and b"postinst" in control and b"prerm" in control
     listing = {member.name for member in deb_members(deb)}
     for path in ("./usr/bin/gpud", "./usr/lib/systemd/system/gpud.service", "./usr/lib/systemd/system/gpud.socket",
-                 "./usr/lib/systemd/system/gpud-device-plugin.service", "./etc/gpud/gpud.yaml",
+                 "./usr/lib/systemd/system/gpud-device-plugin.service",
+                 "./usr/lib/systemd/system/gpud-dra-plugin.service", "./etc/gpud/gpud.yaml",
                  "./etc/gpud/mig-layouts.yaml", f"./{LIB}/launch.py", f"./{LIB}/common/gpud/mig/data/mig-layouts.yaml",
                  f"./{LIB}/common/gpud/health/xids.yaml", f"./{LIB}/common/gpud/device_plugin/api_pb2.py",
                  f"./{LIB}/common/gpud/device_plugin/api_pb2_grpc.py", "./usr/share/man/man1/gpud.1.gz",

@@ -324,25 +324,28 @@ def _run_script(text: str, args: list[str], here: Path, systemd_running: bool, w
     return [line for line in log.read_text().splitlines() if line.startswith("systemctl ") or line.startswith("gpud ")]
 
 
+# An upgrade restarts what runs of the package's units, a removal stops and disables all of them: gpud, its
+# socket, and the two Kubernetes plugins the package ships but never enables.
+TRY_RESTART = "systemctl try-restart gpud.service gpud-device-plugin.service gpud-dra-plugin.service"
+DISABLE_NOW = "systemctl --no-reload disable --now gpud-device-plugin.service gpud-dra-plugin.service gpud.service " \
+              "gpud.socket"
+
 # (packager, script, its arguments, the systemctl and gpud commands it runs where systemd runs)
 CONVENTIONS = [
     # rpm: %systemd_post (`systemctl --no-reload preset`, nothing started), %systemd_preun (`--no-reload
     # disable --now`), and the try-restart of %systemd_postun_with_restart, in the new version's %post.
     ("rpm", "postinstall", ["1"], ["systemctl --no-reload preset gpud.service"]),
-    ("rpm", "postinstall", ["2"], ["systemctl daemon-reload", "systemctl try-restart gpud.service gpud-device-plugin.service"]),
+    ("rpm", "postinstall", ["2"], ["systemctl daemon-reload", TRY_RESTART]),
     ("rpm", "preremove", ["1"], []),
-    ("rpm", "preremove", ["0"], ["systemctl --no-reload disable --now gpud-device-plugin.service gpud.service gpud.socket",
-                                 "gpud mps quit-all"]),
+    ("rpm", "preremove", ["0"], [DISABLE_NOW, "gpud mps quit-all"]),
     ("rpm", "postremove", ["1"], ["systemctl daemon-reload"]),
     ("rpm", "postremove", ["0"], ["systemctl daemon-reload"]),
     # deb: dh_installsystemd's convention, enabled and started on install
     ("deb", "postinstall", ["configure", ""], ["systemctl daemon-reload", "systemctl enable --now gpud.service"]),
     ("deb", "postinstall", ["configure", "0.0.9"],
-     ["systemctl daemon-reload", "systemctl try-restart gpud.service gpud-device-plugin.service"]),
+     ["systemctl daemon-reload", TRY_RESTART]),
     ("deb", "preremove", ["upgrade", "0.2.0"], []),
-    ("deb", "preremove", ["remove"], ["systemctl is-enabled --quiet gpud.service",
-                                      "systemctl --no-reload disable --now gpud-device-plugin.service gpud.service "
-                                      "gpud.socket", "gpud mps quit-all"]),
+    ("deb", "preremove", ["remove"], ["systemctl is-enabled --quiet gpud.service", DISABLE_NOW, "gpud mps quit-all"]),
 ]
 
 

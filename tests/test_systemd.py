@@ -84,22 +84,31 @@ def _packaged_binary(root: Path) -> None:
     (root / "usr/bin/gpud").chmod(0o755)
 
 
-@pytest.mark.parametrize("unit", ["gpud.service", "gpud-device-plugin.service"])
+# Every packaged .service unit (systemd/*.service, each shipped by packaging/nfpm.yaml).
+SERVICE_UNITS = ["gpud.service", "gpud-device-plugin.service", "gpud-dra-plugin.service"]
+
+
+def test_the_service_units_are_every_unit_of_systemd_dir():
+    assert sorted(path.name for path in (REPO / "systemd").glob("*.service")) == sorted(SERVICE_UNITS)
+
+
+@pytest.mark.parametrize("unit", SERVICE_UNITS)
 def test_the_units_pass_systemd_analyze_verify(tmp_path, unit):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         if IN_CI:
             pytest.fail("CI must have systemd-analyze (package systemd)")
         pytest.skip("systemd-analyze is not installed")
-    # A root holding the OS's units, the packaged units, the binaries they name and the directory the
-    # device plugin's condition wants, as a package installs them on a Kubernetes node: gpud's own
+    # A root holding the OS's units, the packaged units, the binaries they name and the directories the
+    # plugins' conditions want, as a package installs them on a Kubernetes node: gpud's own
     # binary only, as in a minimal root without procps's /bin/kill (issue 20, item 2).
     shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
     _packaged_binary(tmp_path)
-    (tmp_path / "var/lib/kubelet/device-plugins").mkdir(parents=True)
+    for kubelet_dir in ("device-plugins", "plugins_registry", "plugins"):
+        (tmp_path / "var/lib/kubelet" / kubelet_dir).mkdir(parents=True)
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
-    for packaged in ("gpud.service", "gpud-device-plugin.service"):
+    for packaged in SERVICE_UNITS:
         shutil.copy(REPO / "systemd" / packaged, unit_dir)
     result = subprocess.run([analyze, "verify", "--man=no", f"--root={tmp_path}", f"/etc/systemd/system/{unit}"],
                             capture_output=True, text=True, timeout=60)
@@ -163,14 +172,15 @@ def test_the_socket_unit_passes_systemd_analyze_verify(tmp_path):
 MOST_EXPOSURE = 5.0
 
 
-def unit_values(unit: str, key: str) -> list[str]:
-    """Every value a [Service] key has in the packaged unit, in order (systemd keys may repeat)."""
+def unit_values(unit: str, key: str, in_section: str = "[Service]") -> list[str]:
+    """Every value a key of one section ([Service] unless told) has in the packaged unit, in order
+    (systemd keys may repeat)."""
     values, section = [], None
     for line in (REPO / "systemd" / unit).read_text().splitlines():
         line = line.strip()
         if line.startswith("["):
             section = line
-        elif section == "[Service]" and line.startswith(f"{key}="):
+        elif section == in_section and line.startswith(f"{key}="):
             values.append(line.split("=", 1)[1])
     return values
 
@@ -184,7 +194,7 @@ def need_systemd_analyze() -> str:
     return analyze
 
 
-@pytest.mark.parametrize("unit", ["gpud.service", "gpud-device-plugin.service"])
+@pytest.mark.parametrize("unit", SERVICE_UNITS)
 def test_systemd_analyze_security_rates_each_unit_at_most_five(unit):
     result = subprocess.run([need_systemd_analyze(), "security", "--offline=yes", "--no-pager",
                              str(REPO / "systemd" / unit)], capture_output=True, text=True, timeout=60)
@@ -199,6 +209,52 @@ def test_the_device_plugin_unit_keeps_no_capability_no_device_and_no_network():
     assert unit_values("gpud-device-plugin.service", "PrivateDevices") == ["yes"]
     assert unit_values("gpud-device-plugin.service", "RestrictAddressFamilies") == ["AF_UNIX"]
     assert unit_values("gpud-device-plugin.service", "ReadWritePaths") == ["/var/lib/kubelet/device-plugins"]
+
+
+DRA_UNIT = "gpud-dra-plugin.service"
+
+
+def test_the_dra_plugin_unit_keeps_no_capability_no_device_and_writes_only_its_three_places():
+    assert unit_values(DRA_UNIT, "CapabilityBoundingSet") == [""]
+    assert unit_values(DRA_UNIT, "NoNewPrivileges") == ["yes"]
+    assert unit_values(DRA_UNIT, "PrivateDevices") == ["yes"]
+    assert unit_values(DRA_UNIT, "ProtectSystem") == ["strict"]
+    # the Kubernetes API is TCP: Unix sockets and IPv4/IPv6 only, nothing else (no netlink, no packet)
+    assert unit_values(DRA_UNIT, "RestrictAddressFamilies") == ["AF_UNIX AF_INET AF_INET6"]
+    assert unit_values(DRA_UNIT, "PrivateNetwork") == []
+    # its registration socket, its DRA socket and checkpoint, the claims' CDI specs: each may be
+    # missing when it starts ("-")
+    assert unit_values(DRA_UNIT, "ReadWritePaths") == [
+        "-/var/lib/kubelet/plugins_registry", "-/var/lib/kubelet/plugins", "-/var/run/cdi"]
+    for key in ("RuntimeDirectory", "StateDirectory", "ReadWriteDirectories"):  # and nothing more
+        assert unit_values(DRA_UNIT, key) == [], key
+    assert unit_values(DRA_UNIT, "SystemCallFilter") == ["@system-service", "~@privileged @resources"]
+    assert unit_values(DRA_UNIT, "RestartPreventExitStatus") == ["2 127"]
+
+
+def test_the_dra_plugin_unit_runs_the_plugin_with_the_operators_environment():
+    (start,) = unit_values(DRA_UNIT, "ExecStart")
+    assert start.split()[:2] == ["/usr/bin/gpud", "dra-plugin"]
+    # KUBECONFIG and NODE_NAME (and more options) from an optional file, read after the defaults
+    assert unit_values(DRA_UNIT, "EnvironmentFile") == ["-/etc/default/gpud-dra-plugin"]
+    assert "NODE_NAME=%H" in unit_values(DRA_UNIT, "Environment")
+    text = (REPO / "systemd" / DRA_UNIT).read_text()
+    assert "KUBECONFIG=" in text and "NODE_NAME=" in text  # documented in the unit's comment
+    # beside gpud, not bound to it; only where a kubelet is
+    assert "gpud.service" in unit_values(DRA_UNIT, "Wants", "[Unit]")
+    assert "gpud.service" in " ".join(unit_values(DRA_UNIT, "After", "[Unit]")).split()
+    assert unit_values(DRA_UNIT, "Requires", "[Unit]") == [] and unit_values(DRA_UNIT, "BindsTo", "[Unit]") == []
+    assert unit_values(DRA_UNIT, "ConditionPathIsDirectory", "[Unit]") == ["/var/lib/kubelet"]
+
+
+def test_the_dra_plugin_unit_passes_its_options_to_a_command_gpud_accepts():
+    from gpud.cli import build_parser
+
+    (start,) = unit_values(DRA_UNIT, "ExecStart")
+    argv = [word for word in start.split()[1:] if not word.startswith("$")]  # an unset $VAR is no argument
+    args = build_parser().parse_args(argv + ["--taint-no-execute"])
+    assert args.kubelet_dir == Path("/var/lib/kubelet") and str(args.cdi_dir) == "/var/run/cdi"
+    assert args.driver_name == "gpu.nvidia.com"
 
 
 def bounded(capabilities: list[str], *command: str) -> subprocess.CompletedProcess:
