@@ -1,6 +1,6 @@
 """Benchmark: `gpud dra-plugin` against NVIDIA's DRA kubelet plugin (issue 35).
 
-Usage: python bench/dra.py [--claims 40] [--mig-changes 4] [--idle-seconds 30] [--without-nvidia]
+Usage: python bench/dra.py [--claims 40] [--mig-changes 4] [--idle-seconds 30] [--nvidia-qps Q] [--without-nvidia]
 
 On NVIDIA's mock H100 (../shared/nvidia-mock-nvml, 8 GPUs) both plugins run side by side as
 tests/test_dra_vs_nvidia.py runs them (tests/dra_side_by_side.py: NVIDIA's gpu-kubelet-plugin on a driver
@@ -8,7 +8,10 @@ root holding the mock, gpud serve's real NVML backend on the same mock, each plu
 Kubernetes API stand-in, tests/kube_api_stand_in.py) and are called as the kubelet calls them:
 - Prepare and Unprepare: the same claims (one GPU each, gpu-0 to gpu-7 in turn), each prepared then
   unprepared, the plugins taking turns going first; milliseconds per gRPC call, p50 and p90, and the
-  ratio gpud / NVIDIA (NVIDIA's, measured in the same run, is the baseline);
+  ratio gpud / NVIDIA (NVIDIA's, measured in the same run, is the baseline). NVIDIA's plugin runs with its
+  own default client-side rate limit (client-go's 5 QPS, burst 10; its Helm chart sets none): past the
+  burst, each Prepare's GET of its claim waits up to 200 ms for it. --nvidia-qps lifts it, to compare the
+  plugins' own work; gpud's plugin has no client-side limit (16 claim reads at once at most);
 - idle API requests per node-hour: the requests each plugin's user makes in an idle window, per hour,
   plus those of one watch renewal (the stand-in ends the watches, as the server does when a watch's
   timeoutSeconds runs out) times the renewals an hour at the plugins' watch timeouts (both ask for a
@@ -157,7 +160,9 @@ def side_by_side(args, work: Path) -> bool:
     if why is not None:
         print(f"NVIDIA's plugin: skipped ({why})")
         return False
-    sides = SideBySide(work / "mock", mock, mock_config("h100"), NODE)
+    limiter = (("--kube-api-qps", str(args.nvidia_qps), "--kube-api-burst", str(args.nvidia_burst))
+               if args.nvidia_qps else ())
+    sides = SideBySide(work / "mock", mock, mock_config("h100"), NODE, nvidia_args=limiter)
     try:
         sides.wait_published(8)
         took = prepare_unprepare(sides.plugins, sides.kubes, NODE, args.claims, 8)
@@ -166,7 +171,9 @@ def side_by_side(args, work: Path) -> bool:
         gpud_rss = rss_mib(sides.gpud.proc.pid)
     finally:
         sides.stop()
-    print(f"DRA plugins side by side on NVIDIA's mock H100 (8 GPUs), {args.claims} claims of one GPU each")
+    print(f"DRA plugins side by side on NVIDIA's mock H100 (8 GPUs), {args.claims} claims of one GPU each; NVIDIA's "
+          "client-side limit on API requests: " + (f"{args.nvidia_qps:g} QPS, burst {args.nvidia_burst}" if args.nvidia_qps
+                                                  else "its default, 5 QPS, burst 10"))
     for call, at in (("Prepare", 0), ("Unprepare", 1)):
         ours, theirs = took["gpud"][at], took["nvidia"][at]
         print(f"{call}: gpud {figures(ours)}; NVIDIA {figures(theirs)}; ratio gpud/NVIDIA p50 "
@@ -248,6 +255,9 @@ def main() -> None:
     parser.add_argument("--claims", type=int, default=40)
     parser.add_argument("--mig-changes", type=int, default=4)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--nvidia-qps", type=float, help="NVIDIA's --kube-api-qps (default: its own, 5: past a "
+                        "burst of 10, each Prepare's GET of its claim waits for client-go's rate limiter)")
+    parser.add_argument("--nvidia-burst", type=int, default=1000, help="NVIDIA's --kube-api-burst with --nvidia-qps")
     parser.add_argument("--without-nvidia", action="store_true", help="gpud's plugin alone (as without ../shared)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gbd", dir="/tmp"))  # short: socket paths hold 108 bytes

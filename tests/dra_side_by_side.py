@@ -211,10 +211,11 @@ class SideBySide:
     """The two plugins on the same mock node (one driver root, one mock config), each against its own API
     server stand-in as node `node` of driver gpu.nvidia.com: `kubes` and `plugins` by "nvidia" and "gpud";
     `gpud` the gpud serve process (real NVML backend on the mock) gpud's plugin reads. `nvidia`: False
-    leaves NVIDIA's plugin out (the benchmark without ../shared's binary or root)."""
+    leaves NVIDIA's plugin out (the benchmark without ../shared's binary or root); `nvidia_args` are added
+    to its command line."""
 
     def __init__(self, work: Path, mock: Path, config: Path, node: str = "node1", nvidia: bool = True,
-                 server_version: str = "1.34", gpus: int = 8):
+                 server_version: str = "1.34", gpus: int = 8, nvidia_args: tuple[str, ...] = ()):
         from helpers import GpudProcess
         from kube_api_stand_in import KubeApiStandIn
 
@@ -230,7 +231,7 @@ class SideBySide:
                 kube.bind_rbac("dra", DRA_RULES)
             if nvidia:
                 self.plugins["nvidia"] = NvidiaDraPlugin(work / "nvidia", self.kubes["nvidia"].kubeconfig("dra"),
-                                                         node, self.root, config)
+                                                         node, self.root, config, *nvidia_args)
             (work / "g").mkdir()
             (work / "gpud.yaml").write_text(
                 f"mig:\n  layouts_file: {work / 'absent.yaml'}\n"

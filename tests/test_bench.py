@@ -84,7 +84,8 @@ def test_dra_benchmark_against_nvidia_runs():
     need(why is None, why or "")
     need(shutil.which("gcc") is not None, "gcc makes the driver root's stub libcuda")
     lines = _dra_benchmark()
-    assert lines[0].startswith("DRA plugins side by side on NVIDIA's mock H100 (8 GPUs), 4 claims"), lines
+    assert lines[0].startswith("DRA plugins side by side on NVIDIA's mock H100 (8 GPUs), 4 claims of one GPU "
+                               "each; NVIDIA's client-side limit on API requests: its default"), lines
     assert lines[1].startswith("Prepare: gpud p50 ") and "ratio gpud/NVIDIA p50 " in lines[1]
     assert lines[2].startswith("Unprepare: gpud p50 ") and "ratio gpud/NVIDIA p50 " in lines[2]
     assert "; nvidia " in lines[3] and "ratio gpud/NVIDIA " in lines[3]
