@@ -1,10 +1,11 @@
 """The benchmark still runs (its figures are read by people, not asserted: the machine is noisy)."""
 
+import shutil
 import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, need
 
 
 def test_api_benchmark_runs_and_prints_ratios():
@@ -53,6 +54,42 @@ def test_device_plugin_benchmark_runs():
     lines = result.stdout.splitlines()
     assert lines[1].startswith("idle: n=3 ") and lines[2].startswith("with nvidia.com/gpu.shared's Register hanging: n=3 ")
     assert lines[3].startswith("ratio hanging/idle (p50): ")
+
+
+def _dra_benchmark(*args: str) -> list[str]:
+    result = subprocess.run([sys.executable, "bench/dra.py", "--claims", "4", "--mig-changes", "2",
+                             "--idle-seconds", "0.5", *args], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("idle API requests per node-hour") for line in lines), result.stdout
+    assert any(line.startswith("RSS: gpud dra-plugin ") for line in lines), result.stdout
+    assert lines[-1].startswith("MIG change -> republished slice (simulated hgx-a100-4gpu, 2 changes"), result.stdout
+    return lines
+
+
+def test_dra_benchmark_runs():
+    # Issue 35: gpud's DRA plugin alone, as without ../shared: Prepare and Unprepare, idle API requests, RSS,
+    # and a MIG change to its republished slice on a simulated node (figures read by people; the benchmark
+    # fails if a slice never comes).
+    lines = _dra_benchmark("--without-nvidia")
+    assert lines[0] == "NVIDIA's plugin: skipped (--without-nvidia)"
+    assert lines[2].startswith("Prepare: gpud p50 ") and lines[3].startswith("Unprepare: gpud p50 ")
+
+
+@pytest.mark.slow  # gpud serve on the mock, NVIDIA's plugin and a simulated MIG node: about 10 s
+def test_dra_benchmark_against_nvidia_runs():
+    # Issue 35: the same against NVIDIA's gpu-kubelet-plugin on the mock H100, as ratios.
+    from dra_side_by_side import nvidia_missing
+    why = nvidia_missing()
+    need(why is None, why or "")
+    need(shutil.which("gcc") is not None, "gcc makes the driver root's stub libcuda")
+    lines = _dra_benchmark()
+    assert lines[0].startswith("DRA plugins side by side on NVIDIA's mock H100 (8 GPUs), 4 claims of one GPU "
+                               "each; NVIDIA's client-side limit on API requests: its default"), lines
+    assert lines[1].startswith("Prepare: gpud p50 ") and "ratio gpud/NVIDIA p50 " in lines[1]
+    assert lines[2].startswith("Unprepare: gpud p50 ") and "ratio gpud/NVIDIA p50 " in lines[2]
+    assert "; nvidia " in lines[3] and "ratio gpud/NVIDIA " in lines[3]
+    assert "NVIDIA gpu-kubelet-plugin " in lines[4]
 
 
 def test_gpu_memory_plugin_benchmark_runs(mps_tmp):  # mps_tmp: needs nvidia-cuda-mps-control (skips, or fails in CI)
