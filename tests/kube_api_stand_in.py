@@ -1805,7 +1805,7 @@ class KubeApiStandIn:
             out, err = await asyncio.wait_for(process.communicate(body), PBDECODE_TIMEOUT_S)
         except asyncio.TimeoutError:
             process.kill()
-            await process.wait()
+            await asyncio.wait_for(process.wait(), 5.0)  # killed: it ends at once
             raise ApiError(500, "InternalError", "Internal error occurred: the stand-in's protobuf decoder "
                            "did not answer in time") from None
         if process.returncode != 0:

@@ -84,7 +84,7 @@ def test_only_the_k8s_agent_and_the_dra_plugin_talk_to_kubernetes():
 GRPC_MODULES = {"gpud.device_plugin.api", "gpud.device_plugin.endpoint", "gpud.device_plugin.plugin",
                 "gpud.device_plugin.podresources", "gpud.device_plugin.api_pb2", "gpud.device_plugin.api_pb2_grpc",
                 "gpud.device_plugin.podresources_pb2", "gpud.device_plugin.podresources_pb2_grpc",
-                "gpud.dra.api", "gpud.dra.server", "gpud.dra.plugin",
+                "gpud.dra.api", "gpud.dra.server", "gpud.dra.plugin", "gpud.dra.owner", "gpud.dra.prepare",
                 *(f"gpud.dra.{proto}_pb2{grpc}" for proto in ("dra_v1", "dra_v1beta1", "pluginregistration", "dra_health")
                   for grpc in ("", "_grpc"))}
 
