@@ -5,7 +5,9 @@ plugin handed out is refused to a claim by the DRA plugin (it reads the kubelet'
 that shares its devices through MPS gets gpud's own supervised MPS daemon for each (per-client limits,
 kept across gpud restarts, as gpu_memory's are); one that time-slices with an interval has it set on its
 GPUs, as NVIDIA's DRA driver does (nvidia-smi compute-policy --set-timeslice, cmd/gpu-kubelet-plugin
-sharing.go). Kept in the state directory: a restart of gpud keeps every hold.
+sharing.go). Kept in the state directory with the boot id: a restart of gpud keeps every hold, a
+reboot drops them all (the kubelet prepares its pods' claims again, and the plugin drops its own record
+of an earlier boot the same way). Written atomically but without fsync: a power loss is a reboot.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _gpu_of(inventory: Inventory, uuid: str):
 
 
 class ClaimRegistry:
-    def __init__(self, path: Path, inventory: InventoryService,
+    def __init__(self, path: Path, inventory: InventoryService, boot_id: Callable[[], str],
                  notify: Callable[[str, dict], object] = lambda kind, data: None,
                  on_mps_change: Callable[[str], Awaitable[None]] | None = None,
                  set_time_slice: Callable[[list[int], str], Awaitable[str | None]] | None = None):
@@ -74,9 +76,18 @@ class ClaimRegistry:
         self._notify = notify
         self._on_mps_change = on_mps_change  # converges gpud's MPS daemons
         self._set_time_slice = set_time_slice  # (GPU indices, interval) -> why it failed, or None
-        holds, corrupt = read_json(path, lambda d: {h["uid"]: _hold(h) for h in d["claims"]})
+        self._boot_id = boot_id  # the node's boot id, read when needed: a simulated node's exists once NVML is up
+        saved, corrupt = read_json(path, lambda d: (d.get("boot_id"), {h["uid"]: _hold(h) for h in d["claims"]}))
         self.corrupt_files: list[CorruptFile] = [corrupt] if corrupt else []
-        self.holds: dict[str, Hold] = holds or {}
+        self._saved_boot, self.holds = saved or (None, {})
+
+    def drop_earlier_boots(self) -> None:
+        """Drops the holds saved in another boot than this one."""
+        now = self._boot_id()
+        if self.holds and self._saved_boot != now:
+            log.info("claims_of_an_earlier_boot_dropped", claims=len(self.holds), saved_boot_id=self._saved_boot,
+                     boot_id=now)
+            self.holds = {}
 
     # -- what others ask -------------------------------------------------------------------------
 
@@ -152,7 +163,8 @@ class ClaimRegistry:
 
     def _save(self, what: str) -> None:
         try:
-            write_json_atomic(self.path, {"claims": [asdict(h) for h in self.holds.values()]})
+            write_json_atomic(self.path, {"boot_id": self._boot_id(), "claims": [asdict(h) for h in self.holds.values()]},
+                              durable=False)
         except OSError as exc:
             raise write_failed(self.path, exc, what) from None
 

@@ -54,6 +54,7 @@ from gpud.safefs import claim_directory
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
 from gpud.claims import ClaimRegistry
+from gpud.host import boot_id
 from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.timeslice import set_time_slice
 from gpud.sharing.resources import mps_replicas
@@ -102,7 +103,8 @@ class Daemon:
         self._sharing_changes = asyncio.Lock()  # a choice, a reload and the directory's poll take turns
         self.kubernetes_agent = KubernetesAgentStatus()
         self.inventory.subscribe(self.sharing.update)
-        self.claims = ClaimRegistry(config.state_path / "dra-claims.json", self.inventory, notify=self.bus.publish,
+        self.claims = ClaimRegistry(config.state_path / "dra-claims.json", self.inventory,
+                                    lambda: boot_id(config.procfs_path), notify=self.bus.publish,
                                     on_mps_change=lambda why: self.mps.converge(why),
                                     set_time_slice=_claim_time_slice)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
@@ -234,6 +236,7 @@ class Daemon:
         self._start(self._report_status(), "status")
         await self.session.initialise()
         await self.inventory.refresh("startup")
+        self.claims.drop_earlier_boots()  # the node's boot id is known now (a simulated node's once NVML is up)
         self.health.start()
         self._start(self.health.run_checks(), "health")
         self._start(self.processes.run(), "processes")

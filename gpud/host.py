@@ -138,3 +138,12 @@ def _process_name(pid_dir: Path) -> str:
         return (pid_dir / "comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def boot_id(procfs: Path) -> str:
+    """The kernel's random id of this boot (proc(5) /proc/sys/kernel/random/boot_id); "" if unreadable.
+    A simulated node's procfs has its own, which `sim reboot` changes."""
+    try:
+        return (procfs / "sys" / "kernel" / "random" / "boot_id").read_text(encoding="ascii").strip()[:64]
+    except (OSError, UnicodeDecodeError):
+        return ""

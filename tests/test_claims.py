@@ -13,6 +13,7 @@ from openapi_check import assert_matches_openapi
 
 from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate
 from gpud.device_plugin.state import NodeState, claimed_devices, resources_from_sharing, without_claimed
+from gpud.nvml.sim.scenarios import started
 
 
 async def put(node, uid: str, body: dict):
@@ -124,5 +125,24 @@ async def test_a_claim_sharing_through_mps_gets_gpuds_daemon_with_its_limits(mps
             await asyncio.sleep(0.02)
         else:
             raise AssertionError(mps)
+    finally:
+        await stop_daemon(node)
+
+
+async def test_a_reboot_drops_every_hold(short_tmp):
+    config = claims_config(short_tmp)
+    node = await start_daemon(config)
+    try:
+        _, gpus = await node.get("/v1/gpus")
+        assert (await put(node, str(uuid.uuid4()), body([gpus["gpus"][0]["uuid"]])))[0] == 200
+    finally:
+        await stop_daemon(node)
+    sim = started("hgx-a100-4gpu", short_tmp / "sim.json")  # the simulated node reboots while gpud is down
+    sim.nvmlShutdown()
+    sim.sim_reboot()
+    node = await start_daemon(config)
+    try:
+        _, view = await node.get("/v1/claims")
+        assert view["claims"] == []  # the kubelet prepares its pods' claims again after a reboot
     finally:
         await stop_daemon(node)

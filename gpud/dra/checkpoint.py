@@ -74,8 +74,11 @@ class Checkpoint:
     claims: dict[str, PreparedClaim] = field(default_factory=dict)
 
     def save(self) -> None:
+        # atomic (a kill leaves the old file or the new), not fsynced: only a power loss would need that, and
+        # after one the boot id differs and the record is dropped anyway
         write_json_atomic(self.path, {"format": FORMAT, "boot_id": self.boot_id,
-                                      "claims": {uid: c.to_json() for uid, c in sorted(self.claims.items())}})
+                                      "claims": {uid: c.to_json() for uid, c in sorted(self.claims.items())}},
+                          durable=False)
 
     def put(self, claim: PreparedClaim) -> None:
         self.claims[claim.uid] = claim

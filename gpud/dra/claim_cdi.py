@@ -64,9 +64,10 @@ def claim_spec(node_spec: dict, driver: str, claim_uid: str, devices: list[tuple
 
 
 def write_claim_spec(cdi_dir: Path, driver: str, claim_uid: str, spec: dict) -> Path:
-    """Written whole by rename, readable by the runtime (0644)."""
+    """Written whole by rename, readable by the runtime (0644); not fsynced: /var/run/cdi does not outlive a
+    boot, and neither does the claim."""
     path = spec_path(cdi_dir, driver, claim_uid)
-    write_text_atomic(path, json.dumps(spec, indent=2) + "\n", mode=0o644)
+    write_text_atomic(path, json.dumps(spec, indent=2) + "\n", mode=0o644, durable=False)
     return path
 
 

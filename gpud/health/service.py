@@ -24,6 +24,7 @@ from gpud.health.catalog import XidCatalog
 from gpud.health.checks import check_readings
 from gpud.health.kmsg import KernelLogFollower, KernelXid
 from gpud.health.tracker import DRIVER_ACTIONS, NODE, Change, HealthTracker, Key, Reason, parse_reasons
+from gpud.host import boot_id
 from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice, normal_bus_id
 from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, FbMemory, NvmlEvent, Readings, read_mig_memory, read_readings
@@ -104,7 +105,7 @@ class HealthService:
         self.settings = settings
         # Without host paths (tests of one part) the node's own checks and the kernel log are off.
         self.host = host
-        self.boot_id = _boot_id(host.procfs) if host else ""
+        self.boot_id = boot_id(host.procfs) if host else ""
         self.tracker = HealthTracker(clear_after_passes=settings.clear_after_passes, boot_id=self.boot_id,
                                      reboot_escalation=(settings.reboot_escalation_count,
                                                         settings.reboot_escalation_window_h * 3600))
@@ -686,14 +687,6 @@ def _persisted_from(document: dict) -> _Persisted:
                       {str(uuid): {str(boot): float(when) for boot, when in boots.items()}
                        for uuid, boots in document.get("reboot_needs", {}).items()},
                       [float(when) for when in document.get("auto_resets", [])])
-
-
-def _boot_id(procfs: Path) -> str:
-    """The kernel's random id of this boot (proc(5) /proc/sys/kernel/random/boot_id); "" if unreadable."""
-    try:
-        return (procfs / "sys" / "kernel" / "random" / "boot_id").read_text(encoding="ascii").strip()[:64]
-    except (OSError, UnicodeDecodeError):
-        return ""
 
 
 def _links_from(document: dict) -> dict[str, frozenset[int]]:
