@@ -35,7 +35,7 @@ Documented differences (what gpud does otherwise, and why):
   driver) and no disable-device-node-modification (NVML in the container may still make /dev nodes where
   the container may; gpud gives it no CAP_MKNOD either way);
 - refusal text: NVIDIA "requested device gpu-0 is already allocated to different claim <uid>", gpud
-  "device gpu-0 is held by claim <namespace>/<name> (<uid>) (gpu-0); neither shares it".
+  "device gpu-0 is held by claim <namespace>/<name> (<uid>); neither shares it".
 """
 
 from __future__ import annotations

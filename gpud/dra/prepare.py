@@ -191,8 +191,9 @@ class Preparer:
                 for held in other.devices:
                     same = held.device == device.name or held.uuid in (device.uuid, device.gpu_uuid) or held.gpu_uuid == device.uuid
                     if same and not admin and not (shared and other.shared):
+                        through = "" if held.device == device.name else f" through {held.device}"
                         raise PrepareError(f"claim {ref}: device {device.name} is held by claim {other.namespace}/"
-                                           f"{other.name} ({other.uid}) ({held.device}); neither shares it")
+                                           f"{other.name} ({other.uid}){through}; neither shares it")
 
     def _refuse_device_plugin_held(self, ref: ClaimRef, devices: list[DraDevice]) -> None:
         """A device the device plugin gave a pod (the kubelet's PodResources): one owner for both paths."""
