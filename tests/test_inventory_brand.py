@@ -119,7 +119,8 @@ def test_a_brand_go_nvlib_has_no_word_for_is_none_and_logged_at_debug(tmp_path, 
 def test_a_refused_brand_is_left_out_as_other_optional_fields_are(tmp_path, error):
     """NOT_SUPPORTED or a driver without the call: no brand; NO_PERMISSION: no brand, noted in `unreadable`.
     The GPU is read either way."""
-    gpu = read(tmp_path, "A100-SXM4-40GB:1", prepare=lambda sim: sim.sim_fail_calls("nvmlDeviceGetBrand", error, 1)).gpus[0]
+    fail = lambda sim: sim.sim_fail_calls("nvmlDeviceGetBrand", error, 1)  # noqa: E731
+    gpu = read(tmp_path, "A100-SXM4-40GB:1", prepare=fail).gpus[0]
     assert gpu.brand is None and gpu.error is None and not gpu.lost
     assert gpu.unreadable == (("brand: needs root (NVML NO_PERMISSION)",)
                               if error == pynvml.NVML_ERROR_NO_PERMISSION else ())
