@@ -96,6 +96,10 @@ class Gpu:
     # Memory the driver keeps for itself (memory info v2 `reserved`, rounded up to whole MiB): no
     # process can allocate it. None where the driver has no memory info v2.
     memory_reserved_mib: int | None = None
+    # nvmlDeviceGetBrand as go-nvlib's GetBrandAsString words it ("Nvidia", "GeForce", "Tesla", ...: what
+    # NVIDIA's DRA driver publishes as `brand`); None where NVML does not answer or answers a brand go-nvlib
+    # has no word for. A lost GPU keeps the brand it was last read with.
+    brand: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ def format_cpulist(cpus: tuple[int, ...] | list[int]) -> str:
 
 
 IDENTITY_FIELDS = ("uuid", "name", "pci_bus_id", "pci_device_id", "memory_total_mib", "architecture",
-                   "cuda_compute_capability", "serial", "minor_number")
+                   "cuda_compute_capability", "serial", "minor_number", "brand")
 
 
 UNKNOWN = "unknown"  # each identity field of a GPU NVML has not described since gpud started
@@ -157,7 +161,7 @@ UNKNOWN = "unknown"  # each identity field of a GPU NVML has not described since
 def unknown_gpu(index: int, **identity) -> Gpu:
     """A GPU NVML cannot describe now (lost), with whatever identity gpud knew of it."""
     fields = {name: UNKNOWN for name in IDENTITY_FIELDS} | {"memory_total_mib": 0, "serial": None,
-                                                              "minor_number": None}
+                                                              "minor_number": None, "brand": None}
     fields.update(identity)
     return Gpu(index=index, compute_mode="unknown", mig=MigInfo(capable=False, mode=None, pending_mode=None),
                **fields)

@@ -57,6 +57,7 @@ async def test_gpus_on_a_simulated_dgx_a100(node):
     assert len({g["pci_bus_id"] for g in gpus}) == 8
     assert all(g["mig"]["capable"] and g["mig"]["mode"] == "disabled" and g["mig"]["devices"] == [] for g in gpus)
     assert {g["architecture"] for g in gpus} == {"ampere"}
+    assert {g["brand"] for g in gpus} == {"Nvidia"}  # go-nvlib's word for NVML_BRAND_NVIDIA
     assert {g["compute_mode"] for g in gpus} == {"default"}
 
 
@@ -160,6 +161,7 @@ async def test_lost_gpu_is_reported_and_the_rest_still_answers(node):
     # What a GPU that fell off the bus mostly answers (the simulator cites its sources)
     assert lost["lost"] is True and "Unknown Error" in lost["error"]
     assert lost["uuid"] == before["gpus"][5]["uuid"]  # last known identity is kept
+    assert lost["brand"] == before["gpus"][5]["brand"] == "Nvidia"
     assert [g["lost"] for g in after["gpus"]].count(True) == 1
     for ident in ("0", "5", before["gpus"][7]["uuid"]):
         assert (await node.get(f"/v1/gpus/{ident}"))[0] == 200

@@ -9,18 +9,18 @@ reads gpud. Each plugin publishes node1's pool of driver gpu.nvidia.com to its o
 its own kubelet and CDI directories, and is called as the kubelet calls it (DRAPlugin v1 over its dra.sock,
 45 s deadline), with the same claims.
 
-The same: device names (gpu-<minor>), attribute names, types and values, capacity (memory), the slice's
-pool and owner; Prepare's answer (request, pool, device, CDI ID `k8s.gpu.nvidia.com/claim=<uid>-gpu-0`), a
-spec the CDI library accepts with the same device node (path and host path) for the device, the same
-control nodes, the same driver files mounted; a second Prepare of a claim answers the same; a second claim
-on a prepared GPU is refused by both; Unprepare removes the spec, again is success, an unknown claim too.
+The same: device names (gpu-<minor>), attribute names, types and values (`brand` too: go-nvlib
+GetBrandAsString's "Nvidia" on the mock, which gpud's inventory reads; gpud leaves it out only where NVML does
+not tell), capacity (memory), the slice's pool and owner; Prepare's answer (request, pool, device, CDI ID
+`k8s.gpu.nvidia.com/claim=<uid>-gpu-0`), a spec the CDI library accepts with the same device node (path and
+host path) for the device, the same control nodes, the same driver files mounted; a second Prepare of a claim
+answers the same; a second claim on a prepared GPU is refused by both; Unprepare removes the spec, again is
+success, an unknown claim too.
 
 Documented differences (what gpud does otherwise, and why):
 - attributes gpud adds (NVIDIA's has none; its issues #744, #1165 ask for them): `index`, `minor`,
   `nvlinkPeers` (where the GPU has NVLink peers), `numaNode` (where NVML gives one; the mock gives none)
   and `resource.kubernetes.io/pcieRoot` (where the bus id is a device in /sys; the mock's are not);
-- `brand` (NVIDIA: go-nvlib GetBrandAsString, "Nvidia" on the mock): only once gpud's inventory reads it;
-  GET /v1/gpus has no `brand` today, so gpud publishes none (gpud/dra/devices.py publishes it when there);
 - the spec's file: NVIDIA writes YAML (`k8s.gpu.nvidia.com-claim_<uid>.yaml`), gpud JSON (`….json`);
   both are CDI's transient spec name for the claim, and runtimes read either;
 - device nodes: NVIDIA's carry major, minor, fileMode and permissions (read from the host node); gpud's
@@ -54,8 +54,6 @@ pytestmark = pytest.mark.slow
 
 NODE = "node1"
 GPUD_ONLY = {"index", "minor", "numaNode", "nvlinkPeers", "resource.kubernetes.io/pcieRoot"}
-# Until gpud's inventory reads the brand (GET /v1/gpus has no `brand`): then gpud publishes it too.
-NVIDIA_ONLY_UNTIL_INVENTORY = {"brand"}
 GPUS = {"h100": 8, "a100": 8}
 
 
@@ -99,9 +97,9 @@ def test_the_same_devices_attributes_and_capacity(pair):
     gpus = {f"gpu-{g['minor_number']}": g for g in pair.gpud.client.get("/v1/gpus")["gpus"]}
     for name, nvidia in theirs.items():
         gpud = ours[name]
-        expected = set(nvidia["attributes"]) - NVIDIA_ONLY_UNTIL_INVENTORY
-        if "brand" in gpus[name]:  # gpud's inventory has it: it must be published, and the same
-            expected |= NVIDIA_ONLY_UNTIL_INVENTORY
+        expected = set(nvidia["attributes"])
+        # the mock answers BRAND_NVIDIA (its configs' brand "nvidia"): gpud's inventory reads it, so both publish it
+        assert gpus[name]["brand"] == "Nvidia" and "brand" in expected, name
         assert set(gpud["attributes"]) - GPUD_ONLY == expected, name
         for attribute in expected:  # the same type (string, version, int, bool) and value
             assert gpud["attributes"][attribute] == nvidia["attributes"][attribute], (name, attribute)

@@ -31,6 +31,15 @@ from gpud.nvml.driver import MINIMUM_BRANCH
 MIB = 1 << 20
 _ARCHITECTURES = ("kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell")
 _COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
+# nvmlDeviceGetBrand's answers as go-nvlib words them (pkg/nvlib/device/device.go GetBrandAsString), by the
+# pynvml NVML_BRAND_* suffix: what NVIDIA's DRA driver publishes as `brand`. VGAMING is CLOUD_GAMING's old
+# name (the same value, which go-nvlib words "NvidiaCloudGaming"); a value go-nvlib has no word for (the
+# 13.x header's DLA, VGAMEDEV, NPU: go-nvlib answers an error) is no brand.
+_BRANDS = {"UNKNOWN": "Unknown", "QUADRO": "Quadro", "TESLA": "Tesla", "NVS": "NVS", "GRID": "Grid",
+           "GEFORCE": "GeForce", "TITAN": "Titan", "NVIDIA_VAPPS": "NvidiaVApps", "NVIDIA_VPC": "NvidiaVPC",
+           "NVIDIA_VCS": "NvidiaVCS", "NVIDIA_VWS": "NvidiaVWS", "NVIDIA_CLOUD_GAMING": "NvidiaCloudGaming",
+           "QUADRO_RTX": "QuadroRTX", "NVIDIA_RTX": "NvidiaRTX", "NVIDIA": "Nvidia", "GEFORCE_RTX": "GeForceRTX",
+           "TITAN_RTX": "TitanRTX"}
 # What a GPU that cannot be reached answers (nvml.h, nvmlDeviceGetHandleByIndex: GPU_IS_LOST "if
 # the target GPU has fallen off the bus or is otherwise inaccessible"; UNKNOWN is what a GPU lost
 # to XID 79 gives in nvidia-smi's "Unable to determine the device handle ... Unknown Error").
@@ -165,6 +174,7 @@ class NodeReader:
             cpu_affinity=self._cpu_affinity(nvml, uuid, handle, optional),
             mig=self._read_mig(nvml, handle, _Identity(index, uuid, pci_device_id, memory_mib, driver), optional),
             memory_reserved_mib=optional("memory_reserved", lambda: _reserved_mib(nvml, handle)),
+            brand=optional("brand", lambda: _brand(nvml, nvml.nvmlDeviceGetBrand(handle), uuid)),
             unreadable=tuple(unreadable),
         )
 
@@ -403,6 +413,15 @@ def active_nvlinks(nvml: Any, handle: Any) -> list[tuple[int, str]]:
 
 def _cuda_version(value: int) -> str:
     return f"{value // 1000}.{value % 1000 // 10}"
+
+
+def _brand(nvml: Any, value: int, uuid: str) -> str | None:
+    """go-nvlib's word for an NVML_BRAND_* value; None (logged at debug) for a value it has no word for."""
+    for suffix, word in _BRANDS.items():
+        if getattr(nvml, f"NVML_BRAND_{suffix}", None) == value:
+            return word
+    log.debug("brand_unknown", gpu=uuid, value=value, why="go-nvlib's GetBrandAsString has no word for it")
+    return None
 
 
 def _architecture(nvml: Any, value: int) -> str:

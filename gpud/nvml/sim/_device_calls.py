@@ -133,6 +133,12 @@ class DeviceCalls(SimCore):
         return self._device(device)[0].model.architecture
 
     @nvml_call
+    def nvmlDeviceGetBrand(self, device) -> int:
+        """The model's NVML_BRAND_* (models.yaml `brand`, with its sources). A MIG device handle answers its
+        GPU's, as nvmlDeviceGetArchitecture does here: no source says what the driver answers for one."""
+        return self._device(device)[0].model.brand
+
+    @nvml_call
     def nvmlDeviceGetCudaComputeCapability(self, handle) -> tuple[int, int]:
         return self._device(handle)[0].model.compute_capability
 

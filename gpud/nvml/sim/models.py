@@ -93,6 +93,7 @@ class GpuModel:
     pci_subsystem_id: int
     memory_mib: int
     architecture: int  # NVML_DEVICE_ARCH_*
+    brand: int  # NVML_BRAND_*
     compute_capability: tuple[int, int]
     multiprocessor_count: int
     ecc: bool
@@ -166,6 +167,7 @@ def _model(key: str, spec: dict[str, Any], ci_placements: dict) -> GpuModel:
         pci_subsystem_id=spec["pci_subsystem_id"],
         memory_mib=spec["memory_mib"],
         architecture=getattr(pynvml, "NVML_DEVICE_ARCH_" + spec["architecture"]),
+        brand=getattr(pynvml, "NVML_BRAND_" + spec["brand"]),
         compute_capability=tuple(spec["compute_capability"]),
         multiprocessor_count=spec["sm_count"],
         ecc=spec["ecc"],
