@@ -150,7 +150,8 @@ class HealthMessage:
     endpoint: str
     at: float  # time.monotonic() at receipt
     wall: float  # time.time() at receipt
-    devices: tuple[tuple[str, str, str, str, int, int], ...]  # pool, device, health, message, last_updated_time, timeout
+    # (pool, device, health, message, last_updated_time, health_check_timeout_seconds) as received
+    devices: tuple[tuple[str, str, str, str, int, int], ...]
 
 
 @dataclass
@@ -481,7 +482,8 @@ class DraKubelet:
                     return False
 
             if info.type != PLUGIN_TYPE:
-                reason = f"RegisterPlugin error -- no handler registered for plugin type: {info.type} at socket {socket}"
+                reason = (f"RegisterPlugin error -- no handler registered for plugin type: {info.type} at socket "
+                          f"{socket}")
                 notify(False, reason)
                 self._reject(socket, reason)
                 return False

@@ -79,8 +79,8 @@ class FakePlugin:
 
         class Registration(registration_rpc.RegistrationServicer):
             def GetInfo(self, request, context):
-                return registration_pb.PluginInfo(type=plugin.plugin_type, name=plugin.name,
-                                                  endpoint="" if plugin.shared else str(plugin.advertise or plugin.dra_socket),
+                endpoint = "" if plugin.shared else str(plugin.advertise or plugin.dra_socket)
+                return registration_pb.PluginInfo(type=plugin.plugin_type, name=plugin.name, endpoint=endpoint,
                                                   supported_versions=plugin.versions)
 
             def NotifyRegistrationStatus(self, request, context):
@@ -195,7 +195,7 @@ def test_existing_socket_registers_at_start_and_hidden_or_plain_files_are_ignore
     (kubelet_dir / "plugins_registry" / "not-a-socket.sock").write_text("")
     kubelet = started(DraKubelet(kubelet_dir, NODE))
     registered(kubelet)  # found by the start's walk, in a subdirectory
-    time.sleep(1.2)  # a reconcile period more
+    time.sleep(1.2)  # fixed time: a reconcile period more, in which nothing else may register
     assert [r.name for r in kubelet.registrations] == [DRIVER]
     assert [s for s, _ in kubelet.attempts] == [str(plugin.reg_socket)]
     assert not hidden.notifications and not kubelet.rejections
@@ -360,7 +360,7 @@ def test_reregistering_within_the_delay_cancels_the_wipe(kubelet_dir, started):
     started(FakePlugin(kubelet_dir))
     kubelet.wait(lambda: len(kubelet.registrations) == 2 and kubelet.connected(DRIVER), 5, "the re-registration")
     assert not kubelet.wipe_pending(DRIVER)
-    time.sleep(2.7)
+    time.sleep(2.7)  # fixed time: past the 2.5 s wiping delay, in which no wipe may come
     assert wipes(kubelet, DRIVER) == 0
 
 
@@ -396,7 +396,7 @@ def test_health_goes_unknown_after_its_timeout_and_messages_are_cut(kubelet_dir,
     info = kubelet.health_info(NODE, "gpu-1")
     assert info.health == "Unhealthy" and len(info.message.encode()) <= 1024 and info.message.endswith("...")
     assert kubelet.health(NODE, "gpu-9") == "Unknown"
-    time.sleep(1.2)
+    time.sleep(1.2)  # fixed time: past gpu-0's own 1 s timeout
     assert kubelet.health_info(NODE, "gpu-0").health == "Unknown"  # its own 1 s timeout
     assert kubelet.health_info(NODE, "gpu-0").message == ""
     assert kubelet.health(NODE, "gpu-1") == "Unhealthy"  # the default 30 s
@@ -418,7 +418,7 @@ def test_health_gate_off_opens_no_stream(kubelet_dir, started):
     plugin = started(FakePlugin(kubelet_dir, health=True))
     registered(kubelet)
     plugin.health_updates.put(health_pb.NodeWatchResourcesResponse(devices=[device_health("gpu-0", 1)]))
-    time.sleep(0.5)
+    time.sleep(0.5)  # fixed time: long enough for a stream to be opened and answered
     assert not kubelet.health_messages and not kubelet.health_stream_errors
 
 
