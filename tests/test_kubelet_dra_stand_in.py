@@ -427,3 +427,64 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
+
+
+# -- NVIDIA's real kubelet plugin ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_nvidia_kubelet_plugin_registers_prepares_and_outlives_a_kubelet_restart():
+    """NVIDIA's gpu-kubelet-plugin (../shared/nvidia-dra-driver) on the mock H100 node, against an API
+    server stand-in: the stand-in registers it, wipes its slices at each start (it publishes them again),
+    prepares a claim once, and not again after a restart."""
+    from dra_side_by_side import DRA_RULES, NvidiaDraPlugin, allocated_claim, devices_of, driver_root, mock_config
+    from dra_side_by_side import nvidia_missing
+    from helpers import mock_nvml_library, need
+    from kube_api_stand_in import KubeApiStandIn
+
+    why = nvidia_missing()
+    need(why is None, why or "")
+    need(shutil.which("gcc") is not None and shutil.which("ldconfig", path="/usr/sbin:/sbin") is not None,
+         "gcc and ldconfig make the driver root's stub libcuda and its ld.so.cache")
+    config = mock_config("h100")
+    need(config.exists(), f"{config} is absent")
+    driver, node = "gpu.nvidia.com", "node1"
+    work = Path(tempfile.mkdtemp(prefix="kdn", dir="/tmp"))
+    kube = KubeApiStandIn(server_version="1.34")
+    plugin = kubelet = None
+    try:
+        kube.create_node(node)
+        kube.bind_rbac("dra", DRA_RULES)
+        root = driver_root(work / "root", mock_nvml_library(), 8)
+        plugin = NvidiaDraPlugin(work / "nvidia", kube.kubeconfig("dra"), node, root, config)
+        kubelet = DraKubelet(plugin.kubelet_dir, node, wipe=kube.wipe_resource_slices).start()
+        kubelet.wait(lambda: kubelet.connected(driver), 60, "NVIDIA's plugin registered")
+        reg = kubelet.registrations[0]
+        assert (reg.name, reg.service, reg.endpoint) == (driver, V1, str(plugin.dra_socket))
+
+        def published(count: int = 8) -> None:
+            deadline = time.monotonic() + 60
+            while len(devices_of(kube, node)) < count:
+                plugin.alive()
+                assert time.monotonic() < deadline, f"not {count} devices published: {sorted(devices_of(kube, node))}"
+                time.sleep(0.1)
+
+        kubelet.wait(lambda: kubelet.wipes, 30, "the start's wipe")
+        published()  # after the start's wipe too: the plugin publishes again what the kubelet deleted
+        claim = allocated_claim(kube, "c1", "gpu-0", node)
+        answer = kubelet.prepare([claim], driver=driver)
+        assert [d.device_name for d in answer[claim[2]].devices] == ["gpu-0"]
+        kubelet.restart()
+        kubelet.wait(lambda: len(kubelet.wipes) == 2, 30, "the second start's wipe")
+        kubelet.wait(lambda: len(kubelet.registrations) == 2 and kubelet.connected(driver), 30, "re-registration")
+        published()
+        assert kubelet.prepare([claim], driver=driver) == {}  # prepared before the restart: not sent again
+        assert set(kubelet.unprepare([claim])) == {claim[2]}
+        assert kubelet.rejections == []
+    finally:
+        if kubelet is not None:
+            kubelet.stop()
+        if plugin is not None:
+            plugin.stop()
+        kube.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    assert kube.unmodelled == []
