@@ -85,7 +85,7 @@ class GpudFollower:
                 continue  # the stream breaks off too, and its reconnect asks again
             if self._unreachable_since is not None:
                 log.info("gpud_reachable", after_s=round(time.monotonic() - self._unreachable_since, 1),
-                         resources={n: len(r.devices) for n, r in state.resources.items()})
+                         devices=state.device_count())
                 self._unreachable_since = None
             self._fenced = False
             self.state = state
@@ -116,5 +116,5 @@ class GpudFollower:
                     and time.monotonic() - since >= self.unreachable_grace_s):
                 self._fenced = True
                 log.error("devices_unhealthy_gpud_unreachable", unreachable_s=round(time.monotonic() - since, 1),
-                          devices=sum(len(r.devices) for r in self.state.resources.values()))
+                          devices=self.state.device_count())
                 await self._publish(self.state.all_unhealthy())

@@ -65,6 +65,9 @@ class NodeState:
     # GPU or MIG UUID -> the DRA claim that holds it (GET /v1/claims): never handed out here as well
     claimed: dict[str, str] = field(default_factory=dict)
 
+    def device_count(self) -> int:
+        return sum(len(r.devices) for r in self.resources.values())
+
     def all_unhealthy(self) -> NodeState:
         """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
         return replace(self, resources={

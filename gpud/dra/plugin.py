@@ -51,6 +51,9 @@ class DraState:
     unmonitored: bool = False  # gpud has not answered past the grace period: nothing vouches for the devices
     read_at: float = 0.0
 
+    def device_count(self) -> int:
+        return len(self.devices)
+
     def all_unhealthy(self) -> DraState:
         """What GpudFollower publishes once gpud has been unreachable past its grace period."""
         return replace(self, unmonitored=True)

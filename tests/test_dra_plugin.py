@@ -1,0 +1,312 @@
+"""`gpud dra-plugin` end to end: a real plugin process, a simulated gpud (in-process), the Kubernetes API
+stand-in (tests/kube_api_stand_in.py, resource.k8s.io/v1 validated as the API server does, RBAC exactly as
+deploy/kubernetes grants it) and the kubelet stand-in (tests/kubelet_dra_stand_in.py, on the kubelet's own
+protos, each behaviour citing the kubelet's source): registration, slices (published, republished after a
+MIG change, a lost GPU and the kubelet's wipe), Prepare and Unprepare through the kubelet, health as taints
+and as the kubelet's health stream, restarts of each part, and hostile claims."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon, until_async
+from kube_api_stand_in import KubeApiStandIn
+from kube_manifests import dra_rbac_rules
+from kubelet_dra_stand_in import DraKubelet, KubeletDraError
+
+from gpud.dra.api import v1_pb, v1_rpc
+from gpud.dra.claim_cdi import spec_path
+
+NODE = "gpu-node-1"
+DRIVER = "gpu.nvidia.com"
+GPU_CLASS = {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
+
+
+class PluginProcess:
+    """`gpud dra-plugin` as a child process, its JSON log in a file."""
+
+    def __init__(self, tmp: Path, kube: KubeApiStandIn, gpud_socket: Path, *args: str):
+        self.tmp = tmp
+        self.log_path = tmp / f"dra-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpud", "dra-plugin", "--kubeconfig", str(kube.kubeconfig("dra")), "--node-name",
+             NODE, "--socket", str(gpud_socket), "--kubelet-dir", str(tmp / "kubelet"), "--cdi-dir", str(tmp / "cdi"),
+             "--log-format", "json", "--log-level", "debug", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KUBECONFIG": ""})
+
+    def events(self) -> list[dict]:
+        lines = self.log_path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def stop(self, sig=None) -> int:
+        if self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            self.proc.wait(20)
+        self._log.close()
+        return self.proc.returncode
+
+
+class Node:
+    """One node: gpud, the API server, the kubelet and the plugin."""
+
+    def __init__(self, tmp: Path, gpud, kube: KubeApiStandIn, kubelet: DraKubelet):
+        self.tmp, self.gpud, self.kube, self.kubelet = tmp, gpud, kube, kubelet
+        self.plugin: PluginProcess | None = None
+
+    def start_plugin(self, *args: str) -> PluginProcess:
+        self.plugin = PluginProcess(self.tmp, self.kube, self.tmp / "g.sock", *args)
+        return self.plugin
+
+    def slices(self) -> list[dict]:
+        return self.kube.resource_slices(NODE, DRIVER)
+
+    def devices(self) -> dict[str, dict]:
+        return {d["name"]: d for s in self.slices() for d in s["spec"]["devices"]}
+
+    def generation(self) -> int | None:
+        generations = {s["spec"]["pool"]["generation"] for s in self.slices()}
+        return max(generations) if generations else None
+
+    def claim(self, name: str, devices: list[str], config: list[dict] | None = None, requests=None) -> tuple:
+        requests = requests or [{**GPU_CLASS, "name": f"r{i}"} for i in range(len(devices))]
+        results = [{"request": r["name"], "driver": DRIVER, "pool": NODE, "device": d}
+                   for r, d in zip(requests, devices)]
+        claim = self.kube.create_resource_claim("default", name, requests, results, config=config, node=NODE)
+        return ("default", name, claim["metadata"]["uid"])
+
+
+@pytest.fixture
+async def node(short_tmp):
+    for sub in ("g", "kubelet", "cdi"):
+        (short_tmp / sub).mkdir()
+    gpud = await start_daemon(mig_config(short_tmp, "hgx-a100-4gpu").with_overrides(**{
+        "mps.log_root": str(short_tmp / "mpslog")}))
+    kube = KubeApiStandIn(server_version="1.36")
+    kube.create_node(NODE)
+    kube.bind_rbac("dra", dra_rbac_rules())
+    kubelet = DraKubelet(short_tmp / "kubelet", NODE, wipe=kube.wipe_resource_slices, wiping_delay_s=2.0)
+    kubelet.start()
+    running = Node(short_tmp, gpud, kube, kubelet)
+    try:
+        yield running
+    finally:
+        if running.plugin is not None:
+            running.plugin.stop()
+        kubelet.stop()
+        if running.gpud is not None:
+            await stop_daemon(running.gpud)
+        assert kube.unmodelled == []
+        kube.stop()
+
+
+async def refused(node: Node, claims: list[tuple]) -> str:
+    """Why the kubelet failed the pod's start: the plugin's error for its claim."""
+    with pytest.raises(KubeletDraError) as refusal:
+        await asyncio.to_thread(node.kubelet.prepare, claims)
+    return str(refusal.value)
+
+
+def direct_prepare(node: Node, claims: list[tuple]):
+    """NodePrepareResources on the plugin's v1 service with the kubelet's deadline, every claim's answer kept."""
+    with grpc.insecure_channel(f"unix://{node.tmp / 'kubelet' / 'plugins' / DRIVER / 'dra.sock'}") as channel:
+        return v1_rpc.DRAPluginStub(channel).NodePrepareResources(v1_pb.NodePrepareResourcesRequest(
+            claims=[v1_pb.Claim(namespace=n, name=c, uid=u) for n, c, u in claims]), timeout=45)
+
+
+async def registered(node: Node, timeout: float = 20.0) -> None:
+    await until_async(lambda: node.kubelet.connected(DRIVER), timeout=timeout,
+                      what="the plugin registered with the kubelet and connected")
+
+
+async def published(node: Node, count: int, timeout: float = 20.0) -> dict[str, dict]:
+    await until_async(lambda: len(node.devices()) == count, timeout=timeout, what=f"{count} devices published")
+    return node.devices()
+
+
+async def test_registers_publishes_and_prepares_through_the_kubelet(node):
+    node.start_plugin()
+    await registered(node)
+    registration = next(r for r in node.kubelet.registrations if r.name == DRIVER)
+    assert registration.service == "v1.DRAPlugin"  # the first of its list the kubelet supports
+    devices = await published(node, 4)
+    (slice_,) = node.slices()
+    assert slice_["spec"]["pool"] == {"name": NODE, "generation": slice_["spec"]["pool"]["generation"],
+                                      "resourceSliceCount": 1}
+    assert slice_["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    assert sorted(devices) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    claim = node.claim("one-gpu", ["gpu-1"])
+    answer = await asyncio.to_thread(node.kubelet.prepare, [claim])
+    (device,) = answer[claim[2]].devices
+    assert (device.pool_name, device.device_name, list(device.request_names)) == (NODE, "gpu-1", ["r0"])
+    assert list(device.cdi_device_ids) == [f"k8s.gpu.nvidia.com/claim={claim[2]}-gpu-1"]
+    assert spec_path(node.tmp / "cdi", DRIVER, claim[2]).exists()
+    _, held = await node.gpud.get("/v1/claims")
+    assert [(c["uid"], [d["gpu_index"] for d in c["devices"]]) for c in held["claims"]] == [(claim[2], [1])]
+    # a conflicting claim fails naming the holder; the first is unchanged
+    other = node.claim("same-gpu", ["gpu-1"])
+    assert "held by claim default/one-gpu" in await refused(node, [other])
+    await asyncio.to_thread(node.kubelet.unprepare, [claim])
+    assert not spec_path(node.tmp / "cdi", DRIVER, claim[2]).exists()
+    _, held = await node.gpud.get("/v1/claims")
+    assert held["claims"] == []
+    await asyncio.to_thread(node.kubelet.unprepare, [claim])  # again: success
+
+
+async def test_a_mig_change_is_republished_within_a_second_with_a_higher_generation(node):
+    node.start_plugin()
+    await published(node, 4)
+    before = node.generation()
+    status, answer = await put_layout(node.gpud, "all-balanced")
+    assert status == 200, answer
+    changed_at = time.monotonic()
+    devices = await published(node, 16, timeout=10)
+    took = time.monotonic() - changed_at
+    assert node.generation() > before and took < 1.0, took
+    assert all("-mig-" in name for name in devices)
+
+
+async def test_slices_the_kubelet_wipes_are_published_again(node):
+    node.start_plugin()
+    await published(node, 4)
+    before = node.generation()
+    node.kube.wipe_resource_slices(NODE)
+    await published(node, 4, timeout=5)
+    assert node.generation() > before
+
+
+async def test_an_xid_taints_the_device_and_is_unhealthy_on_the_health_stream_within_a_second(node):
+    node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    status, _ = await node.gpud.post("/v1/sim/xid", {"gpu": 2, "xid": 79})
+    assert status == 200
+    injected = time.monotonic()
+    await until_async(lambda: node.kubelet.health(NODE, "gpu-2") == "Unhealthy", timeout=5,
+                      what="gpu-2 Unhealthy on the health stream")
+    assert time.monotonic() - injected < 1.0
+    assert "XID 79" in node.kubelet.health_info(NODE, "gpu-2").message
+    await until_async(lambda: node.devices()["gpu-2"].get("taints"), timeout=5, what="gpu-2 tainted")
+    (taint,) = node.devices()["gpu-2"]["taints"]
+    assert (taint["key"], taint["value"], taint["effect"]) == ("gpu.nvidia.com/xid", "79", "NoSchedule")
+    assert all(not d.get("taints") for name, d in node.devices().items() if name != "gpu-2")
+    # gpud's recovery: the taint goes, the device is healthy again
+    status, _ = await node.gpud.post("/v1/sim/gpu-recover", {"gpu": 2})
+    async with node.gpud.http.post("http://localhost/v1/health/2/clear") as response:
+        assert response.status == 200
+    await until_async(lambda: not node.devices()["gpu-2"].get("taints"), timeout=5, what="gpu-2 untainted")
+    await until_async(lambda: node.kubelet.health(NODE, "gpu-2") == "Healthy", timeout=5, what="gpu-2 Healthy")
+
+
+async def test_a_restarted_plugin_keeps_its_claims_and_the_kubelet_does_not_prepare_again(node):
+    plugin = node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    claim = node.claim("kept", ["gpu-0"])
+    await asyncio.to_thread(node.kubelet.prepare, [claim])
+    plugin.stop(9)  # killed: no clean shutdown
+    node.start_plugin()
+    await registered(node)
+    await asyncio.to_thread(node.kubelet.restart)  # wipes the node's slices, keeps its prepared claims
+    await registered(node)
+    await published(node, 4, timeout=10)
+    other = node.claim("other", ["gpu-0"])
+    assert "held by claim default/kept" in await refused(node, [other])
+    await asyncio.to_thread(node.kubelet.unprepare, [claim])
+    await asyncio.to_thread(node.kubelet.prepare, [other])
+
+
+async def test_a_thousand_hostile_claims_at_once_each_get_an_answer(node):
+    node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    real = node.claim("real", ["gpu-3"])
+    foreign = node.kube.create_resource_claim("default", "foreign", [GPU_CLASS], [
+        {"request": "gpu", "driver": "other.example.com", "pool": NODE, "device": "x"}], node=NODE)
+    claims = [real, ("default", "foreign", foreign["metadata"]["uid"]), ("default", "real", str(uuid.uuid4()))]
+    claims += [("default", f"missing-{i}", str(uuid.uuid4())) for i in range(997)]
+    started = time.monotonic()
+    answer = (await asyncio.to_thread(direct_prepare, node, claims)).claims  # each claim's own answer
+    assert time.monotonic() - started < 45  # the kubelet's deadline
+    assert not answer[real[2]].error
+    assert "has no device of driver gpu.nvidia.com" in answer[claims[1][2]].error
+    assert "deleted and created again" in answer[claims[2][2]].error
+    assert all("not found" in answer[c[2]].error for c in claims[3:])
+    assert node.plugin.proc.poll() is None
+
+
+async def test_a_corrupt_checkpoint_is_set_aside_and_the_claims_rebuilt_from_their_specs(node):
+    plugin = node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    claim = node.claim("kept", ["gpu-2"])
+    await asyncio.to_thread(node.kubelet.prepare, [claim])
+    plugin.stop()
+    checkpoint = node.tmp / "kubelet" / "plugins" / DRIVER / "gpud-checkpoint.json"
+    checkpoint.write_text('{"format": "gpud-dra-checkpoint/v1", "claims": {')  # torn by hand
+    plugin = node.start_plugin()
+    await registered(node)
+    await until_async(lambda: any(e.get("event") == "checkpoint_unreadable" for e in plugin.events()), timeout=10,
+                      what="the unreadable checkpoint said")
+    said = next(e for e in plugin.events() if e.get("event") == "checkpoint_unreadable")
+    assert said["rebuilt_claims"] == 1 and checkpoint.with_name(checkpoint.name + ".corrupt").exists()
+    other = node.claim("other", ["gpu-2"])
+    assert "held by claim" in await refused(node, [other])  # the rebuilt claim still holds its GPU
+    await asyncio.to_thread(node.kubelet.unprepare, [claim])
+    assert not spec_path(node.tmp / "cdi", DRIVER, claim[2]).exists()
+    await asyncio.to_thread(node.kubelet.prepare, [other])
+    assert plugin.proc.poll() is None
+
+
+async def test_the_v1beta1_service_answers_as_v1_does(node):
+    from gpud.dra.api import v1beta1_pb, v1beta1_rpc
+
+    node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    claim = node.claim("beta", ["gpu-0"])
+    socket = node.tmp / "kubelet" / "plugins" / DRIVER / "dra.sock"
+
+    def prepare_and_unprepare():
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            stub = v1beta1_rpc.DRAPluginStub(channel)
+            request = [v1beta1_pb.Claim(namespace=claim[0], name=claim[1], uid=claim[2])]
+            prepared = stub.NodePrepareResources(v1beta1_pb.NodePrepareResourcesRequest(claims=request), timeout=45)
+            unprepared = stub.NodeUnprepareResources(v1beta1_pb.NodeUnprepareResourcesRequest(claims=request),
+                                                     timeout=45)
+            return prepared, unprepared
+
+    prepared, unprepared = await asyncio.to_thread(prepare_and_unprepare)
+    (device,) = prepared.claims[claim[2]].devices
+    assert device.device_name == "gpu-0" and list(device.cdi_device_ids) == [
+        f"k8s.gpu.nvidia.com/claim={claim[2]}-gpu-0"]
+    assert unprepared.claims[claim[2]].error == ""
+
+
+async def test_while_gpud_is_away_every_device_reads_unknown_and_comes_back(node):
+    node.start_plugin("--unhealthy-after", "1")
+    await registered(node)
+    await published(node, 4)
+    await until_async(lambda: node.kubelet.health(NODE, "gpu-0") == "Healthy", timeout=5, what="gpu-0 Healthy")
+    await stop_daemon(node.gpud)
+    node.gpud = None
+    await until_async(lambda: all(node.kubelet.health(NODE, f"gpu-{i}") == "Unknown" for i in range(4)),
+                      timeout=10, what="every device Unknown while gpud is away")
+    await until_async(lambda: all(any(t["key"] == "gpu.nvidia.com/unmonitored" for t in d.get("taints") or [])
+                                  for d in node.devices().values()), timeout=10, what="every device unmonitored")
+    node.gpud = await start_daemon(mig_config(node.tmp, "hgx-a100-4gpu"))
+    await until_async(lambda: node.kubelet.health(NODE, "gpu-0") == "Healthy", timeout=15, what="gpu-0 Healthy again")
+    await until_async(lambda: not any(d.get("taints") for d in node.devices().values()), timeout=10,
+                      what="no taint once gpud is back")
