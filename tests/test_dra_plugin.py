@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon, until_async
+from helpers import MPS_CONTROL, REPO, kill_mps_under, mig_config, need, put_layout, start_daemon, stop_daemon, until_async
 from kube_api_stand_in import KubeApiStandIn
 from kube_manifests import dra_rbac_rules
 from kubelet_dra_stand_in import DraKubelet, KubeletDraError
@@ -310,3 +310,50 @@ async def test_while_gpud_is_away_every_device_reads_unknown_and_comes_back(node
     await until_async(lambda: node.kubelet.health(NODE, "gpu-0") == "Healthy", timeout=15, what="gpu-0 Healthy again")
     await until_async(lambda: not any(d.get("taints") for d in node.devices().values()), timeout=10,
                       what="no taint once gpud is back")
+
+
+def _sharing(strategy: str, **config) -> list[dict]:
+    return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": strategy, **config}}}}]
+
+
+async def test_an_mps_claim_is_a_client_of_gpuds_mps_daemon_with_its_limits(node):
+    need(MPS_CONTROL is not None, "nvidia-cuda-mps-control is not installed (apt-get install nvidia-cuda-mps)")
+    node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    claim = node.claim("mps", ["gpu-3"], config=_sharing("MPS", mpsConfig={
+        "defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"}))
+    try:
+        await asyncio.to_thread(node.kubelet.prepare, [claim])
+        spec = json.loads(spec_path(node.tmp / "cdi", DRIVER, claim[2]).read_text())
+        (device,) = spec["devices"]
+        env = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert "10240M" in env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+        _, mps = await node.gpud.get("/v1/mps")
+        (daemon,) = mps["daemons"]
+        assert daemon["name"] == "gpu3" and daemon["state"] == "running"
+        mounts = {m["containerPath"] for m in device["containerEdits"]["mounts"]}
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] in mounts and "/dev/shm" in mounts
+        await asyncio.to_thread(node.kubelet.unprepare, [claim])
+        await until_async(lambda: _no_daemons(node), timeout=10, what="the claim's MPS daemon gone with it")
+    finally:
+        kill_mps_under(node.tmp)
+
+
+async def _no_daemons(node) -> bool:
+    _, mps = await node.gpud.get("/v1/mps")
+    return mps["daemons"] == []
+
+
+async def test_a_time_slice_gpud_cannot_set_fails_the_claim_saying_why(node):
+    node.start_plugin()
+    await registered(node)
+    await published(node, 4)
+    claim = node.claim("long", ["gpu-2"], config=_sharing("TimeSlicing", timeSlicingConfig={"interval": "Long"}))
+    why = await refused(node, [claim])
+    assert "time-slice interval Long could not be set" in why and "nvidia-smi" in why
+    _, held = await node.gpud.get("/v1/claims")
+    assert held["claims"] == [] and not spec_path(node.tmp / "cdi", DRIVER, claim[2]).exists()
