@@ -22,6 +22,7 @@ from helpers import MPS_CONTROL, REPO, kill_mps_under, mig_config, need, put_lay
 from kube_api_stand_in import KubeApiStandIn
 from kube_manifests import dra_rbac_rules
 from kubelet_dra_stand_in import DraKubelet, KubeletDraError
+from kubelet_stand_in import Kubelet
 
 from gpud.dra.api import v1_pb, v1_rpc
 from gpud.dra.claim_cdi import spec_path
@@ -357,3 +358,44 @@ async def test_a_time_slice_gpud_cannot_set_fails_the_claim_saying_why(node):
     assert "time-slice interval Long could not be set" in why and "nvidia-smi" in why
     _, held = await node.gpud.get("/v1/claims")
     assert held["claims"] == [] and not spec_path(node.tmp / "cdi", DRIVER, claim[2]).exists()
+
+
+async def test_one_owner_for_both_paths_the_device_plugin_and_dra(node):
+    """gpud device-plugin beside gpud dra-plugin on one node: a GPU the device plugin gave a pod is refused to
+    a claim naming the pod (the kubelet's PodResources), a GPU a claim holds is shown Unhealthy to the device
+    manager and refused by Allocate naming the claim."""
+    device_plugin_dir = node.tmp / "kubelet" / "device-plugins"
+    device_plugin_dir.mkdir()
+    device_manager = Kubelet(device_plugin_dir)  # its PodResources socket: <kubelet dir>/pod-resources/kubelet.sock
+    with (node.tmp / "device-plugin.log").open("w") as log:
+        device_plugin = subprocess.Popen(
+            [sys.executable, "-m", "gpud", "device-plugin", "--socket", str(node.tmp / "g.sock"), "--kubelet-dir",
+             str(device_plugin_dir), "--device-list-strategy", "envvar", "--log-format", "json"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        node.start_plugin()
+        await registered(node)
+        await published(node, 4)
+        _, gpus = await node.gpud.get("/v1/gpus")
+        uuids = [g["uuid"] for g in gpus["gpus"]]
+        await asyncio.to_thread(device_manager.frame_where, "nvidia.com/gpu", lambda f: len(f) == 4, 20, "4 GPUs")
+        await asyncio.to_thread(device_manager.allocate, "nvidia.com/gpu", [uuids[1]], 5.0, ("team", "old-pod", "main"))
+        claim = node.claim("wants-gpu-1", ["gpu-1"])
+        why = await refused(node, [claim])
+        assert "held by pod team/old-pod container main (nvidia.com/gpu) through the device plugin" in why
+        claim = node.claim("gets-gpu-2", ["gpu-2"])
+        await asyncio.to_thread(node.kubelet.prepare, [claim])
+        frame = await asyncio.to_thread(device_manager.frame_where, "nvidia.com/gpu",
+                                        lambda f: dict(f).get(uuids[2]) == "Unhealthy", 10, "GPU 2 Unhealthy")
+        assert {i: h for i, h in frame if i != uuids[2]} == {uuids[0]: "Healthy", uuids[1]: "Healthy",
+                                                            uuids[3]: "Healthy"}
+        with pytest.raises(grpc.RpcError) as refusal:
+            await asyncio.to_thread(device_manager.allocate, "nvidia.com/gpu", [uuids[2]])
+        assert f"held by DRA claim default/gets-gpu-2 ({claim[2]})" in refusal.value.details()
+        await asyncio.to_thread(node.kubelet.unprepare, [claim])  # released: the device plugin's again
+        await asyncio.to_thread(device_manager.frame_where, "nvidia.com/gpu",
+                                lambda f: dict(f).get(uuids[2]) == "Healthy", 10, "GPU 2 Healthy again")
+    finally:
+        device_plugin.terminate()
+        device_plugin.wait(10)
+        device_manager.stop()
