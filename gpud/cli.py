@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mig(commands)
     _add_mps(commands)
     _add_sharing(commands)
+    _add_client(commands, "claims", cli_client.claims, "the GPUs and MIG devices Kubernetes DRA claims hold on this "
+                "node, as gpud dra-plugin reported them (the device plugin hands none of them out)")
     _add_client(commands, "kubernetes", cli_client.kubernetes, "what gpud k8s-agent last reported: the API server, "
                                                                "the labels it acts on, the GPUHealthy condition, "
                                                                "what it cannot do and why (exit 1 on a problem)")

@@ -554,6 +554,28 @@ def sharing_allocations(args: argparse.Namespace, client: Client) -> int:
     return EXIT_PROBLEM if view["problems"] else EXIT_OK
 
 
+def claims(args: argparse.Namespace, client: Client) -> int:
+    """The GPUs and MIG devices Kubernetes DRA claims hold on this node (gpud dra-plugin reported them)."""
+    view = client.get("/v1/claims")
+    if args.json:
+        print_json(view)
+        return EXIT_OK
+    if not view["claims"]:
+        print("no DRA claim holds a device on this node")
+        return EXIT_OK
+    rows = [("CLAIM", "UID", "DEVICES", "SHARING", "SINCE")]
+    for claim in view["claims"]:
+        devices = ", ".join(f"GPU {d['gpu_index']}" + ("" if d["uuid"] == d["gpu_uuid"] else f" {d['uuid']}")
+                            if d["gpu_index"] is not None else f"{d['uuid']} (gone)" for d in claim["devices"])
+        sharing = claim["strategy"] or "-"
+        if claim["strategy"] == "MPS":
+            sharing += " (" + ", ".join(sorted({d["mps_daemon"] for d in claim["devices"] if d["mps_daemon"]})) + ")"
+        rows.append((f"{claim['namespace']}/{claim['name']}", claim["uid"], devices, sharing,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(claim["held_since"]))))
+    print(table(rows))
+    return EXIT_OK
+
+
 def _gib(mib: int) -> str:
     return f"{round(mib / 1024, 1):g}"
 

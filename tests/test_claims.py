@@ -8,7 +8,7 @@ import asyncio
 import uuid
 
 import pytest
-from helpers import mig_config, start_daemon, stop_daemon
+from helpers import cli, mig_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.device_plugin.allocation import AllocationRefused, DeviceListStrategy, allocate
@@ -63,6 +63,9 @@ async def test_a_claim_holds_its_devices_across_restarts_and_alone(short_tmp):
         _, view = await node.get("/v1/claims")
         assert_matches_openapi("GET", "/v1/claims", 200, view)
         assert [c["uid"] for c in view["claims"]] == [first, third, fourth]
+        shown = await asyncio.to_thread(cli, "claims", socket=short_tmp / "g.sock")
+        assert shown.returncode == 0 and f"ns/c   {first}  GPU 0" in shown.stdout, shown.stdout
+        assert shown.stdout.count("TimeSlicing") == 2
     finally:
         await stop_daemon(node)
     node = await start_daemon(claims_config(short_tmp))  # a gpud restart keeps every hold
