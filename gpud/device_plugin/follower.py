@@ -36,6 +36,8 @@ DEFAULT_UNREACHABLE_GRACE_S = 30.0  # a gpud restart (systemd) takes seconds: no
 
 
 class GpudFollower:
+    ignored_events = frozenset({"heartbeat"})  # events that change nothing the follower reads
+
     def __init__(self, socket_path: Path | None, publish: Callable[[NodeState], Awaitable[None]],
                  unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S):
         self.client = Client(socket_path, timeout=REQUEST_TIMEOUT_S)
@@ -61,7 +63,7 @@ class GpudFollower:
             log.info("gpud_connected" if self.epoch is None else "gpud_restarted",
                      socket=str(self.client.socket_path), old_epoch=self.epoch, epoch=event.get("epoch"))
             self.epoch = event.get("epoch")
-        if event.get("type") != "heartbeat":
+        if event.get("type") not in self.ignored_events:
             self._stale.set()
 
     def _on_disconnect(self, reason: str, retry_in_s: float) -> None:

@@ -60,7 +60,10 @@ class DraState:
 
 
 class DraFollower(GpudFollower):
-    """gpud's watch stream says when to read again; each read is the whole of what the plugin needs."""
+    """gpud's watch stream says when to read again; each read is the whole of what the plugin needs. A claims
+    event (the plugin's own hold or release) changes none of it."""
+
+    ignored_events = frozenset({"heartbeat", "claims"})
 
     def __init__(self, socket_path: Path | None, publish, sysfs: Path | None,
                  unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S):
