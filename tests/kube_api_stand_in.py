@@ -17,7 +17,7 @@ written short below as apiserver/ and apimachinery/):
 | node field selectors: metadata.name, spec.unschedulable; others 400 "field label not supported: X" | pkg/registry/core/node/strategy.go NodeToSelectableFields; pkg/apis/core/v1/conversion.go; apiserver/pkg/endpoints/handlers/get.go ListResource |
 | watch: no resourceVersion or "0": ADDED for what exists, then changes; a resourceVersion: the changes after it; an older one than the cache holds: HTTP 200, one ERROR event (410, reason Expired, "too old resource version: R (C)"), end; a newer one: wait 3 s, then ERROR 504 Timeout | apiserver/pkg/storage/cacher/cacher.go Watch (newErrWatcher: "once we have passed authn/authz/admission ... errors must fail with a watch event of type ERROR"), watch_cache.go getAllEventsSinceLocked, waitUntilFreshAndBlock (resourceVersionTooHighRetrySeconds) |
 | timeoutSeconds; none: a random time in [min-request-timeout, 2x) (1800 s default) | apiserver/pkg/endpoints/handlers/get.go ListResource |
-| bookmarks only when allowWatchBookmarks: each minute and 2 s before the watch's deadline; object: an empty Node with only metadata.resourceVersion | apiserver/pkg/storage/cacher/cacher.go defaultBookmarkFrequency, cache_watcher.go nextBookmarkTime |
+| bookmarks only when allowWatchBookmarks: each minute and 2 s before the watch's deadline, never ahead of events still queued for the watch (its revision is that of when it was queued: a watch ended next must not skip them); object: an empty Node with only metadata.resourceVersion | apiserver/pkg/storage/cacher/cacher.go defaultBookmarkFrequency, cache_watcher.go nextBookmarkTime |
 | PATCH: json-patch, merge-patch, strategic-merge-patch; another type 415 (apply-patch+yaml is real but not modelled: 501) | apiserver/pkg/endpoints/installer.go (supportedTypes), handlers/patch.go PatchResource, handlers/negotiation/errors.go |
 | strategic merge: status.conditions and status.addresses merge by `type`, metadata.ownerReferences by `uid`, finalizers and spec.podCIDRs as sets; spec.taints is atomic; `$patch: replace/delete` | k8s.io/api core/v1 types.go patchStrategy/patchMergeKey tags; apimachinery/pkg/util/strategicpatch/patch.go |
 | body over 3 MiB: 413 | apiserver/pkg/server/config.go MaxRequestBodyBytes; handlers/rest.go limitedReadBody |
@@ -1156,7 +1156,16 @@ class Watch:
     namespace: str = ""
 
 
-END, ABORT, BOOKMARK = object(), object(), object()
+END, ABORT = object(), object()
+
+
+@dataclass(frozen=True)
+class BookmarkAt:
+    """A bookmark queued behind the events before it, carrying the revision of that moment: one sent with the
+    revision of when it leaves would overtake events still queued (and lost, were the watch to end next), as
+    the cacher's never does (cache_watcher.go: bookmarks and events go through the one input channel)."""
+
+    revision: int
 
 
 @dataclass
@@ -1428,7 +1437,8 @@ class KubeApiStandIn:
             self._history.clear()
 
     def send_bookmarks(self) -> None:
-        self._broadcast(BOOKMARK)
+        with self._lock:
+            self._broadcast(BookmarkAt(self._revision))
 
     def end_watches(self) -> None:
         self._broadcast(END)
@@ -1919,17 +1929,23 @@ class KubeApiStandIn:
                 try:
                     item = await asyncio.wait_for(watch.queue.get(), min(left, next_bookmark - loop.time()))
                 except asyncio.TimeoutError:
-                    item = BOOKMARK if loop.time() >= next_bookmark else None
-                    if item is BOOKMARK:
-                        next_bookmark = self._next_bookmark(loop.time(), deadline, watch)
+                    item = None
+                    if loop.time() >= next_bookmark:
+                        revision = self.revision
+                        await asyncio.sleep(0)  # events committed before that revision reach the queue first
+                        if watch.queue.empty():
+                            item = BookmarkAt(revision)
+                            next_bookmark = self._next_bookmark(loop.time(), deadline, watch)
+                        else:  # those events go first; the bookmark on a later turn
+                            item = watch.queue.get_nowait()
                 if item is ABORT:
                     if request.transport is not None:
                         request.transport.abort()
                     return response
                 if item is END:
                     break
-                if item is BOOKMARK and watch.bookmarks:
-                    await self._send(response, {"type": "BOOKMARK", "object": kind.bookmark(self._revision)})
+                if isinstance(item, BookmarkAt) and watch.bookmarks:
+                    await self._send(response, {"type": "BOOKMARK", "object": kind.bookmark(item.revision)})
                 elif isinstance(item, tuple) and self._watched(watch, item[1]):
                     await self._send(response, {"type": item[0], "object": kind.typed(item[1])})
             return await self._finish(response)
