@@ -16,9 +16,7 @@ which pods hold its units, read from the kubelet's PodResources API.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollowe
 from gpud.device_plugin.podresources import AllocationReporter
 from gpud.device_plugin.state import NodeState
 from gpud.logs import get_logger
+from gpud.loops import run_until_stopped, stop_on_signals
 
 log = get_logger("device_plugin")
 
@@ -54,33 +53,18 @@ class DevicePlugin:
         self._lock = asyncio.Lock()  # one change to the endpoints at a time
 
     async def serve(self) -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         log.info("device_plugin_starting", kubelet_dir=str(self.kubelet_dir),
                  gpud_socket=str(self.follower.client.socket_path),
                  device_list_strategy=[s.value for s in self.strategies])
         self._kubelet_identity = self._kubelet_identity_now()  # endpoints register with this kubelet
-        tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self._watch_kubelet()),
-                 asyncio.create_task(self.reporter.run())]
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, stopping]:
-            task.cancel()
-        failures = []
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                try:
-                    await task
-                except Exception as exc:  # a loop died: exit non-zero, so that systemd or the DaemonSet restarts us
-                    failures.append(exc)
-                    log.exception("device_plugin_failed", error=repr(exc))
+        failed = await run_until_stopped([self.follower.run(), self._watch_kubelet(), self.reporter.run()], stop,
+                                         log, "device_plugin_failed")
         async with self._lock:
             for endpoint in self.endpoints.values():
                 await endpoint.stop("the plugin is stopping")
-        log.info("device_plugin_stopped", failed=bool(failures))
-        return 1 if failures else 0
+        log.info("device_plugin_stopped", failed=failed)
+        return 1 if failed else 0
 
     async def apply(self, state: NodeState) -> None:
         """Brings the endpoints in line with gpud's resources."""

@@ -11,8 +11,6 @@ look once a second at the sockets (one removed is served again, so the kubelet f
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +29,7 @@ from gpud.dra.server import HealthEntry, HealthService, Sockets
 from gpud.dra.slices import SlicePublisher
 from gpud.kubernetes.node_api import KubeError
 from gpud.logs import get_logger
+from gpud.loops import run_until_stopped, stop_on_signals
 
 log = get_logger("dra_plugin")
 
@@ -112,10 +111,7 @@ class DraPlugin:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def serve(self) -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         self.preparer = Preparer(self.driver, self.pool, self.cdi_dir, self._load_checkpoint(), self.owner)
         try:
             minor = await self.api.server_minor()
@@ -127,23 +123,11 @@ class DraPlugin:
         log.info("dra_plugin_started", driver=self.driver, node=self.pool, kubelet_dir=str(self.kubelet_dir),
                  cdi_dir=str(self.cdi_dir), server=f"1.{minor}", gpud_socket=str(self.follower.client.socket_path),
                  prepared_claims=len(self.preparer.checkpoint.claims))
-        tasks = [asyncio.create_task(self.follower.run()), asyncio.create_task(self.publisher.run()),
-                 asyncio.create_task(self._watch_sockets())]
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, stopping]:
-            task.cancel()
-        failures = []
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                try:
-                    await task
-                except Exception as exc:  # a loop died: exit non-zero, so that systemd or the DaemonSet restarts us
-                    failures.append(exc)
-                    log.exception("dra_plugin_failed", error=repr(exc))
+        failed = await run_until_stopped([self.follower.run(), self.publisher.run(), self._watch_sockets()], stop,
+                                         log, "dra_plugin_failed")
         await self.sockets.stop()
-        log.info("dra_plugin_stopped", failed=bool(failures))
-        return 1 if failures else 0
+        log.info("dra_plugin_stopped", failed=failed)
+        return 1 if failed else 0
 
     def _load_checkpoint(self) -> Checkpoint:
         checkpoint, corrupt, dropped = load(self.checkpoint_path, self.boot_id)
