@@ -165,6 +165,30 @@ def mock_nvml_library() -> Path:
     return out
 
 
+def mock_nvml_config(name: str) -> dict:
+    """One of NVIDIA's mock NVML configs (`mock-nvml-config-<name>.yaml`), as a document to change."""
+    import yaml
+
+    path = MOCK_NVML_CONFIGS / f"mock-nvml-config-{name}.yaml"
+    need(path.exists(), f"NVIDIA's mock NVML ({path}) is absent")
+    return yaml.safe_load(path.read_text())
+
+
+def run_on_mock_nvml(script: str, config: dict, tmp_path: Path):
+    """`script` (Python printing one JSON document last) run with the real pynvml on NVIDIA's mock library and
+    `config`, in a subprocess (the library reads its config once, at load); what it printed."""
+    import yaml
+
+    library = mock_nvml_library()
+    path = tmp_path / "mock-config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "LD_LIBRARY_PATH": str(library),
+                                         "MOCK_NVML_CONFIG": str(path), "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def real_nvml_library_present() -> bool:
     """NVIDIA's real libnvidia-ml loads here (Debian's libnvidia-ml1: NVML without a driver)."""
     try:

@@ -10,15 +10,11 @@ the simulator's own reading.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pynvml
 import pytest
-import yaml
-from helpers import MOCK_NVML_CONFIGS, REPO, mock_nvml_library, need, sim_config, start_daemon, stop_daemon
+from helpers import mock_nvml_config, run_on_mock_nvml, sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.inventory import format_cpulist
@@ -268,22 +264,8 @@ MOCK_CORES_PER_NUMA = 64  # the mock's DefaultCoresPerNUMA (engine/topology.go),
 
 
 def read_on_mock(config: dict, tmp_path: Path) -> list[dict]:
-    """gpud's real reader with the real pynvml on the mock library, in a subprocess (the library reads
-    its config once, at load)."""
-    library = mock_nvml_library()
-    path = tmp_path / "mock-config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-c", MOCK_READER], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env={**os.environ, "LD_LIBRARY_PATH": str(library),
-                                         "MOCK_NVML_CONFIG": str(path), "HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def mock_config(name: str) -> dict:
-    path = MOCK_NVML_CONFIGS / f"mock-nvml-config-{name}.yaml"
-    need(path.exists(), f"NVIDIA's mock NVML ({path}) is absent")
-    return yaml.safe_load(path.read_text())
+    """gpud's real reader with the real pynvml on the mock library."""
+    return run_on_mock_nvml(MOCK_READER, config, tmp_path)
 
 
 def mock_cpus_by_bus(config: dict) -> dict[str, tuple[int, ...]]:
@@ -313,7 +295,7 @@ def test_mock_a100_affinity_from_its_topology_and_no_direct_links(tmp_path):
     * NVSwitch links: the mock gives their far end as the invalid bus id FFFFFFFF:FF:FF.0 with type
       SWITCH, the simulator a switch's bus id; both count nothing, as Slurm counts only GPU bus ids.
     """
-    config = mock_config("a100")
+    config = mock_nvml_config("a100")
     cpus = mock_cpus_by_bus(config)
     gpus = read_on_mock(config, tmp_path)
     assert len(gpus) == 8
@@ -327,7 +309,7 @@ def test_mock_a100_affinity_from_its_topology_and_no_direct_links(tmp_path):
 def test_mock_without_topology_answers_not_supported(tmp_path):
     """The mock answers nvmlDeviceGetCpuAffinity NOT_SUPPORTED for a config without pcie_topology
     (engine/device.go GetCpuAffinity): gpud shows no CPUs and reads the rest."""
-    config = mock_config("a100")
+    config = mock_nvml_config("a100")
     del config["pcie_topology"]
     gpus = read_on_mock(config, tmp_path)
     assert gpus and all(gpu["cpu_affinity"] == [] and gpu["error"] is None for gpu in gpus)
@@ -336,7 +318,7 @@ def test_mock_without_topology_answers_not_supported(tmp_path):
 def test_mock_direct_links_are_counted(tmp_path):
     """A B200 board given direct GPU-to-GPU links (the mock's nvlink.device_links): GPU 0 has 3 links to
     GPU 1 and 2 to GPU 2, one inactive link to GPU 3; GPU 1 its 3 back to GPU 0."""
-    config = mock_config("b200")
+    config = mock_nvml_config("b200")
     buses = [device["pci"]["bus_id"] for device in config["devices"]]
 
     def link(number: int, peer: int, state: str = "active") -> dict:

@@ -5,16 +5,12 @@ on the simulator and on NVIDIA's mock NVML, kept for a lost GPU, and served by G
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pynvml
 import pytest
 import structlog
-import yaml
-from helpers import MOCK_NVML_CONFIGS, REPO, mock_nvml_library, need, sim_config, start_daemon, stop_daemon
+from helpers import mock_nvml_config, run_on_mock_nvml, sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.inventory import _identities, _load_known
@@ -188,29 +184,15 @@ print(json.dumps([{"brand": g.brand, "lost": g.lost, "error": g.error, "unreadab
 
 
 def read_on_mock(config: dict, tmp_path: Path) -> list[dict]:
-    """gpud's real reader with the real pynvml on the mock library, in a subprocess (the library reads
-    its config once, at load)."""
-    library = mock_nvml_library()
-    path = tmp_path / "mock-config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-c", MOCK_READER], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env={**os.environ, "LD_LIBRARY_PATH": str(library),
-                                         "MOCK_NVML_CONFIG": str(path), "HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def mock_config(name: str) -> dict:
-    path = MOCK_NVML_CONFIGS / f"mock-nvml-config-{name}.yaml"
-    need(path.exists(), f"NVIDIA's mock NVML ({path}) is absent")
-    return yaml.safe_load(path.read_text())
+    """gpud's real reader with the real pynvml on the mock library."""
+    return run_on_mock_nvml(MOCK_READER, config, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["a100", "h100"])
 def test_mock_data_center_gpus_read_nvidia(tmp_path, name):
     """The mock's configs say `brand: "nvidia"`, which it answers as BRAND_NVIDIA (engine/device.go
     parseBrand): go-nvlib's "Nvidia", as the simulator's A100 and H100 answer."""
-    gpus = read_on_mock(mock_config(name), tmp_path)
+    gpus = read_on_mock(mock_nvml_config(name), tmp_path)
     assert len(gpus) == 8
     assert all(gpu["brand"] == "Nvidia" and gpu["error"] is None and not gpu["lost"] and gpu["unreadable"] == []
                for gpu in gpus)
@@ -219,7 +201,7 @@ def test_mock_data_center_gpus_read_nvidia(tmp_path, name):
 def test_mock_other_brands(tmp_path):
     """The other brands the mock's parseBrand knows, each on one device (device_defaults overridden per
     device); a word it does not know it answers BRAND_UNKNOWN, go-nvlib's "Unknown"."""
-    config = mock_config("a100")
+    config = mock_nvml_config("a100")
     words = {"geforce": "GeForce", "tesla": "Tesla", "quadro": "Quadro", "titan": "Titan", "nvidia_rtx": "NvidiaRTX",
              "no-such-brand": "Unknown"}
     for device, word in zip(config["devices"], words):
