@@ -252,7 +252,8 @@ def test_an_operator_drain_is_never_touched(fresh):
     xid(gpud, 2)
     sick = run_health(cluster, gpud.socket)
     assert sick.returncode == 0 and "decision: leave" in sick.stdout and "maintenance" in sick.stdout, sick
-    assert (cluster.node_state(), cluster.node_reason()) == ("IDLE+DRAIN", "maintenance")
+    # NOT_RESPONDING aside: slurmctld sets and clears it by itself on a busy machine (it flaked the full suite)
+    assert (cluster.node_state().replace("+NOT_RESPONDING", ""), cluster.node_reason()) == ("IDLE+DRAIN", "maintenance")
 
 
 def test_dry_run_prints_the_command_and_changes_nothing(fresh):
