@@ -29,7 +29,6 @@ log = get_logger("dra_plugin")
 FORMAT = "gpud-dra-checkpoint/v1"
 FILE_NAME = "gpud-checkpoint.json"
 PREPARING, PREPARED = "preparing", "prepared"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,6 @@ class Checkpoint:
     def remove(self, uid: str) -> None:
         if self.claims.pop(uid, None) is not None:
             self.save()
-
-
-def read_boot_id(path: Path = BOOT_ID) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError as exc:
-        log.warning("boot_id_unreadable", path=str(path), error=exc.strerror or str(exc),
-                    consequence="claims prepared before a reboot cannot be told apart")
-        return None
 
 
 def _parse(document: Any) -> tuple[str | None, dict[str, PreparedClaim]]:

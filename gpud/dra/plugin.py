@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpud.client import Client
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
-from gpud.dra.checkpoint import FILE_NAME, PREPARING, Checkpoint, PreparedClaim, PreparedDevice, load, read_boot_id
+from gpud.dra.checkpoint import FILE_NAME, PREPARING, Checkpoint, PreparedClaim, PreparedDevice, load
 from gpud.dra.claim_cdi import claim_specs_on_disk
 from gpud.dra.devices import DraDevice, node_devices
 from gpud.dra.health import (DeviceHealthState, TaintPolicy, device_taints, reasons_by_uuid, states_by_uuid,
@@ -27,6 +27,7 @@ from gpud.dra.owner import GpudOwner
 from gpud.dra.prepare import ClaimRef, PoolView, PrepareError, Preparer
 from gpud.dra.server import HealthEntry, HealthService, Sockets
 from gpud.dra.slices import SlicePublisher
+from gpud.host import boot_id as host_boot_id
 from gpud.kubernetes.node_api import KubeError
 from gpud.logs import get_logger
 from gpud.loops import run_until_stopped, stop_on_signals
@@ -100,7 +101,10 @@ class DraPlugin:
         self.owner = GpudOwner(Client(self.follower.client.socket_path, timeout=OWNER_TIMEOUT_S),
                                pod_resources_socket or kubelet_dir / "pod-resources" / "kubelet.sock")
         self.checkpoint_path = kubelet_dir / "plugins" / self.driver / FILE_NAME
-        self.boot_id = boot_id if boot_id is not None else read_boot_id()
+        self.boot_id = boot_id if boot_id is not None else (host_boot_id(Path("/proc")) or None)
+        if self.boot_id is None:
+            log.warning("boot_id_unreadable", path="/proc/sys/kernel/random/boot_id",
+                        consequence="claims recorded before a reboot cannot be told apart")
         self.preparer: Preparer | None = None
         self.publisher = SlicePublisher(api, self.desired_devices)
         self.health = HealthService(self.health_entries)

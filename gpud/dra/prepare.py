@@ -34,7 +34,6 @@ class PoolView:
 
     devices: dict[str, DraDevice] = field(default_factory=dict)
     node_spec: dict | None = None
-    unhealthy: frozenset[str] = frozenset()  # device names gpud calls unhealthy
 
 
 @dataclass(frozen=True)

@@ -43,14 +43,12 @@ class Registration(registration_rpc.RegistrationServicer):
     def __init__(self, driver: str, endpoint: Path):
         self.driver = driver
         self.endpoint = endpoint
-        self.status: tuple[bool, str] | None = None  # what the kubelet said of the registration, last
 
     async def GetInfo(self, request, context):
         return registration_pb.PluginInfo(type=PLUGIN_TYPE, name=self.driver, endpoint=str(self.endpoint),
                                           supported_versions=list(SUPPORTED_SERVICES))
 
     async def NotifyRegistrationStatus(self, request, context):
-        self.status = (request.plugin_registered, request.error)
         if request.plugin_registered:
             log.info("registered_with_kubelet", driver=self.driver, endpoint=str(self.endpoint))
         else:
@@ -98,7 +96,6 @@ class HealthService(health_rpc.DRAResourceHealthServicer):
         self._entries = entries
         self._changed = asyncio.Condition()
         self._version = 0
-        self.streams = 0
 
     async def changed(self) -> None:
         async with self._changed:
@@ -113,19 +110,15 @@ class HealthService(health_rpc.DRAResourceHealthServicer):
             for e in self._entries()])
 
     async def NodeWatchResources(self, request, context):
-        self.streams += 1
-        try:
-            sent = None
-            while True:
-                async with self._changed:
-                    try:
-                        await asyncio.wait_for(self._changed.wait_for(lambda: self._version != sent), HEALTH_REFRESH_S)
-                    except asyncio.TimeoutError:
-                        pass  # nothing changed: the same list again, with a fresh time
-                    sent = self._version
-                yield self._message()
-        finally:
-            self.streams -= 1
+        sent = None
+        while True:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._version != sent), HEALTH_REFRESH_S)
+                except asyncio.TimeoutError:
+                    pass  # nothing changed: the same list again, with a fresh time
+                sent = self._version
+            yield self._message()
 
 
 class Sockets:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import time
 from collections.abc import Callable
 
 from gpud.dra.kube import DraApi
@@ -70,7 +69,6 @@ class SlicePublisher:
         self.slices: dict[str, dict] = {}  # name -> slice, as last seen by the watch or written
         self.resource_version: str | None = None
         self.generation = 0
-        self.published_at: float | None = None
         self.problem: str | None = None
         self.taints_refused = False  # the API server took no taints (its DRADeviceTaints gate is off)
         self._dirty = asyncio.Event()
@@ -146,7 +144,6 @@ class SlicePublisher:
         for old in existing[len(chunks):]:
             await self.api.delete_slice(old["metadata"]["name"])
             self.slices.pop(old["metadata"]["name"], None)
-        self.published_at = time.time()
         log.info("slices_published", generation=self.generation, slices=written, devices=len(desired),
                  tainted=sorted(d["name"] for d in desired if d.get("taints")))
 
