@@ -22,6 +22,7 @@ from gpud.persist import write_text_atomic
 
 CLASS = "claim"
 VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"
+MAX_SPEC_BYTES = 4 << 20  # a claim's spec is a few KiB: a larger file is no spec this plugin wrote
 CLAIM_UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")  # a Kubernetes UID (a UUID): safe in a file name
 
 
@@ -81,7 +82,7 @@ def remove_claim_spec(cdi_dir: Path, driver: str, claim_uid: str) -> bool:
 
 def claim_specs_on_disk(cdi_dir: Path, driver: str) -> dict[str, dict]:
     """The claim specs this driver left in cdi_dir, by claim UID (for a restart without a checkpoint);
-    a file that is no readable spec is skipped."""
+    a file that is no readable spec, or too large to be one, is skipped."""
     prefix, found = f"{vendor(driver)}-{CLASS}_", {}
     try:
         names = os.listdir(cdi_dir)
@@ -92,8 +93,10 @@ def claim_specs_on_disk(cdi_dir: Path, driver: str) -> dict[str, dict]:
         if not CLAIM_UID.fullmatch(uid):
             continue
         try:
-            with open(os.open(cdi_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as file:
-                found[uid] = json.load(file)
+            with open(os.open(cdi_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as file:
+                text = file.read(MAX_SPEC_BYTES + 1)
+            if len(text) <= MAX_SPEC_BYTES:
+                found[uid] = json.loads(text)
         except (OSError, ValueError):
             continue
     return found

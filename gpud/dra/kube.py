@@ -18,6 +18,9 @@ from kubernetes_asyncio import watch as k8s_watch
 
 from gpud.kubernetes.node_api import REQUEST_TIMEOUT_S, WATCH_GRACE_S, WATCH_TIMEOUT_S, KubeError, _error
 
+# One object is at most about 1.5 MiB (etcd's default request limit), and this node's slices are a few: an
+# answer beyond this is no sane server's, and is not read into memory.
+MAX_ANSWER_BYTES = 16 << 20
 DEFAULT_SERVER_MINOR = 34  # resource.k8s.io/v1 is GA from 1.34: an older server has no v1 to talk to
 
 
@@ -37,9 +40,16 @@ class DraApi:
         self.requests[verb] += 1
         try:
             response = await call
-            body = await response.read()
             status = response.status
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(64 * 1024):
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    response.close()
+                    raise KubeError(action, status, f"the answer is over {MAX_ANSWER_BYTES} bytes: not read")
             response.release()
+        except KubeError:
+            raise
         except Exception as exc:  # noqa: BLE001 - aiohttp's and the client's errors share no base
             raise _error(action, exc) from None
         try:
@@ -48,7 +58,7 @@ class DraApi:
             document = {}
         if not 200 <= status <= 299:
             message = document.get("message") if isinstance(document, dict) else None
-            raise KubeError(action, status, message or body[:200].decode(errors="replace"))
+            raise KubeError(action, status, message or bytes(body[:200]).decode(errors="replace"))
         return document
 
     async def server_minor(self) -> int:

@@ -11,6 +11,7 @@ from gpud.logs import get_logger
 log = get_logger("sharing")
 # nvidia-smi compute-policy --set-timeslice takes these numbers.
 INTERVALS = {"default": 0, "short": 1, "medium": 2, "long": 3}
+NVIDIA_SMI_TIMEOUT_S = 20.0  # one GPU's setting; the DRA plugin's hold waits up to 30 s for gpud
 
 
 async def apply_time_slice(interval: str | None, inventory: Inventory) -> dict | None:
@@ -30,9 +31,15 @@ async def set_time_slice(interval: str, indices: list[int]) -> dict:
     for index in indices:
         proc = await asyncio.create_subprocess_exec(
             smi, "compute-policy", "-i", str(index), "--set-timeslice", str(INTERVALS[interval]),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        output, _ = await proc.communicate()
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            output, _ = await asyncio.wait_for(proc.communicate(), NVIDIA_SMI_TIMEOUT_S)
+        except asyncio.TimeoutError:  # a DRA claim's Prepare waits for this: never without end
+            proc.kill()
+            await proc.wait()
+            output = f"nvidia-smi did not answer in {NVIDIA_SMI_TIMEOUT_S:g} s: killed".encode()
         ok = proc.returncode == 0
-        results.append({"index": index, "applied": ok, "reason": None if ok else output.decode().strip()[-300:]})
+        results.append({"index": index, "applied": ok,
+                        "reason": None if ok else output.decode(errors="replace").strip()[-300:]})
         log.info("time_slice_set", gpu=index, interval=interval, ok=ok)
     return {"interval": interval, "applied": all(r["applied"] for r in results), "reason": None, "gpus": results}
