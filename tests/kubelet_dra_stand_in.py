@@ -664,6 +664,21 @@ class DraKubelet:
             return stub.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=wire), timeout=CALL_TIMEOUT_S)
         return stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=wire), timeout=CALL_TIMEOUT_S)
 
+    def _answered(self, plugin: _Plugin, method: str, claims: list[tuple[str, str, str]]):
+        """The call's answer, refused as the kubelet refuses it: a gRPC error, a result for a claim it did not
+        send, a claim's error (manager.go prepareResources / unprepareResources)."""
+        try:
+            answer = self._call(plugin, method, claims)
+        except grpc.RpcError as exc:
+            raise KubeletDraError(f"{method}: {_status(exc)}") from exc
+        sent = {uid: name for _, name, uid in claims}
+        for uid, result in answer.claims.items():
+            if uid not in sent:
+                raise KubeletDraError(f"{method} returned result for unknown claim UID {uid}")
+            if result.error:
+                raise KubeletDraError(f"{method} failed for ResourceClaim {sent[uid]}: {result.error}")
+        return answer
+
     def prepare(self, claims: list[tuple[str, str, str]], driver: str | None = None) -> dict:
         """prepareResources for claims (namespace, name, uid) of one driver: the answer's map (uid ->
         NodePrepareResourceResponse) of the claims sent; those prepared before are not sent. Raises
@@ -685,17 +700,8 @@ class DraKubelet:
                     send.append((namespace, name, uid))
             if not send:
                 return {}
-            try:
-                answer = self._call(plugin, "NodePrepareResources", send)
-            except grpc.RpcError as exc:
-                raise KubeletDraError(f"NodePrepareResources: {_status(exc)}") from exc
-            sent = {uid: name for _, name, uid in send}
-            for uid, result in answer.claims.items():
-                if uid not in sent:
-                    raise KubeletDraError(f"NodePrepareResources returned result for unknown claim UID {uid}")
-                if result.error:
-                    raise KubeletDraError(f"NodePrepareResources failed for ResourceClaim {sent[uid]}: "
-                                          f"{result.error}")
+            answer = self._answered(plugin, "NodePrepareResources", send)
+            sent = {uid for _, _, uid in send}
             with self._cond:
                 for uid, result in answer.claims.items():
                     self.claims[uid].devices.extend(result.devices)
@@ -724,17 +730,7 @@ class DraKubelet:
             answers = {}
             for driver, batch in batches.items():
                 plugin = self._plugin(driver)
-                try:
-                    answer = self._call(plugin, "NodeUnprepareResources", batch)
-                except grpc.RpcError as exc:
-                    raise KubeletDraError(f"NodeUnprepareResources: {_status(exc)}") from exc
-                sent = {uid: name for _, name, uid in batch}
-                for uid, result in answer.claims.items():
-                    if uid not in sent:
-                        raise KubeletDraError(f"NodeUnprepareResources returned result for unknown claim UID {uid}")
-                    if result.error:
-                        raise KubeletDraError(f"NodeUnprepareResources failed for ResourceClaim {sent[uid]}: "
-                                              f"{result.error}")
+                answer = self._answered(plugin, "NodeUnprepareResources", batch)
                 if len(batch) != len(answer.claims):
                     raise KubeletDraError(f"NodeUnprepareResources skipped {len(batch) - len(answer.claims)} "
                                           "ResourceClaims")

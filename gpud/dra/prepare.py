@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpud.device_plugin.allocation import HOST_SHM
 from gpud.dra.checkpoint import PREPARED, PREPARING, Checkpoint, PreparedClaim, PreparedDevice
 from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec, spec_path,
                                 write_claim_spec)
@@ -219,9 +220,9 @@ def _claim_sharing(ref: ClaimRef, configs: list[DeviceConfig | None]) -> Sharing
 
 def _mps_edits(client: dict) -> dict:
     """A client of gpud's MPS daemon as CDI edits: its environment and mounts, and the host's /dev/shm where
-    the daemon shares memory with its clients there (as the device plugin mounts it: allocation.py HOST_SHM)."""
+    the daemon shares memory with its clients there (the device plugin's mount of it, allocation.py)."""
     mounts = [{"hostPath": m["source"], "containerPath": m["target"],
                "options": ["rbind", "ro" if m.get("read_only") else "rw", "nosuid", "nodev"]} for m in client["mounts"]]
     if client.get("host_ipc"):
-        mounts.append({"hostPath": "/dev/shm", "containerPath": "/dev/shm", "options": ["rbind", "rw", "nosuid", "nodev"]})
+        mounts.append({"hostPath": HOST_SHM, "containerPath": HOST_SHM, "options": ["rbind", "rw", "nosuid", "nodev"]})
     return {"env": [f"{k}={v}" for k, v in sorted(client["env"].items())], "mounts": mounts}
