@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import shutil
 import statistics
@@ -47,11 +48,15 @@ sys.path.insert(0, str(REPO / "tests"))
 from dra_side_by_side import (DRA_RULES, GpudDraPlugin, SideBySide, allocated_claim, devices_of,  # noqa: E402
                               mock_config, nvidia_missing)
 from helpers import SHARED  # noqa: E402
+from simulated_gpud import wait as wait_every  # noqa: E402
 from kube_api_stand_in import DRA_USER, KubeApiStandIn  # noqa: E402
 
 from gpud.client import Client  # noqa: E402
 from gpud.dra.devices import node_devices  # noqa: E402
 from gpud.kubernetes.node_api import WATCH_TIMEOUT_S  # noqa: E402
+
+# polled every 10 ms: the time to a republished slice is what is measured
+wait = functools.partial(wait_every, interval=0.01)
 
 NODE = "gpu-node-1"
 QUIET_S = 0.5  # no request from the plugin for this long: it has settled
@@ -66,16 +71,6 @@ def percentile(values: list[float], fraction: float) -> float:
 
 def figures(values: list[float]) -> str:
     return f"p50 {statistics.median(values):.1f} ms, p90 {percentile(values, 0.9):.1f} ms"
-
-
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.01)
-    raise SystemExit(f"gave up waiting for {what}")
 
 
 def plugin_requests(kube) -> int:

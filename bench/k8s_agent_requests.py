@@ -38,22 +38,13 @@ sys.path.insert(0, str(REPO / "tests"))
 from gpud.client import Client  # noqa: E402
 from gpud.kubernetes.node_api import WATCH_TIMEOUT_S  # noqa: E402
 from kube_api_stand_in import AGENT_USER, KubeApiStandIn  # noqa: E402
+from simulated_gpud import wait  # noqa: E402
 from kube_manifests import agent_rbac_rules, sharing_configs  # noqa: E402
 
 NODE = "gpu-node-1"
 FLEET = 5000
 IDLE_GOAL, CHANGE_GOAL = 60, 10
 QUIET_S = 2.0  # no request from the agent for this long: it has settled
-
-
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise SystemExit(f"gave up waiting for {what}")
 
 
 def agent_requests(kube) -> list:

@@ -34,3 +34,14 @@ def simulated_gpud(preset: str = "dgx-a100", config: Path | None = None) -> Iter
         gpud.terminate()
         gpud.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def wait(predicate, timeout: float, what: str, interval: float = 0.05):
+    """predicate()'s first truthy answer, asked every interval; the benchmark gives up after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(interval)
+    raise SystemExit(f"gave up waiting for {what}")
