@@ -29,7 +29,9 @@ log = get_logger("claims")
 UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
 NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain
 MAX_DEVICES = 64  # a claim's devices on one node: more than any node has
-MAX_CLAIMS = 10_000
+# Every hold is checked against the others and the whole list saved on each change, on the event loop: the
+# count is bounded well above a node's (the kubelet's default is 110 pods, each with a few claims).
+MAX_CLAIMS = 1024
 STRATEGIES = ("TimeSlicing", "MPS")
 INTERVALS = ("Default", "Short", "Medium", "Long")  # NVIDIA's TimeSliceInterval, gpud's time-slice names lowered
 
