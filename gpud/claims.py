@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gpud.errors import GpudError
 from gpud.inventory import Inventory, InventoryService
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.mps.manager import daemon_name
 from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
@@ -68,20 +69,34 @@ def _gpu_of(inventory: Inventory, uuid: str):
     return None
 
 
-class ClaimRegistry:
+class ClaimRegistry(Component):
+    name = "claims"
+
     def __init__(self, path: Path, inventory: InventoryService, boot_id: Callable[[], str],
                  notify: Callable[[str, dict], object] = lambda kind, data: None,
-                 on_mps_change: Callable[[str], Awaitable[None]] | None = None,
+                 converge_mps: Callable[[str], Awaitable[None]] | None = None,
                  set_time_slice: Callable[[list[int], str], Awaitable[str | None]] | None = None):
         self.path = path
         self.inventory = inventory
         self._notify = notify
-        self._on_mps_change = on_mps_change  # converges gpud's MPS daemons
+        self._converge_mps = converge_mps  # brings gpud's MPS daemons to the claims held
         self._set_time_slice = set_time_slice  # (GPU indices, interval) -> why it failed, or None
         self._boot_id = boot_id  # the node's boot id, read when needed: a simulated node's exists once NVML is up
-        saved, corrupt = read_json(path, lambda d: (d.get("boot_id"), {h["uid"]: _hold(h) for h in d["claims"]}))
-        self.corrupt_files: list[CorruptFile] = [corrupt] if corrupt else []
+        self.corrupt_files: list[CorruptFile] = []
+        self._saved_boot: str | None = None
+        self.holds: dict[str, Hold] = {}
+
+    async def start(self, tasks: Tasks) -> None:
+        saved, corrupt = read_json(self.path, lambda d: (d.get("boot_id"), {h["uid"]: _hold(h) for h in d["claims"]}))
+        self.corrupt_files = [corrupt] if corrupt else []
         self._saved_boot, self.holds = saved or (None, {})
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        """The node's boot id is known now (a simulated node's once NVML is up)."""
+        self.drop_earlier_boots()
+
+    def problems(self) -> list[str]:
+        return [file.message() for file in self.corrupt_files]
 
     def drop_earlier_boots(self) -> None:
         """Drops the holds saved in another boot than this one."""
@@ -160,8 +175,8 @@ class ClaimRegistry:
         return {"uid": uid, "released": True}
 
     async def _mps_changed(self, why: str) -> None:
-        if self._on_mps_change is not None:
-            await self._on_mps_change(why)
+        if self._converge_mps is not None:
+            await self._converge_mps(why)
 
     def _save(self, what: str) -> None:
         try:

@@ -3,6 +3,10 @@
 A subscriber that reconnects passes the last sequence number it saw and gets what it missed,
 so a device plugin needs no polling and loses nothing across a reconnect (within the backlog).
 
+The bus is also how gpud's components tell each other of a change (docs/architecture.md): whoever changes
+something publishes an event of one of the EventTypes; a component that follows it in-process listens for that
+type; a watcher over HTTP subscribes. No other callbacks between components.
+
 Each gpud run is a new stream with its own identity, the epoch, on every line. Sequence numbers
 also go on across restarts (blocks of them are reserved in the state directory), so a `since` from
 an earlier run is told apart even from a client that does not pass the epoch back.
@@ -14,16 +18,33 @@ import asyncio
 import collections
 import secrets
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from gpud.encoding import encode
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("events")
 
-EVENT_TYPES = ("health", "mig", "mps", "sharing", "inventory", "kubernetes", "allocations", "claims")
+
+
+class EventType(str, Enum):
+    """What changed; the watch stream's `type` (its value)."""
+
+    HEALTH = "health"
+    MIG = "mig"
+    MPS = "mps"
+    SHARING = "sharing"
+    INVENTORY = "inventory"
+    KUBERNETES = "kubernetes"
+    ALLOCATIONS = "allocations"
+    CLAIMS = "claims"
+
+
+EVENT_TYPES = tuple(kind.value for kind in EventType)
 BACKLOG = 10_000
 SEQUENCE_BLOCK = 10_000  # sequence numbers reserved in the state directory at a time
 # The end markers a subscription's queue can hold after its events.
@@ -55,18 +76,27 @@ class Subscription:
         return True
 
 
-class EventBus:
+class EventBus(Component):
+    name = "events"
+
     def __init__(self, backlog: int = BACKLOG, sequence_path: Path | None = None):
         self._events: collections.deque[Event] = collections.deque(maxlen=backlog)
         self._subscribers: set[Subscription] = set()
+        self._listeners: dict[EventType, list[Callable[[dict[str, Any]], object]]] = {}
         self.epoch = secrets.token_hex(8)  # this run's stream
         self.corrupt_files: list[CorruptFile] = []
         self._sequence_path = sequence_path
-        reserved, corrupt = read_json(sequence_path, _reserved_from) if sequence_path else (None, None)
+        self.first = self.sequence = self._reserved = 0
+
+    async def start(self, tasks: Tasks) -> None:
+        """This run's numbers start above every earlier run's: the block reserved last is read back."""
+        reserved, corrupt = read_json(self._sequence_path, _reserved_from) if self._sequence_path else (None, None)
         self.corrupt_files += [corrupt] if corrupt else []
-        self.first = self.sequence = reserved or 0  # this run's numbers are above every earlier run's
-        self._reserved = self.sequence
+        self.first = self.sequence = self._reserved = reserved or 0
         self._reserve()
+
+    def problems(self) -> list[str]:
+        return [file.message() for file in self.corrupt_files]
 
     def _reserve(self) -> None:
         """Reserves the next block of sequence numbers: the next run starts after it, crash or not."""
@@ -80,18 +110,26 @@ class EventBus:
             return
         self._reserved += SEQUENCE_BLOCK
 
-    def publish(self, kind: str, data: dict[str, Any]) -> int:
-        """Numbers the event, keeps it, and hands it to every subscriber. Returns its sequence number."""
+    def listen(self, kind: EventType, listener: Callable[[dict[str, Any]], object]) -> None:
+        """listener(data) is called, on the event loop, with every event of this type as it is published."""
+        self._listeners.setdefault(kind, []).append(listener)
+
+    def publish(self, kind: EventType, data: dict[str, Any]) -> int:
+        """Numbers the event, keeps it, and hands it to every subscriber and listener. Returns its sequence
+        number."""
+        kind = EventType(kind)
         self.sequence += 1
         if self.sequence > self._reserved:
             self._reserve()
-        line = encode({"seq": self.sequence, "type": kind, "epoch": self.epoch, "time": time.time(),
+        line = encode({"seq": self.sequence, "type": kind.value, "epoch": self.epoch, "time": time.time(),
                        "data": data}) + b"\n"
-        event = Event(self.sequence, kind, line)
+        event = Event(self.sequence, kind.value, line)
         self._events.append(event)
         for subscription in list(self._subscribers):
             if not subscription.offer(event):
                 self._subscribers.discard(subscription)
+        for listener in self._listeners.get(kind, ()):
+            listener(data)
         return self.sequence
 
     def backlog_after(self, since: int) -> tuple[list[Event], bool]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from gpud.events import EventBus, EventType
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.mig.model import GpuInstanceState, MigCapabilities, Placement
 from gpud.persist import write_json_atomic
@@ -171,11 +173,16 @@ Reader = Callable[[dict[int, Gpu]], Awaitable[Inventory]]
 Listener = Callable[[Inventory], None]
 
 
-class InventoryService:
-    """Holds the current snapshot; re-reads the node on an interval and whenever a change is made."""
+class InventoryService(Component):
+    """Holds the current snapshot; re-reads the node on an interval and whenever a change is made.
+    Components that follow the node subscribe to its snapshots (docs/architecture.md)."""
 
-    def __init__(self, read: Reader, interval_s: float, known_gpus_path: Path):
+    name = "inventory"
+
+    def __init__(self, read: Reader, interval_s: float, known_gpus_path: Path, bus: EventBus | None = None):
         self._read = read
+        self._bus = bus  # told when GPUs or MIG devices come, go or are lost
+        self._published: tuple | None = None
         self._interval_s = interval_s
         self._lock = asyncio.Lock()
         self._listeners: list[Listener] = []
@@ -184,7 +191,13 @@ class InventoryService:
         # The last good description of each GPU, kept on disk too: a GPU that falls off the bus
         # while gpud is down is still named (UUID, bus id) when gpud comes back.
         self._known_path = known_gpus_path
-        self.known: dict[int, Gpu] = _load_known(known_gpus_path)
+        self.known: dict[int, Gpu] = {}
+
+    async def start(self, tasks: Tasks) -> None:
+        self.known = _load_known(self._known_path)
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        tasks.spawn(self._reread_on_interval(), "inventory")
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -209,7 +222,17 @@ class InventoryService:
                          lost=[g.index for g in snapshot.gpus if g.lost], read_ms=round(duration, 1))
             for listener in self._listeners:
                 listener(snapshot)
+            self._publish(snapshot)
             return snapshot
+
+    def _publish(self, snapshot: Inventory) -> None:
+        summary = tuple((g.uuid, g.lost, g.mig.mode, tuple(d.uuid for d in g.mig.devices)) for g in snapshot.gpus)
+        if self._bus is None or summary == self._published:
+            return
+        self._published = summary
+        self._bus.publish(EventType.INVENTORY, {"gpus": len(snapshot.gpus),
+                                                "mig_devices": sum(len(g.mig.devices) for g in snapshot.gpus),
+                                                "lost": [g.index for g in snapshot.gpus if g.lost]})
 
     def _remember(self, snapshot: Inventory) -> None:
         known = dict(self.known)
@@ -221,7 +244,7 @@ class InventoryService:
                 log.warning("known_gpus_not_saved", path=str(self._known_path), error=str(exc))
         self.known = known
 
-    async def run(self) -> None:
+    async def _reread_on_interval(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
             await self.refresh("interval")

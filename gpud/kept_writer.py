@@ -15,6 +15,7 @@ from typing import Any
 
 from gpud.events import CLOSED, EventBus
 from gpud.inventory import InventoryService
+from gpud.lifecycle import Component, Tasks
 from gpud.safefs import KeptFile, UnsafePath
 
 WATCHED_EVENTS = frozenset({"inventory", "mig", "mps", "sharing"})
@@ -24,7 +25,7 @@ DEBOUNCE_S = 0.15  # changes arrive in bursts (a MIG apply: mig, inventory, shar
 RECHECK_S = 2.0
 
 
-class KeptFileWriter:
+class KeptFileWriter(Component):
     """Subclasses say what the file holds (build), how it is written (write) and what a write logs (written).
     path None: no file, the content is only built (served by the API)."""
 
@@ -47,6 +48,12 @@ class KeptFileWriter:
         self._reasons: set[str] = set()
         self._changed = asyncio.Event()
         inventory.subscribe(lambda _inventory: self._mark("inventory"))
+
+    async def start(self, tasks: Tasks) -> None:
+        tasks.spawn(self.run(), self.name)
+
+    def problems(self) -> list[str]:
+        return [self.error] if self.error else []
 
     def build(self, inventory) -> Any:
         raise NotImplementedError

@@ -16,6 +16,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from gpud.lifecycle import Component, Tasks
+
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -163,11 +165,24 @@ def hold_lock(path: Path, holder: str) -> int:
     return fd
 
 
-def claim_directory(path: Path, what: str) -> int:
-    """Makes `path` gpud's private directory (0700 when new) and locks it for gpud's whole life, so
-    two gpuds never write the same files; returns the lock's descriptor."""
-    secure_directory(path, 0o700)
-    return hold_lock(path / "gpud.lock", f"uses {what} {path}")
+class StateDirectory(Component):
+    """gpud's private directory (0700 when new), locked for gpud's whole life so two gpuds never write the
+    same files: started before any component reads or writes its state there."""
+
+    name = "state-directory"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock: int | None = None
+
+    async def start(self, tasks: Tasks) -> None:
+        secure_directory(self.path, 0o700)
+        self._lock = hold_lock(self.path / "gpud.lock", f"uses the state directory {self.path}")
+
+    async def stop(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 _ABSENT = "absent"  # KeptFile: gpud removed the file and keeps it away

@@ -11,7 +11,9 @@ import asyncio
 import os
 import socket
 import time
+from typing import Callable
 
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 
 log = get_logger("systemd")
@@ -84,3 +86,28 @@ class Notifier:
         while True:
             self.send("WATCHDOG=1")
             await asyncio.sleep(self.watchdog_interval_s)
+
+
+class SystemdStatus(Component):
+    """READY=1 once the API answers and the first inventory is in (or NVML said why it is not: gpud serves
+    503 then, and systemd must not time the start out), STATUS on changes, STOPPING=1 first at a stop."""
+
+    name = "systemd-status"
+
+    def __init__(self, notifier: Notifier, ready: Callable[[], bool], status_line: Callable[[], str]):
+        self.notifier, self._ready, self._status_line = notifier, ready, status_line
+
+    async def start(self, tasks: Tasks) -> None:
+        tasks.spawn(self._report(), "status")
+
+    async def _report(self) -> None:
+        while not self._ready():
+            await asyncio.sleep(0.05)
+        self.notifier.ready(self._status_line())
+        log.info("ready", status=self._status_line())
+        while True:
+            await asyncio.sleep(1.0)
+            self.notifier.status(self._status_line())
+
+    async def stop(self) -> None:
+        self.notifier.stopping()

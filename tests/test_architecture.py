@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from gpud.config import Config
+
 PACKAGE = Path(__file__).resolve().parents[1] / "gpud"
 WIRING = {"gpud.daemon", "gpud.cli"}  # they build the API and run it
 
@@ -109,3 +111,49 @@ def test_the_daemon_and_the_cli_import_no_grpc():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stdout + result.stderr
+
+
+# -- components: one lifecycle ------------------------------------------------------------------------
+
+
+def _daemon_class() -> ast.ClassDef:
+    tree = ast.parse((PACKAGE / "daemon.py").read_text())
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Daemon")
+
+
+def test_the_daemons_constructor_is_short_and_closes_over_nothing():
+    """Wiring is one list: Daemon.__init__ stays small, and no lambda joins two components (a dependency
+    is passed as the object, or its bound method, that provides it)."""
+    init = next(node for node in _daemon_class().body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assert init.end_lineno - init.lineno + 1 <= 40
+    lambdas = [node.lineno for node in ast.walk(ast.parse((PACKAGE / "daemon.py").read_text()))
+               if isinstance(node, ast.Lambda)]
+    assert lambdas == []
+
+
+def test_only_the_lifecycle_starts_the_daemons_background_work():
+    """The daemon starts, stops and asks for problems through Lifecycle alone: no task of its own."""
+    calls = {node.func.attr for node in ast.walk(_daemon_class())
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert "create_task" not in calls and "problems" in calls
+
+
+def test_constructing_a_daemon_touches_nothing(short_tmp):
+    """Constructors keep what they are given: no file, directory, socket, lock or task until start()."""
+    from gpud.daemon import Daemon
+    from gpud.lifecycle import Component
+
+    config = Config().with_overrides(**{"api.socket": str(short_tmp / "run" / "g.sock"), "simulate": "dgx-a100",
+                                        "sim_state": str(short_tmp / "sim" / "sim.json"),
+                                        "state_dir": str(short_tmp / "state"), "cdi.enabled": True,
+                                        "cdi.spec_dir": str(short_tmp / "cdi")})
+    (short_tmp / "sim").mkdir()
+    first, second = Daemon(config), Daemon(config)  # a second one on the same paths is no refusal yet
+    # the simulated host's own kernel log exists from its boot (gpud/nvml/sim/_core.py): the host's, not gpud's
+    assert sorted(p.name for p in short_tmp.rglob("*")) == ["sim", "sim.json.kmsg"]
+    components = first.lifecycle.components
+    assert all(isinstance(component, Component) for component in components)
+    names = [component.name for component in components]
+    assert len(set(names)) == len(names) and "" not in names
+    assert [type(c).__name__ for c in components[:2]] == ["SocketClaim", "StateDirectory"]  # before any state
+    assert type(components[-2]).__name__ == "ApiServing" and second.lifecycle.tasks.crashed == {}

@@ -317,7 +317,7 @@ async def test_a_background_task_that_raises_is_said_in_healthz(short_tmp):
         raise RuntimeError("probe")
 
     try:
-        node.daemon._start(broken(), "probe")
+        node.daemon.lifecycle.tasks.spawn(broken(), "probe")
         status, health = await until_async(lambda: _degraded(node), 5, "/healthz degraded")
         assert "gpud's probe task stopped (RuntimeError: probe)" in json.dumps(health)
     finally:

@@ -81,7 +81,7 @@ async def test_release_shuts_nvml_down_and_calls_wait_until_it_is_back(tmp_path)
     assert await asyncio.wait_for(waiting, 2) == 2
     assert session.state is SessionState.READY and sim._init_count == 1
     assert order == [("before", 1), ("after", 1)]  # before NVML went down, after it came back
-    await session.close()
+    await session.stop()
 
 
 async def test_a_failed_reset_still_brings_nvml_back(tmp_path):
@@ -93,7 +93,7 @@ async def test_a_failed_reset_still_brings_nvml_back(tmp_path):
             raise RuntimeError("reset failed")
     assert session.state is SessionState.READY
     assert await session.call(lambda nvml: nvml.nvmlDeviceGetCount()) == 1
-    await session.close()
+    await session.stop()
 
 
 async def test_nvml_that_does_not_come_back_fails_waiting_calls_and_is_retried(tmp_path):
@@ -113,7 +113,7 @@ async def test_nvml_that_does_not_come_back_fails_waiting_calls_and_is_retried(t
     sim_state.write_bytes(good)
     await asyncio.wait_for(resumed.wait(), 5)  # retried in the background, then the after hooks
     assert session.state is SessionState.READY
-    await session.close()
+    await session.stop()
 
 
 async def test_release_stops_the_event_thread_and_registers_every_gpu_again(short_tmp):
@@ -468,7 +468,7 @@ async def test_an_old_driver_leaves_nvml_unavailable_and_is_retried(tmp_path):
         await session.call(lambda nvml: nvml.nvmlDeviceGetCount())
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await session.close()
+    await session.stop()
 
 
 async def test_healthz_and_node_say_the_driver_is_too_old(short_tmp):

@@ -171,7 +171,7 @@ async def test_an_existing_socket_directory_keeps_its_owner_and_mode(short_tmp, 
 
 @needs_root
 @pytest.mark.parametrize("spoil", ["owned-by-another-user", "writable-by-others", "planted-symlink"])
-def test_gpud_refuses_a_runtime_directory_someone_else_controls(short_tmp, spoil):
+async def test_gpud_refuses_a_runtime_directory_someone_else_controls(short_tmp, spoil):
     # Guards against taking over a socket directory another user made (they could swap the socket
     # or the lock under gpud): gpud used any existing directory, and followed a symlink to it.
     run = short_tmp / "run"
@@ -187,11 +187,11 @@ def test_gpud_refuses_a_runtime_directory_someone_else_controls(short_tmp, spoil
         else:
             run.chmod(0o777)
     with pytest.raises(UnsafePath, match=str(run)):
-        Daemon(_config(short_tmp, run))
+        await Daemon(_config(short_tmp, run)).start()
     assert not (elsewhere / "g.sock.lock").exists() and not (short_tmp / "state").exists()
 
 
-def test_a_lock_file_planted_as_a_symlink_is_not_followed(short_tmp):
+async def test_a_lock_file_planted_as_a_symlink_is_not_followed(short_tmp):
     # Guards against opening the lock through a symlink: gpud truncated the file it pointed to
     # (as root: any file) and wrote its PID into it.
     run = short_tmp / "run"
@@ -200,19 +200,19 @@ def test_a_lock_file_planted_as_a_symlink_is_not_followed(short_tmp):
     victim.write_text("precious\n")
     (run / "g.sock.lock").symlink_to(victim)
     with pytest.raises(UnsafePath, match="symlink"):
-        Daemon(_config(short_tmp, run))
+        await Daemon(_config(short_tmp, run)).start()
     assert victim.read_text() == "precious\n"
 
 
 @needs_root
-def test_a_lock_file_owned_by_another_user_is_refused(short_tmp):
+async def test_a_lock_file_owned_by_another_user_is_refused(short_tmp):
     run = short_tmp / "run"
     run.mkdir(mode=0o700)
     lock = run / "g.sock.lock"
     lock.write_text("")
     os.chown(lock, NOBODY, NOBODY)
     with pytest.raises(UnsafePath, match="owned by gpud's user"):
-        Daemon(_config(short_tmp, run))
+        await Daemon(_config(short_tmp, run)).start()
 
 
 # -- one gpud per state directory -----------------------------------------------------------------
@@ -224,7 +224,7 @@ async def test_two_gpuds_cannot_share_a_state_directory(short_tmp):
     first = await start_daemon(_config(short_tmp, short_tmp / "one"))
     try:
         with pytest.raises(InUse, match=f"another gpud uses the state directory {short_tmp / 'state'}"):
-            Daemon(_config(short_tmp, short_tmp / "two"))
+            await Daemon(_config(short_tmp, short_tmp / "two")).start()
         assert not (short_tmp / "two" / "g.sock").exists()
         assert (await first.get("/healthz"))[0] == 200
     finally:

@@ -31,6 +31,12 @@ class HealthRoutes:
         app.router.add_get("/v1/gpus/{id}/health", self.gpu)
         app.router.add_post("/v1/health/{id}/clear", self.clear)
         app.router.add_get("/v1/watch", self.watch)
+        # Open watch streams end as gpud stops, so the in-flight requests can finish: aiohttp runs on_shutdown
+        # before it waits for them (https://docs.aiohttp.org/en/stable/web_advanced.html#graceful-shutdown).
+        app.on_shutdown.append(self._end_watch_streams)
+
+    async def _end_watch_streams(self, app: web.Application) -> None:
+        self.bus.close()
 
     async def node(self, request: web.Request) -> web.Response:
         return json_response(self.health.view())

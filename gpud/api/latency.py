@@ -13,13 +13,16 @@ from typing import Iterator
 
 from aiohttp.abc import AbstractAccessLogger
 
+from gpud.lifecycle import Component, Tasks
 from gpud.samples import HOSTNAME, Family
 
 SAMPLE_EVERY = 8
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
-class RequestLatency:
+class RequestLatency(Component):
+    name = "latency"
+
     def __init__(self) -> None:
         self._routes: dict[tuple[str, str], list] = {}  # (method, route) -> [bucket counts…, sum, count]
         # Requests are only noted here (an append is the cheapest thing to do per request) and
@@ -47,7 +50,10 @@ class RequestLatency:
                 name = names[route] = route.resource.canonical if route.resource else "other"
             self.observe(method, name, seconds)
 
-    async def run(self) -> None:
+    async def start(self, tasks: Tasks) -> None:
+        tasks.spawn(self._drain_every_second(), "latency")
+
+    async def _drain_every_second(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self.drain()

@@ -31,6 +31,7 @@ from gpud.api.errors import REQUEST_ERROR_LOG, answer_malformed_requests_with_js
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
 from gpud.config import listen_address
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 
 log = get_logger("metrics")
@@ -56,10 +57,17 @@ class MetricsListenError(Exception):
         self.address, self.reason = address, reason
 
 
-class MetricsListener:
+class MetricsListener(Component):
+    """metrics.listen: the same /metrics on TCP, for Prometheus; nothing else is reachable there. It is
+    started before the socket's API: an address that cannot be listened on stops gpud before it serves
+    anything (MetricsListenError), as a listener explicitly asked for should."""
+
+    name = "metrics-listener"
+
     def __init__(self, route: MetricsRoute, latency: RequestLatency, *, idle_timeout_s: float,
-                 shutdown_timeout_s: float, with_processes: bool = False):
+                 shutdown_timeout_s: float, with_processes: bool = False, listen: str | None = None):
         self.route = route
+        self.listen_at_start = listen
         self.with_processes = with_processes  # metrics.listen_process_series: read per request, so a reload applies
         self.latency = latency  # scrapes over TCP are API requests too: counted and timed with the others
         self.idle_timeout_s = idle_timeout_s
@@ -73,7 +81,10 @@ class MetricsListener:
         app.router.add_route("*", "/{path:.*}", _nothing_else)
         return app
 
-    async def start(self, address: str | None) -> None:
+    async def start(self, tasks: Tasks) -> None:
+        await self.listen(self.listen_at_start)
+
+    async def listen(self, address: str | None) -> None:
         """Listens on address (host:port; None: does nothing). MetricsListenError when it cannot."""
         if address is None:
             return
@@ -120,10 +131,10 @@ class MetricsListener:
             return
         await self.stop()
         try:
-            await self.start(address)
+            await self.listen(address)
         except MetricsListenError:
             try:
-                await self.start(previous)
+                await self.listen(previous)
             except MetricsListenError as again:  # taken by another process in between
                 log.error("metrics_listener_lost", address=previous, error=again.reason)
             raise

@@ -49,7 +49,7 @@ class MpsRoutes:
     async def control(self, request: web.Request) -> web.Response:
         daemon = self._daemon(request)
         action = request.path.rsplit("/", 1)[1]
-        await getattr(self.manager, action)(daemon.spec.name)
+        await getattr(self.manager, f"{action}_daemon")(daemon.spec.name)
         view = self.manager.daemon_view(daemon)
         if action != "stop" and daemon.state != "running":
             raise ApiError(502, "mps-start-failed", daemon.last_error or "the MPS daemon did not start", daemon=view)

@@ -20,15 +20,17 @@ from gpud.cdi.spec import KIND, SPEC_FILE, build_spec, read_host_devices
 from gpud.events import EventBus
 from gpud.inventory import Inventory, InventoryService
 from gpud.kept_writer import RECHECK_S, KeptFileWriter
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.safefs import KeptFile
 from gpud.sharing.service import SharingView
 
 log = get_logger("cdi")
-__all__ = ["CdiWriter", "RECHECK_S", "remove_spec"]
+__all__ = ["CdiWriter", "CdiSpecRemoved", "RECHECK_S"]
 
 
 class CdiWriter(KeptFileWriter):
+    name = "cdi"
     event = "cdi_spec"
     setting = "cdi.spec_dir"
     rewrite_why = "runtimes run the spec's hooks as root: only gpud's spec may be there"
@@ -92,15 +94,23 @@ class CdiWriter(KeptFileWriter):
         file.write((json.dumps(spec, indent=2) + "\n").encode())
 
 
-def remove_spec(spec_dir: Path) -> None:
-    """Removes the spec a gpud wrote earlier (cdi turned off); logs rather than fails."""
-    path = spec_dir / SPEC_FILE
-    try:
-        if not KeptFile(path, 0o644, create_directory=False).remove():
+class CdiSpecRemoved(Component):
+    """cdi.enabled false: the spec an earlier gpud wrote is removed, so runtimes do not hand out devices
+    nobody keeps current. Logs rather than fails."""
+
+    name = "cdi"
+
+    def __init__(self, spec_dir: Path):
+        self.path = spec_dir / SPEC_FILE
+
+    async def start(self, tasks: Tasks) -> None:
+        path = self.path
+        try:
+            if not KeptFile(path, 0o644, create_directory=False).remove():
+                return
+        except FileNotFoundError:  # no directory
             return
-    except FileNotFoundError:  # no directory
-        return
-    except OSError as exc:
-        log.error("cdi_spec_not_removed", path=str(path), error=str(exc), why="cdi.enabled is false")
-        return
-    log.info("cdi_spec_removed", path=str(path), why="cdi.enabled is false")
+        except OSError as exc:
+            log.error("cdi_spec_not_removed", path=str(path), error=str(exc), why="cdi.enabled is false")
+            return
+        log.info("cdi_spec_removed", path=str(path), why="cdi.enabled is false")

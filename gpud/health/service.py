@@ -26,6 +26,7 @@ from gpud.health.kmsg import KernelLogFollower, KernelXid
 from gpud.health.tracker import DRIVER_ACTIONS, NODE, Change, HealthTracker, Key, Reason, parse_reasons
 from gpud.host import boot_id
 from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice, normal_bus_id
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, FbMemory, NvmlEvent, Readings, read_mig_memory, read_readings
 from gpud.nvml.session import NvmlSession
@@ -92,12 +93,14 @@ class HostPaths:
     kmsg: Path = Path("/dev/kmsg")
 
 
-class HealthService:
+class HealthService(Component):
+    name = "health"
+
     def __init__(self, session: NvmlSession, inventory: InventoryService, bus: EventBus, catalog: XidCatalog, *,
                  settings: HealthConfig = HealthConfig(), host: HostPaths | None = None,
                  mps_failures: Callable[[], dict[str, str]] = dict, nvlinks_path: Path | None = None,
-                 state_path: Path | None = None, on_change: Callable[[], object] = lambda: None,
-                 reset_gpu: Callable[[int, str], Awaitable[object]] | None = None):
+                 state_path: Path | None = None, reset_gpu: Callable[[int, str], Awaitable[object]] | None = None,
+                 kernel_log_before_nvml: bool = True):
         self.session = session
         self.inventory = inventory
         self.bus = bus
@@ -118,7 +121,8 @@ class HealthService:
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._mps_failures = mps_failures  # device UUID -> why its MPS daemon is down
         self._mps_watched: set[str] = set()
-        self._on_change = on_change  # told after any health change (sharing follows)
+        # a simulated node's kernel log comes with its simulator: once NVML is up
+        self._kernel_log_before_nvml = kernel_log_before_nvml
         self._listener: EventListener | None = None
         self._kernel_log: KernelLogFollower | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -168,7 +172,37 @@ class HealthService:
         while self._kernel_xids_waiting:  # read from the kernel log before NVML named the GPUs
             self._on_kernel_xid(self._kernel_xids_waiting.popleft())
 
-    def start(self) -> None:
+    async def start(self, tasks: Tasks) -> None:
+        """The kernel log and the node's own checks need no NVML: they start before it."""
+        if self._kernel_log_before_nvml:
+            self.start_kernel_log()
+        tasks.spawn(self.run_node_checks(), "node-health")
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        self.start_events()
+        tasks.spawn(self.run_checks(), "health")
+
+    def problems(self) -> list[str]:
+        return [problem for problem in (self.events_problem, self.kernel_log_problem) if problem] + \
+            [file.message() for file in self.corrupt_files]
+
+    def use_resetter(self, reset_gpu: Callable[[int, str], Awaitable[object]]) -> None:
+        """health.auto_reset's way to reset a GPU (made after health: it reports health reasons)."""
+        self._reset_gpu = reset_gpu
+
+    def unhealthy_devices(self) -> set[str]:
+        """Device UUIDs health calls unhealthy: their sharing replicas are served unhealthy."""
+        return {uuid for uuid, state in self.tracker.gpu_states().items() if state == "unhealthy"}
+
+    def reasons_by_device(self) -> dict[str, list[dict]]:
+        """Device UUID -> its health reasons now, GPUs and MIG devices."""
+        reasons = {}
+        for gpu in self.view()["gpus"]:
+            reasons[gpu["uuid"]] = gpu["reasons"]
+            reasons.update({device["uuid"]: device["reasons"] for device in gpu["mig_devices"]})
+        return reasons
+
+    def start_events(self) -> None:
         """Starts the NVML event thread (NVML must be initialised)."""
         self._loop = asyncio.get_running_loop()
         self._listener = EventListener(self.session.nvml, self._from_thread)
@@ -493,7 +527,6 @@ class HealthService:
                                         "driver_action": change.driver_action,
                                         "reasons": [_reason(r) for r in change.reasons]})
         if changes:
-            self._on_change()
             self._save_soon()
 
     def fold_check(self, kind: str, verdicts: dict[str, tuple[str, str, str] | None]) -> None:

@@ -18,6 +18,7 @@ from typing import Callable, Collection, Iterator
 from gpud.errors import GpudError
 from gpud.gpu_reset import GpuResetter, ResetBlocked, ResetBusy, ResetOutcome
 from gpud.inventory import Gpu, Inventory, InventoryService, MigInfo
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.mig.desired import NOTHING, Desired, DesiredStore, GpuDesired
 from gpud.mig.hooks import MigHooks
@@ -125,14 +126,18 @@ def node_gpus(inventory: Inventory) -> list[NodeGpu]:
     return [NodeGpu(gpu.index, gpu.pci_device_id, gpu.mig.capable) for gpu in inventory.gpus]
 
 
-class MigReconciler:
+class MigReconciler(Component):
+    name = "mig"
+
     def __init__(self, session: NvmlSession, inventory: InventoryService, state_path: Path, resetter: GpuResetter,
                  *, allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
                  hook_timeout_s: float = 300.0, around_gpu_change: tuple | None = None,
-                 notify: Callable[[str, dict], object] = lambda kind, data: None):
+                 notify: Callable[[str, dict], object] = lambda kind, data: None,
+                 default_layout: str | None = None, layouts: LayoutsFile | None = None):
         self.session = session
         self.inventory = inventory
         self.resetter = resetter
+        self.default_layout, self.layouts = default_layout, layouts  # mig.default_layout, mig.layouts_file
         self._store = DesiredStore(state_path)
         self._allow_reset = allow_reset
         self._hooks = MigHooks(pre_apply, post_apply, hook_timeout_s)
@@ -316,6 +321,12 @@ class MigReconciler:
             log.warning("mig_apply_interrupted", layout=self.status.layout, why="gpud is stopping")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        await self.converge_at_start(self.default_layout, self.layouts)
+
+    def problems(self) -> list[str]:
+        return ([self.problem] if self.problem else []) + [file.message() for file in self.corrupt_files]
 
     async def converge_at_start(self, default_layout: str | None, layouts: LayoutsFile) -> None:
         """Finishes what a crash interrupted, or applies `default_layout` (mig.default_layout) when it

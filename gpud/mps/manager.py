@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 from gpud.config import MpsConfig
 from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
@@ -126,10 +127,15 @@ def _spec(config: MpsConfig, name: str, gpu: Gpu, devices: tuple[str, ...], memo
                       parent_uuids=(gpu.uuid,), active_thread_percentage=threads, pinned_mib=pinned)
 
 
-class MpsManager:
+class MpsManager(Component):
+    """gpud's MPS daemons, one per GPU or MIG device that sharing, gpu_memory or a DRA claim puts MPS on.
+    They are left running when gpud stops: their clients keep working, and the next gpud adopts them."""
+
+    name = "mps"
+
     def __init__(self, session: NvmlSession, inventory: InventoryService, config: MpsConfig,
                  pipe_root: Path, log_root: Path, replicas: Callable[[Inventory], dict[str, int]] | None = None,
-                 per_client: Callable[[Inventory], frozenset[str]] | None = None,
+                 per_client: tuple[Callable[[Inventory], frozenset[str]], ...] = (),
                  notify: Callable[[str, dict], object] = lambda kind, data: None,
                  restarts_path: Path | None = None):
         self.session = session
@@ -142,13 +148,30 @@ class MpsManager:
         self._lock = asyncio.Lock()
         self._checks = 0
         self._replicas = replicas or (lambda inventory: {})
-        self._per_client = per_client or (lambda inventory: frozenset())  # desired_specs' per_client
+        self._per_client = list(per_client)  # desired_specs' per_client is their union
         self._notify = notify  # the watch stream
         # Restarts by daemon name, kept across gpud restarts: a daemon that keeps dying shows it.
         self._restarts_path = restarts_path
-        restarts, corrupt = read_json(restarts_path, _restarts_from) if restarts_path else (None, None)
-        self.corrupt_files: list[CorruptFile] = [corrupt] if corrupt else []
-        self._restarts: dict[str, int] = restarts or {}
+        self.corrupt_files: list[CorruptFile] = []
+        self._restarts: dict[str, int] = {}
+
+    def add_per_client(self, devices: Callable[[Inventory], frozenset[str]]) -> None:
+        """One more source of devices whose clients get per-client limits (a DRA claim's, which itself
+        converges the daemons: it is made after them)."""
+        self._per_client.append(devices)
+
+    async def start(self, tasks: Tasks) -> None:
+        if self._restarts_path:
+            restarts, corrupt = read_json(self._restarts_path, _restarts_from)
+            self.corrupt_files = [corrupt] if corrupt else []
+            self._restarts = restarts or {}
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        await self.converge("startup")
+        tasks.spawn(self.supervise(), "mps")
+
+    def problems(self) -> list[str]:
+        return [file.message() for file in self.corrupt_files]
 
     def _control(self, spec: DaemonSpec) -> MpsControl:
         directories = MpsDirectories(pipe=self.pipe_root / spec.name / "pipe", log=self.log_root / spec.name)
@@ -162,7 +185,8 @@ class MpsManager:
             inventory = self.inventory.current
             if inventory is None:
                 return
-            wanted = desired_specs(self.config, inventory, self._replicas(inventory), self._per_client(inventory))
+            wanted = desired_specs(self.config, inventory, self._replicas(inventory),
+                                   frozenset().union(*(devices(inventory) for devices in self._per_client)))
             for name in [n for n in self.daemons if n not in wanted]:
                 await self._stop(self.daemons.pop(name), f"no longer configured ({reason})")
             for name, spec in wanted.items():
@@ -306,19 +330,19 @@ class MpsManager:
 
     # -- explicit control and MIG changes ---------------------------------------------------
 
-    async def stop(self, name: str) -> None:
+    async def stop_daemon(self, name: str) -> None:
         async with self._lock:
             daemon = self.daemons[name]
             daemon.paused = True
             await self._stop(daemon, "asked through the API")
 
-    async def start(self, name: str) -> None:
+    async def start_daemon(self, name: str) -> None:
         async with self._lock:
             daemon = self.daemons[name]
             if daemon.state != "running":
                 await self._start(daemon)
 
-    async def restart(self, name: str) -> None:
+    async def restart_daemon(self, name: str) -> None:
         async with self._lock:
             daemon = self.daemons[name]
             await self._stop(daemon, "restart asked through the API")
@@ -344,6 +368,15 @@ class MpsManager:
         await self.converge(f"MIG layout of {gpu_uuid} changed")
 
     # -- views -------------------------------------------------------------------------------
+
+    def own_pids(self) -> set[int]:
+        """gpud and the MPS daemons it started: they hold the GPUs, and go away for a reset."""
+        mps = {pid for d in self.daemons.values() for pid in (d.pid, *d.server_pids) if pid is not None}
+        return {os.getpid(), *mps}
+
+    def client_envs(self) -> dict[str, dict]:
+        """Device UUID -> the client environment of the MPS daemon serving it, for the CDI spec's MPS replicas."""
+        return {uuid: client_env(daemon) for daemon in self.daemons.values() for uuid in daemon.spec.devices}
 
     def failures(self) -> dict[str, str]:
         """Device UUID -> why its MPS daemon is down, for the health of those devices."""

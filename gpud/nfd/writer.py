@@ -21,6 +21,7 @@ from typing import Callable
 
 from gpud.config import NfdConfig
 from gpud.events import CLOSED, OVERFLOW, EventBus
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.nfd.labels import HEADER, feature_file
 from gpud.safefs import KeptFile, UnsafePath
@@ -37,9 +38,11 @@ RETRY_INTERVAL_S = 1.0
 RECHECK_S = 2.0
 
 
-class NfdWriter:
+class NfdWriter(Component):
     """Turned off (nfd.enabled false), it writes nothing and removes gpud's own old file at path, so
     NFD stops publishing labels nothing keeps current."""
+
+    name = "nfd"
 
     def __init__(self, path: Path, labels: Callable[[], dict[str, str] | None], bus: EventBus, *,
                  enabled: bool = True, create_directory: bool = True, expiry_s: float = NfdConfig.expiry_s):
@@ -67,6 +70,12 @@ class NfdWriter:
         """Why the file is not current (for /healthz), None when it is."""
         error = self._document["error"]
         return f"the NFD feature file {self.path} is not current: {error}" if error else None
+
+    def problems(self) -> list[str]:
+        return [self.problem] if self.problem else []
+
+    async def start(self, tasks: Tasks) -> None:
+        tasks.spawn(self.run(), "nfd")
 
     def view(self) -> dict:
         """GET /v1/nfd: what the file holds, what was left out of it and why, the last write error."""

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
+from gpud.lifecycle import Component
 from gpud.logs import get_logger
 from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
 
@@ -66,7 +67,9 @@ def describe_error(exc: BaseException) -> str:
     return f"{exc} (NVML error {code})" if isinstance(code, int) else str(exc) or type(exc).__name__
 
 
-class NvmlSession:
+class NvmlSession(Component):
+    name = "nvml"
+
     def __init__(self, backend: Any, *, simulated: bool = False, retry_initial_s: float = 1.0,
                  retry_max_s: float = 60.0):
         self.nvml = backend
@@ -216,7 +219,7 @@ class NvmlSession:
                 log.error("nvml_release_hook_failed", hook=getattr(after, "__qualname__", repr(after)),
                           error=describe_error(exc))
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
         was_ready = self.state is SessionState.READY
         self.state = SessionState.STOPPED
         self._back.set()

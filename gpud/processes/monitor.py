@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from gpud.dcgm_labels import gpu_labels, instance_labels
 from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
 from gpud.nvml.processes import DeviceProcesses, read_processes
 from gpud.nvml.session import NvmlSession
@@ -67,7 +68,9 @@ class ProcessSnapshot:
                 if device.gpu.uuid == gpu.uuid and uuid in (gpu.uuid, device.read.uuid)]
 
 
-class ProcessMonitor:
+class ProcessMonitor(Component):
+    name = "processes"
+
     def __init__(self, session: NvmlSession, inventory: InventoryService, interval_s: float, proc: Path = PROC,
                  cgroupfs: Path = CGROUPFS):
         self.session = session
@@ -78,7 +81,10 @@ class ProcessMonitor:
         self.current: ProcessSnapshot | None = None
         self._seen: set[tuple[str, int]] = set()  # (device UUID, PID) in the last snapshot, for the log
 
-    async def run(self) -> None:
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        tasks.spawn(self._read_on_interval(), "processes")
+
+    async def _read_on_interval(self) -> None:
         while True:
             await self.refresh()
             await asyncio.sleep(self.interval_s)

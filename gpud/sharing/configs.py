@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpud.errors import GpudError
+from gpud.inventory import Inventory
 from gpud.logs import get_logger
-from gpud.persist import read_json, write_failed, write_json_atomic
+from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
 from gpud.safefs import UnsafePath
 from gpud.sharing.config import SharingConfig, SharingConfigError, config_name_problem
+from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import read_sharing_file
 
 log = get_logger("sharing")
@@ -68,13 +70,22 @@ class SharingConfigs:
 
     def __init__(self, file: str, configs_dir: str | None, default: str | None, choice_path: Path):
         self._choice_path = choice_path
-        self.choice, corrupt = read_json(choice_path, _choice_from)
-        self.corrupt_files = [corrupt] if corrupt else []
+        self.choice: str | None = None
+        self.corrupt_files: list[CorruptFile] = []
         self.config: SharingConfig | None = None
         self.in_force: Candidate | None = None
         self.problem: str | None = None
         self._seen: tuple | None = None  # what the last selection looked at, for changed()
         self.configure(file, configs_dir, default)
+
+    def load(self) -> None:
+        """Reads the persisted choice (PUT /v1/sharing/config's); a corrupt file is set aside and reported."""
+        self.choice, corrupt = read_json(self._choice_path, _choice_from)
+        self.corrupt_files = [corrupt] if corrupt else []
+
+    def mps_replicas(self, inventory: Inventory) -> dict[str, int]:
+        """Device UUID -> MPS replicas the config in force asks for (gpud's MPS daemons serve them)."""
+        return mps_replicas(self.config, inventory)
 
     def configure(self, file: str, configs_dir: str | None, default: str | None) -> None:
         """Takes (re-read) settings; select() applies them."""

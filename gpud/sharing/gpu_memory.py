@@ -15,6 +15,7 @@ from gpud.config import GpuMemoryConfig
 from gpud.dcgm_labels import gpu_labels, instance_labels
 from gpud.errors import GpudError
 from gpud.inventory import Inventory
+from gpud.lifecycle import Component
 from gpud.mps.manager import daemon_name
 from gpud.samples import Family
 from gpud.sharing.resources import Device, device_healthy
@@ -76,10 +77,12 @@ def unit_ids(covered: CoveredDevice) -> list[str]:
     return [f"{covered.device.uuid}::{n}" for n in range(covered.units)]
 
 
-class GpuMemory:
+class GpuMemory(Component):
     """gpu_memory as gpud serves it: the devices covered (recomputed with the sharing document, on every
     inventory or health change) and the allocations the device plugin last reported. Reports are kept
     in memory only: the kubelet holds the record, and the plugin reports again after a gpud restart."""
+
+    name = "gpu_memory"
 
     def __init__(self, config: GpuMemoryConfig, notify: Callable[[str, dict], object] = lambda kind, data: None):
         self.config = config

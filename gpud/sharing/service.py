@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Callable
 
 from gpud.encoding import encode
-from gpud.inventory import Inventory
+from gpud.events import EventBus, EventType
+from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
 from gpud.sharing.gpu_memory import GpuMemory
@@ -37,18 +38,23 @@ def read_sharing_file(path: Path, opener: Callable[[str, int], int] | None = Non
 class SharingView:
     """Recomputes the sharing document whenever the inventory or the sharing config changes."""
 
-    def __init__(self, config: SharingConfig | None, source: Path, *, unhealthy: Callable[[], set[str]] = set,
-                 notify: Callable[[str, dict], object] = lambda kind, data: None, about: dict | None = None,
-                 gpu_memory: GpuMemory | None = None):
-        self.config = config
+    def __init__(self, inventory: InventoryService, bus: EventBus, source: Path, *,
+                 unhealthy: Callable[[], set[str]] = set, gpu_memory: GpuMemory | None = None):
+        self.config: SharingConfig | None = None  # SharingControl sets the one in force
         self.gpu_memory = gpu_memory  # gpud.yaml's gpu_memory: one more resource, beside the sharing config's
         self.source = source
-        self.about = about  # which config is in force and why: the document's `config` block
+        self.about: dict | None = None  # which config is in force and why: the document's `config` block
         self.document: dict | None = None
         self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
         self._unhealthy = unhealthy  # device UUIDs health calls unhealthy
-        self._notify = notify  # the watch stream
+        self._bus = bus
+        self._inventory = inventory
         self.body = encode(self._empty())  # the document, encoded once per change for GET /v1/sharing
+        inventory.subscribe(self.update)
+        bus.listen(EventType.HEALTH, self._health_changed)  # an unhealthy device's replicas are served unhealthy
+
+    def _health_changed(self, _event: dict) -> None:
+        self.update(self._inventory.current, reason="health")
 
     def _empty(self) -> dict:
         return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
@@ -81,11 +87,11 @@ class SharingView:
                          resources={r["name"]: r["count"] for r in document["resources"]}, error=document["error"])
             self.document = document
             self.body = encode(document)
-            self._notify("sharing", {"strategy": document["strategy"], "error": document["error"],
-                                     "config": self.about["name"] if self.about else None,
-                                     "resources": {r["name"]: r["count"] for r in document["resources"]},
-                                     "unhealthy": sum(not d["healthy"] for r in document["resources"]
-                                                      for d in r["devices"])})
+            self._bus.publish(EventType.SHARING, {
+                "strategy": document["strategy"], "error": document["error"],
+                "config": self.about["name"] if self.about else None,
+                "resources": {r["name"]: r["count"] for r in document["resources"]},
+                "unhealthy": sum(not d["healthy"] for r in document["resources"] for d in r["devices"])})
 
     def _add_gpu_memory(self, document: dict, inventory: Inventory) -> None:
         """gpu_memory's resource, label and warnings, whatever the sharing config says (it advertises

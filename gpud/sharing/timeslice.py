@@ -43,3 +43,11 @@ async def set_time_slice(interval: str, indices: list[int]) -> dict:
                         "reason": None if ok else output.decode(errors="replace").strip()[-300:]})
         log.info("time_slice_set", gpu=index, interval=interval, ok=ok)
     return {"interval": interval, "applied": all(r["applied"] for r in results), "reason": None, "gpus": results}
+
+
+async def claim_time_slice(indices: list[int], interval: str) -> str | None:
+    """A DRA claim's time-slice interval set on its GPUs: why it failed, or None."""
+    result = await set_time_slice(interval.lower(), indices)
+    if result["applied"]:
+        return None
+    return result["reason"] or "; ".join(f"GPU {g['index']}: {g['reason']}" for g in result["gpus"] if not g["applied"])

@@ -27,6 +27,7 @@ OUTPUT_LIMIT = 4096  # characters of scontrol's output kept for the view: enough
 
 
 class GresWriter(KeptFileWriter):
+    name = "slurm-gres"
     event = "slurm_gres"
     setting = "slurm.gres_file"
     rewrite_why = "slurmd reads its GPUs from it: only what gpud knows of them may be there"

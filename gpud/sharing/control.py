@@ -1,0 +1,74 @@
+"""Which sharing config is in force, and keeping the sharing document and the GPUs' time slice to it:
+at start, on a reload, on PUT /v1/sharing/config, and when sharing.configs_dir changes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+from gpud.config import SharingFileConfig
+from gpud.inventory import InventoryService
+from gpud.lifecycle import Component, Tasks
+from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
+from gpud.sharing.service import SharingView
+
+Converge = Callable[[str], Awaitable[None]]  # brings gpud's MPS daemons to what sharing asks for
+
+
+class SharingControl(Component):
+    name = "sharing"
+
+    def __init__(self, configs: SharingConfigs, view: SharingView, inventory: InventoryService,
+                 converge_mps: Converge):
+        self.configs, self.view, self.inventory = configs, view, inventory
+        self._converge_mps = converge_mps
+        self._changes = asyncio.Lock()  # a choice, a reload and the directory's poll take turns
+
+    async def start(self, tasks: Tasks) -> None:
+        """Chooses the config in force (an invalid one raises SharingConfigError: gpud does not start)."""
+        self.configs.load()
+        self.configs.select(at_start=True)
+        configs = self.configs
+        self.view.set_config(configs.config, None, configs.in_force.path, configs.view(), "start")
+        tasks.spawn(self._follow_configs_dir(), "sharing-configs")
+
+    async def start_with_gpus(self, tasks: Tasks) -> None:
+        await self.view.apply_time_slice(self.inventory.current)
+
+    def problems(self) -> list[str]:
+        return [file.message() for file in self.configs.corrupt_files]
+
+    async def reload(self, settings: SharingFileConfig) -> None:
+        """Takes re-read settings: the config in force is chosen again (sharing.file, or a named config)."""
+        async with self._changes:
+            self.configs.configure(settings.file, settings.configs_dir, settings.default_config)
+            self.configs.select(at_start=False)
+            await self._apply("reload")
+
+    async def choose(self, name: str | None, reason: str | None) -> dict:
+        """PUT /v1/sharing/config: makes `name` (None: the default) the config in force, persisted, and
+        applies it as a reload does; returns the `config` block. Refusals (GpudError) change nothing."""
+        async with self._changes:
+            self.configs.choose(name, reason)
+            self.configs.select(at_start=False)
+            await self._apply("config chosen")
+        await self._converge_mps("sharing config chosen")
+        return self.configs.view()
+
+    async def _follow_configs_dir(self) -> None:
+        """Re-applies the named config in force when its file changes (a ConfigMap update swaps ..data)
+        or the directory's names do, without a reload: a stat and a listing every POLL_INTERVAL_S."""
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            if not self.configs.changed():
+                continue
+            async with self._changes:
+                self.configs.select(at_start=False)
+                await self._apply("configs_dir changed")
+            await self._converge_mps("sharing config changed")
+
+    async def _apply(self, reason: str) -> None:
+        """The sharing document recomputed from the config in force, and its time slice applied."""
+        configs, inventory = self.configs, self.inventory.current
+        self.view.set_config(configs.config, inventory, configs.in_force.path, configs.view(), reason)
+        await self.view.apply_time_slice(inventory)
