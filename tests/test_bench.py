@@ -153,3 +153,15 @@ def test_slurm_benchmark_runs():
     assert lines[4].startswith("gpud slurm health run: n=2 median "), result.stdout
     assert "(decision: nothing: " in lines[4] and "; gpud health --json: median " in lines[4]
     assert "; ratio " in lines[4] and "; slurmd's limit 60 s: margin " in lines[4]
+
+
+@pytest.mark.slow  # two gpuds and a bare server: about 10 s
+def test_house_benchmark_compares_two_trees():
+    # HEAD as "before": a checkout may not hold the older default revision (a shallow clone)
+    result = subprocess.run([sys.executable, "bench/house.py", "--before", "HEAD", "--idle-seconds", "1",
+                             "--seconds", "0.2", "--rounds", "1"], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1]
+            in (["before"], ["after"], ["bare"])}
+    assert set(rows) == {"before", "after", "bare"} and len(rows["after"]) == 5
+    assert "after/before: GET /v1/gpus (each ÷ bare)" in result.stdout
