@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpud.health.tracker import ACTION_RANK
+from gpud.health.states import ACTION_RANK
 from gpud.logs import get_logger
 from gpud.persist import read_json, write_json_atomic
 
