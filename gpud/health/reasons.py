@@ -3,10 +3,10 @@ health.json keeps them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
-from gpud.health.states import ACTION_RANK, HEALTH_RANK, Action, Health
+from gpud.health.states import ACTION_RANK, HEALTH_RANK, Action, Clears, Health
 
 Key = tuple[str, str]  # (kind, code)
 
@@ -34,6 +34,39 @@ class Change:
     state: str
     reasons: tuple[Reason, ...]  # the device's effective reasons now
     driver_action: str | None = None  # a GPU's recovery action as the driver says it now; None: not said
+
+
+@dataclass
+class TrackedDevice:
+    """A GPU, MIG device or subject as the tracker keeps it: its own reasons, not its GPU's."""
+
+    gpu_index: int | None  # None for a subject
+    parent: str | None = None  # the GPU's UUID, for a MIG device
+    gi_id: int | None = None
+    ci_id: int | None = None
+    reasons: dict[Key, Reason] = field(default_factory=dict)
+    passes: dict[Key, int] = field(default_factory=dict)  # consecutive passing checks of a check's reason
+
+    def add(self, reason: Reason) -> None:
+        """Adds the reason, or refreshes the one already there (keeping when it was first seen)."""
+        key = (reason.kind, reason.code)
+        known = self.reasons.get(key)
+        self.reasons[key] = replace(reason, first_seen=known.first_seen, count=known.count + 1) if known else reason
+        self.passes.pop(key, None)  # passes must be consecutive
+
+    def count_pass(self, key: Key, clear_after_passes: int) -> None:
+        """A check of the reason passed: clear_after_passes of them in a row take it away."""
+        reason = self.reasons.get(key)
+        if reason is None or reason.clears != Clears.CHECK:
+            return
+        self.passes[key] = self.passes.get(key, 0) + 1
+        if self.passes[key] >= clear_after_passes:
+            self.drop(lambda candidate: (candidate.kind, candidate.code) == key)
+
+    def drop(self, matches: Callable[[Reason], bool]) -> None:
+        for key in [key for key, reason in self.reasons.items() if matches(reason)]:
+            del self.reasons[key]
+            self.passes.pop(key, None)
 
 
 def parse_reasons(document: dict[str, list[dict]]) -> dict[str, dict[Key, Reason]]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 from gpud.health.catalog import Severity, XidInfo
 from gpud.health.driver_actions import REBOOT_ACTIONS, driver_action_reason
-from gpud.health.reasons import Change, Key, Reason, suggested_action, worst
+from gpud.health.reasons import Change, Key, Reason, TrackedDevice, suggested_action, worst
 from gpud.health.states import Action, Clears, Health
 from gpud.inventory import Gpu, Inventory
 
@@ -33,28 +33,13 @@ NODE = "node"  # the subject of node-level reasons
 ESCALATION = "repeated-reboot"  # the recovery-action reason of a GPU a reboot does not fix
 
 
-@dataclass
-class _Device:
-    gpu_index: int | None  # None for a subject
-    parent: str | None = None  # the GPU's UUID, for a MIG device
-    gi_id: int | None = None
-    ci_id: int | None = None
-    reasons: dict[Key, Reason] = field(default_factory=dict)  # its own, not its GPU's
-    passes: dict[Key, int] = field(default_factory=dict)  # consecutive passing checks of a check's reason
-
-    def drop(self, matches: Callable[[Reason], bool]) -> None:
-        for key in [key for key, reason in self.reasons.items() if matches(reason)]:
-            del self.reasons[key]
-            self.passes.pop(key, None)
-
-
 class HealthTracker:
     def __init__(self, clear_after_passes: int = 3, clock: Callable[[], float] = time.time, *, boot_id: str = "",
                  reboot_escalation: tuple[int, float] = (3, 86400.0)):
         self._clear_after_passes = clear_after_passes
         self._clock = clock
-        self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
-        self._subjects: dict[str, _Device] = {NODE: _Device(None)}  # by name: the node, InfiniBand ports
+        self._devices: dict[str, TrackedDevice] = {}  # by UUID; each GPU followed by its MIG devices
+        self._subjects: dict[str, TrackedDevice] = {NODE: TrackedDevice(None)}  # by name: the node, InfiniBand ports
         self._restored: dict[str, dict[Key, Reason]] = {}  # persisted reasons of devices not learned yet
         self._driver_actions: dict[str, str | None] = {}  # GPU UUID -> the driver's recovery action now
         self._driver_acted_at: dict[str, float] = {}  # GPU UUID -> when the driver last asked for an action
@@ -106,7 +91,7 @@ class HealthTracker:
         reason = self._reason("xid", str(info.xid), f"XID {info.xid}: {info.name}", severity, info.action, clears)
         before = self._summaries()
         for device in self._xid_targets(gpu_uuid, gi_id, ci_id):
-            self._raise(device, reason)
+            device.add(reason)
         if info.action == Action.REBOOT:
             self._needs_reboot(gpu_uuid)
         return self._changes_since(before)
@@ -127,7 +112,7 @@ class HealthTracker:
             self._driver_acted_at[gpu_uuid] = self._clock()
             severity, gpud_action, message = driver_action_reason(action)
             device.drop(lambda reason: reason.kind == "recovery-action" and reason.code not in (action, ESCALATION))
-            self._raise(device, self._reason("recovery-action", action, message, severity, gpud_action, Clears.DRIVER))
+            device.add(self._reason("recovery-action", action, message, severity, gpud_action, Clears.DRIVER))
             if action in REBOOT_ACTIONS:
                 self._needs_reboot(gpu_uuid)
         else:
@@ -151,8 +136,8 @@ class HealthTracker:
             hours = self._escalation_window_s / 3600
             message = (f"needed a node reboot in {len(boots)} boots within {hours:g} h: a reboot does not fix it, "
                        "inspect the hardware")
-            self._raise(self._devices[gpu_uuid], self._reason("recovery-action", ESCALATION, message, Health.UNHEALTHY,
-                                                              Action.INSPECT_HARDWARE, Clears.ADMIN))
+            self._devices[gpu_uuid].add(self._reason("recovery-action", ESCALATION, message, Health.UNHEALTHY,
+                                                     Action.INSPECT_HARDWARE, Clears.ADMIN))
 
     def set_subjects(self, prefix: str, names: Iterable[str]) -> list[Change]:
         """The subjects whose names start with prefix are these now (InfiniBand ports come and go)."""
@@ -161,7 +146,7 @@ class HealthTracker:
         for name in [name for name in self._subjects if name.startswith(prefix) and name not in names]:
             del self._subjects[name]
         for name in names:
-            self._subjects.setdefault(name, _Device(None))
+            self._subjects.setdefault(name, TrackedDevice(None))
         return self._changes_since(before)
 
     def observe(self, device_uuid: str, kind: str, code: str,
@@ -174,13 +159,13 @@ class HealthTracker:
             return []  # a device gone since the check read it (a MIG device destroyed meanwhile)
         before = self._summaries()
         if problem is None:
-            self._count_pass(device, (kind, code))
+            device.count_pass((kind, code), self._clear_after_passes)
         else:
             severity, action, message = problem
             if severity not in (Health.DEGRADED, Health.UNHEALTHY):
                 raise ValueError(f"a problem's severity must be {Health.DEGRADED.value!r} or "
                                  f"{Health.UNHEALTHY.value!r}, not {severity!r}")
-            self._raise(device, self._reason(kind, code, message, severity, action, Clears.CHECK))
+            device.add(self._reason(kind, code, message, severity, action, Clears.CHECK))
         return self._changes_since(before)
 
     def record_reset(self, gpu_uuid: str) -> list[Change]:
@@ -236,36 +221,35 @@ class HealthTracker:
         """State and reasons; a device not learned yet has nothing recorded against it."""
         return self._health_view_of(self._devices.get(uuid))
 
-    def _health_view_of(self, device: _Device | None) -> dict:
+    def _health_view_of(self, device: TrackedDevice | None) -> dict:
         state, reasons = self._effective(device) if device else (Health.HEALTHY, ())
         return {"state": state, "reasons": [asdict(reason) for reason in reasons]}
 
     # -- devices -----------------------------------------------------------------------------
 
-    def _learn(self, inventory: Inventory) -> dict[str, _Device]:
+    def _learn(self, inventory: Inventory) -> dict[str, TrackedDevice]:
         devices = {}
         for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index):
-            devices[gpu.uuid] = self._adopt(gpu.uuid, _Device(gpu.index))
+            devices[gpu.uuid] = self._adopt(gpu.uuid, TrackedDevice(gpu.index))
             for mig in gpu.mig.devices:
-                devices[mig.uuid] = self._adopt(mig.uuid, _Device(gpu.index, gpu.uuid, mig.gi_id, mig.ci_id))
+                devices[mig.uuid] = self._adopt(mig.uuid, TrackedDevice(gpu.index, gpu.uuid, mig.gi_id, mig.ci_id))
         return devices
 
-    def _adopt(self, uuid: str, placed: _Device) -> _Device:
+    def _adopt(self, uuid: str, placed: TrackedDevice) -> TrackedDevice:
         """The device as the inventory places it now, with what is known of it already."""
         known = self._devices.get(uuid)
         if known:
             return replace(placed, reasons=known.reasons, passes=known.passes)
         return replace(placed, reasons=self._restored.pop(uuid, {}))
 
-    def _update_lost(self, device: _Device, gpu: Gpu) -> None:
+    def _update_lost(self, device: TrackedDevice, gpu: Gpu) -> None:
         if gpu.lost:
             message = f"{LOST_MESSAGE} (the driver answers: {gpu.error})" if gpu.error else LOST_MESSAGE
-            self._raise(device, self._reason("lost", "gpu-lost", message, Health.UNHEALTHY, Action.REBOOT,
-                                             Clears.RESET))
+            device.add(self._reason("lost", "gpu-lost", message, Health.UNHEALTHY, Action.REBOOT, Clears.RESET))
         else:
             device.drop(lambda reason: reason.kind == "lost")
 
-    def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[_Device]:
+    def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[TrackedDevice]:
         """The MIG devices the ids name (a GPU-instance id alone names all its compute instances);
         the whole GPU when they name none."""
         if gi_id is not None:
@@ -275,7 +259,7 @@ class HealthTracker:
                 return named
         return [self._devices[gpu_uuid]]
 
-    def _children(self, gpu_uuid: str) -> list[_Device]:
+    def _children(self, gpu_uuid: str) -> list[TrackedDevice]:
         return [device for device in self._devices.values() if device.parent == gpu_uuid]
 
     def _drop_in_family(self, uuid: str, matches: Callable[[Reason], bool]) -> list[Change]:
@@ -285,7 +269,7 @@ class HealthTracker:
             device.drop(matches)
         return self._changes_since(before)
 
-    def _family(self, uuid: str) -> list[tuple[str, _Device]]:
+    def _family(self, uuid: str) -> list[tuple[str, TrackedDevice]]:
         """The device (KeyError for one gpud does not know) and its MIG devices, with their UUIDs."""
         device = self._devices.get(uuid) or self._subjects[uuid]
         return [(uuid, device), *((child, member) for child, member in self._devices.items() if member.parent == uuid)]
@@ -296,35 +280,20 @@ class HealthTracker:
         now = self._clock()
         return Reason(kind, code, message, severity, action, first_seen=now, last_seen=now, count=1, clears=clears)
 
-    def _raise(self, device: _Device, reason: Reason) -> None:
-        """Adds the reason, or refreshes the one already there (keeping when it was first seen)."""
-        key = (reason.kind, reason.code)
-        known = device.reasons.get(key)
-        device.reasons[key] = replace(reason, first_seen=known.first_seen, count=known.count + 1) if known else reason
-        device.passes.pop(key, None)  # passes must be consecutive
-
-    def _count_pass(self, device: _Device, key: Key) -> None:
-        reason = device.reasons.get(key)
-        if reason is None or reason.clears != Clears.CHECK:
-            return
-        device.passes[key] = device.passes.get(key, 0) + 1
-        if device.passes[key] >= self._clear_after_passes:
-            device.drop(lambda candidate: (candidate.kind, candidate.code) == key)
-
     # -- states and changes ------------------------------------------------------------------
 
-    def _effective(self, device: _Device) -> tuple[str, tuple[Reason, ...]]:
+    def _effective(self, device: TrackedDevice) -> tuple[str, tuple[Reason, ...]]:
         inherited = tuple(self._devices[device.parent].reasons.values()) if device.parent else ()
         reasons = inherited + tuple(device.reasons.values())
         return worst(reason.severity for reason in reasons), reasons
 
-    def _all(self) -> Iterable[tuple[str, _Device]]:
+    def _all(self) -> Iterable[tuple[str, TrackedDevice]]:
         return (*self._devices.items(), *self._subjects.items())
 
     def _summaries(self) -> dict[str, tuple]:
         return {uuid: self._summary(uuid, device) for uuid, device in self._all()}
 
-    def _summary(self, uuid: str, device: _Device) -> tuple:
+    def _summary(self, uuid: str, device: TrackedDevice) -> tuple:
         state, reasons = self._effective(device)
         return state, frozenset((reason.kind, reason.code) for reason in reasons), self._driver_actions.get(uuid)
 

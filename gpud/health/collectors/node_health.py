@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from gpud.health import infiniband
+from gpud.health.collectors import infiniband
 from gpud.health.sources.node_checks import NodeChecks
 from gpud.health.states import HEALTH_RANK
 from gpud.health.tracker import HealthTracker
@@ -30,4 +30,4 @@ def collect(tracker: HealthTracker, xids: XidCounter, checks: NodeChecks) -> Ite
                                           "differ after an unfinished driver upgrade).", "gauge")
         info.add({"kernel_module": versions["kernel_module"] or "", "library": versions["library"] or ""}, 1)
         yield info
-    yield from infiniband.families(checks.ib_ports)
+    yield from infiniband.collect(checks.ib_ports)

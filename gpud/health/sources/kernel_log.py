@@ -7,7 +7,8 @@ import asyncio
 from collections import deque
 from pathlib import Path
 
-from gpud.health.kmsg import KernelLogFollower, KernelXid
+from gpud.health.kmsg import KernelLogFollower
+from gpud.health.kmsg_records import KernelXid
 from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.xid_counter import XidCounter, XidSource
 from gpud.inventory import InventoryService, normal_bus_id
