@@ -47,7 +47,7 @@ async def timed_passes(daemon: Daemon, passes: int, node_checks: bool) -> list[f
         started = time.perf_counter()
         await health.check_once()
         if node_checks:
-            health._fabric_manager_checked = 0.0  # systemctl's answer every pass: the worst case
+            health.node_checks._fabric_manager_checked = 0.0  # systemctl's answer every pass: the worst case
             await health.check_node_once()
         took.append((time.perf_counter() - started) * 1000)
     return took
@@ -72,10 +72,10 @@ async def xid_to_watch(daemon: Daemon, xids: int, nvml_event: bool) -> list[floa
         bus.unsubscribe(subscription)
         if nvml_event:  # the driver logged it too: its kernel-log twin is matched, not counted again
             deadline = time.monotonic() + 10
-            while daemon.health.xids_by_source["both"] < n + 1 and time.monotonic() < deadline:
+            while daemon.health.xids.by_source["both"] < n + 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         daemon.health.clear(uuid, None)
-        daemon.health._recent_sources.clear()  # the next XID 79 on this GPU is a new one, not a twin
+        daemon.health.xids._recent_sources.clear()  # the next XID 79 on this GPU is a new one, not a twin
     return took
 
 
@@ -103,7 +103,7 @@ async def main(args: argparse.Namespace) -> None:
         print(f"health pass, 8 GPUs: {statistics.median(baseline):.2f} ms median (GPU checks alone, baseline)")
         print(f"health pass, 8 GPUs + {hcas} HCAs + node checks: {statistics.median(full):.2f} ms median, "
               f"p99 {percentile(full, 0.99):.2f} ms, ratio {statistics.median(full) / statistics.median(baseline):.2f}")
-        print(f"kernel log follower: {daemon.health._kernel_log.lines_read} records read "
+        print(f"kernel log follower: {daemon.health.kernel_log.follower.lines_read} records read "
               f"({args.kmsg_records} filler records)")
         nvml = await xid_to_watch(daemon, args.xids, nvml_event=True)
         kernel = await xid_to_watch(daemon, args.xids, nvml_event=False)

@@ -121,7 +121,8 @@ class Daemon:
                                     host=HostPaths(config.procfs_path, config.sysfs_path, config.kmsg_path),
                                     mps_failures=self.mps.failures,
                                     nvlinks_path=config.state_path / "nvlinks-seen-up.json",
-                                    state_path=config.state_path / "health.json")
+                                    state_path=config.state_path / "health.json",
+                                    kernel_log_before_nvml=not self.session.simulated)
         self.sharing = SharingView(self.inventory, self.bus, Path(config.sharing.file),
                                    unhealthy=self.health.unhealthy_devices, gpu_memory=self.gpu_memory)
         self.sharing_control = SharingControl(self.sharing_configs, self.sharing, self.inventory, self.mps.converge)

@@ -157,3 +157,36 @@ def test_constructing_a_daemon_touches_nothing(short_tmp):
     assert len(set(names)) == len(names) and "" not in names
     assert [type(c).__name__ for c in components[:2]] == ["SocketClaim", "StateDirectory"]  # before any state
     assert type(components[-2]).__name__ == "ApiServing" and second.lifecycle.tasks.crashed == {}
+# health: one collector per file
+
+HEALTH = PACKAGE / "health"
+HEALTH_MODULE_MAX_LINES = 320  # about 300: a module one reads whole
+HEALTH_SERVICE_MAX_LINES = 250  # the coordinator: sources, collectors, persistence and auto-reset live apart
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_no_health_module_is_over_about_300_lines():
+    sizes = {str(path.relative_to(HEALTH)): _lines(path) for path in HEALTH.rglob("*.py")}
+    assert {name: size for name, size in sizes.items() if size > HEALTH_MODULE_MAX_LINES} == {}
+    assert sizes["service.py"] <= HEALTH_SERVICE_MAX_LINES
+
+
+def test_each_health_collector_module_defines_one_collector():
+    """As node_exporter's collector/<name>.go: each module's one public function, collect(), yields its
+    families; helpers are private."""
+    modules = sorted(path for path in (HEALTH / "collectors").glob("*.py") if path.name != "__init__.py")
+    assert modules
+    for path in modules:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        public = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                  and not node.name.startswith("_")]
+        assert public == ["collect"], path.name
+
+
+@pytest.mark.parametrize("reader, source", [("gpud.nvml.health.EventListener", "gpud.health.sources.nvml_events"),
+                                            ("gpud.health.kmsg.KernelLogFollower", "gpud.health.sources.kernel_log")])
+def test_each_health_source_is_read_in_its_own_module(reader, source):
+    assert {name for name, imported in _modules().items() if reader in imported} == {source}

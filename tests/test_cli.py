@@ -357,7 +357,7 @@ def test_the_health_kinds_the_cli_takes_are_those_gpud_raises():
     """Every kind given as a literal to the health tracker (observe, _reason) or as a check's key."""
     kind_argument = {"observe": 1, "_reason": 0}  # tracker.observe(device, kind, code, …), _reason(kind, code, …)
     raised = set()
-    for source in (REPO / "gpud" / "health").glob("*.py"):
+    for source in (REPO / "gpud" / "health").rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             where = kind_argument.get(getattr(getattr(node, "func", None), "attr", None))
             if isinstance(node, ast.Call) and where is not None and isinstance(node.args[where], ast.Constant):

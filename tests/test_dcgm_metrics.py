@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO, mig_config, mig_settled, put_layout, sim_config, start_daemon, stop_daemon
 
 from gpud.health.catalog import load_catalog
-from gpud.health.service import nvlink_mb_s
+from gpud.health.sources.gpu_checks import nvlink_mb_s
 from gpud.nvml.health import Readings
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim._telemetry_calls import SAMPLE_PERIOD_US, telemetry

@@ -22,7 +22,9 @@ from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.check import CheckRoutes
 from gpud.errors import GpudError
 from gpud.health import diag
-from gpud.health.diag import DiagRun, DiagStore, DiagTest, diag_problems, find_dcgmi, run_diag
+from gpud.health.active_check import DiagStore
+from gpud.health.diag import DiagRun, DiagTest, find_dcgmi, run_diag
+from gpud.health.diag_verdicts import diag_problems
 
 STAND_IN = REPO / "tests" / "dcgmi_stand_in.py"
 

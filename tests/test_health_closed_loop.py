@@ -106,13 +106,13 @@ async def test_an_xid_nvml_missed_comes_from_the_kernel_log_and_one_both_report_
     try:
         health = node.daemon.health
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(1, 31, nvml_event=False))
-        await until_async(lambda: health.xids_by_source["kernel-log"] == 1, what="the kernel log's XID")
+        await until_async(lambda: health.xids.by_source["kernel-log"] == 1, what="the kernel log's XID")
         uuid1 = gpu_of(await health_view(node), 1)["uuid"]
-        assert health.xid_counts[(uuid1, 31)] == 1
+        assert health.xids.counts[(uuid1, 31)] == 1
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 48))  # NVML and the kernel log
-        await until_async(lambda: health.xids_by_source["both"] == 1, what="the second report of XID 48 matched")
+        await until_async(lambda: health.xids.by_source["both"] == 1, what="the second report of XID 48 matched")
         uuid0 = gpu_of(await health_view(node), 0)["uuid"]
-        assert health.xid_counts[(uuid0, 48)] == 1 and health.xids_by_source["nvml"] == 0
+        assert health.xids.counts[(uuid0, 48)] == 1 and health.xids.by_source["nvml"] == 0
         text = await metrics_text(node)
         assert 'gpud_xids_by_source_total{source="both"} 1' in text
     finally:
@@ -124,7 +124,7 @@ async def test_kernel_log_xids_are_not_counted_again_after_a_restart(short_tmp):
     node = await start_daemon(config)
     try:
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 31, nvml_event=False))
-        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 1, what="the XID")
+        await until_async(lambda: node.daemon.health.xids.by_source["kernel-log"] == 1, what="the XID")
     finally:
         await stop_daemon(node)
     driver = SimulatedNvml(config.simulate, config.sim_state_path, driver=config.sim_driver)
@@ -133,10 +133,10 @@ async def test_kernel_log_xids_are_not_counted_again_after_a_restart(short_tmp):
     driver.nvmlShutdown()
     node = await start_daemon(config)
     try:
-        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 1, what="the XID while stopped")
+        await until_async(lambda: node.daemon.health.xids.by_source["kernel-log"] == 1, what="the XID while stopped")
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 43, nvml_event=False))
-        await until_async(lambda: node.daemon.health.xids_by_source["kernel-log"] == 2, what="the new XID")
-        counts = node.daemon.health.xid_counts
+        await until_async(lambda: node.daemon.health.xids.by_source["kernel-log"] == 2, what="the new XID")
+        counts = node.daemon.health.xids.counts
         assert sorted(xid for _, xid in counts) == [13, 31, 43] and set(counts.values()) == {1}
     finally:
         await stop_daemon(node)
@@ -158,7 +158,7 @@ async def test_fabric_not_trained_and_fabric_manager_down_on_an_nvswitch_node(sh
         assert "gpud_gpu_fabric_health_mask{" in await metrics_text(node)
         await node.daemon.session.call(lambda nvml: nvml.sim_set_fabric(3, state=1))  # not started
         await node.daemon.session.call(lambda nvml: nvml.sim_set_fabric_manager(False))
-        health._fabric_manager_checked = 0.0  # systemctl is asked every 30 s: now
+        health.node_checks._fabric_manager_checked = 0.0  # systemctl is asked every 30 s: now
         await health.check_once()
         await health.check_node_once()
         view = await health_view(node)
@@ -307,7 +307,7 @@ async def test_auto_reset_resets_a_gpu_the_driver_asks_for_within_the_hourly_lim
         since = node.daemon.bus.sequence
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 48))
         await health.check_once()
-        await until_async(lambda: health.auto_reset_results.get("done") == 1, what="the automatic reset")
+        await until_async(lambda: health.auto_reset.results.get("done") == 1, what="the automatic reset")
         await health.check_once()
         gpu = gpu_of(await health_view(node), 0)
         assert gpu["state"] == "healthy" and gpu["driver_action"] == "none"
@@ -317,7 +317,7 @@ async def test_auto_reset_resets_a_gpu_the_driver_asks_for_within_the_hourly_lim
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(1, 48))
         for _ in range(3):
             await health.check_once()
-        assert health.auto_reset_results == {"done": 1, "rate-limited": 1}
+        assert health.auto_reset.results == {"done": 1, "rate-limited": 1}
         assert 'gpud_gpu_auto_resets_total{result="rate-limited"} 1' in await metrics_text(node)
     finally:
         await stop_daemon(node)
@@ -330,7 +330,7 @@ async def test_auto_reset_never_touches_a_gpu_with_processes(short_tmp):
         await node.daemon.session.call(lambda nvml: nvml.sim_set_processes(0, [4343]))
         await node.daemon.session.call(lambda nvml: nvml.sim_inject_xid(0, 48))
         await health.check_once()
-        await until_async(lambda: health.auto_reset_results.get("refused") == 1, what="the refusal")
+        await until_async(lambda: health.auto_reset.results.get("refused") == 1, what="the refusal")
         gpu = gpu_of(await health_view(node), 0)
         assert gpu["driver_action"] == "gpu-reset" and gpu["state"] == "unhealthy"
     finally:

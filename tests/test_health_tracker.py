@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpud.health.catalog import CatalogError, XidCatalog, XidInfo, load_catalog, parse_catalog, shipped_table
-from gpud.health.tracker import DEGRADED, HEALTHY, UNHEALTHY, HealthTracker
+from gpud.health.states import Health
+from gpud.health.tracker import HealthTracker
 from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo
 from gpud.mig.model import Placement
 
@@ -61,7 +62,7 @@ def tracker(clock) -> HealthTracker:
 
 
 def states(tracker: HealthTracker) -> dict[str, str]:
-    return {uuid: state for uuid, state in tracker.gpu_states().items() if state != HEALTHY}
+    return {uuid: state for uuid, state in tracker.gpu_states().items() if state != Health.HEALTHY}
 
 
 # -- catalog -----------------------------------------------------------------------------------
@@ -130,10 +131,10 @@ def test_catalog_rejects_bad_data(text, error):
 
 def test_fatal_xid_makes_only_its_gpu_unhealthy(tracker):
     changes = tracker.record_xid("GPU-2", xid_info(79), None, None)
-    assert [(c.device, c.gpu_index, c.previous, c.state) for c in changes] == [("GPU-2", 2, HEALTHY, UNHEALTHY)]
+    assert [(c.device, c.gpu_index, c.previous, c.state) for c in changes] == [("GPU-2", 2, Health.HEALTHY, Health.UNHEALTHY)]
     (reason,) = changes[0].reasons
-    assert (reason.kind, reason.code, reason.action, reason.severity) == ("xid", "79", "reboot", UNHEALTHY)
-    assert states(tracker) == {"GPU-2": UNHEALTHY}
+    assert (reason.kind, reason.code, reason.action, reason.severity) == ("xid", "79", "reboot", Health.UNHEALTHY)
+    assert states(tracker) == {"GPU-2": Health.UNHEALTHY}
 
 
 def test_application_xid_changes_nothing(tracker):
@@ -143,25 +144,25 @@ def test_application_xid_changes_nothing(tracker):
 
 def test_warning_xid_degrades(tracker):
     (change,) = tracker.record_xid("GPU-1", xid_info(92), None, None)
-    assert change.state == DEGRADED
+    assert change.state == Health.DEGRADED
 
 
 def test_xid_with_mig_ids_hits_only_that_mig_device(tracker):
     changes = tracker.record_xid("GPU-0", xid_info(94), 2, 0)
-    assert [(c.device, c.state) for c in changes] == [("MIG-0-2-0", UNHEALTHY)]
-    assert states(tracker) == {"MIG-0-2-0": UNHEALTHY}
+    assert [(c.device, c.state) for c in changes] == [("MIG-0-2-0", Health.UNHEALTHY)]
+    assert states(tracker) == {"MIG-0-2-0": Health.UNHEALTHY}
 
 
 def test_xid_with_a_gpu_instance_id_alone_hits_its_compute_instances(tracker):
     tracker.record_xid("GPU-0", xid_info(94), 1, None)
-    assert states(tracker) == {"MIG-0-1-0": UNHEALTHY}
+    assert states(tracker) == {"MIG-0-1-0": Health.UNHEALTHY}
 
 
 @pytest.mark.parametrize("gi_id, ci_id", [(None, None), (7, 0)])
 def test_xid_on_a_gpu_reaches_its_mig_devices(tracker, gi_id, ci_id):
     changes = tracker.record_xid("GPU-0", xid_info(48), gi_id, ci_id)
-    assert {c.device: c.state for c in changes} == {"GPU-0": UNHEALTHY, "MIG-0-1-0": UNHEALTHY,
-                                                    "MIG-0-2-0": UNHEALTHY}
+    assert {c.device: c.state for c in changes} == {"GPU-0": Health.UNHEALTHY, "MIG-0-1-0": Health.UNHEALTHY,
+                                                    "MIG-0-2-0": Health.UNHEALTHY}
     assert tracker.device("MIG-0-1-0")["reasons"][0]["code"] == "48"
 
 
@@ -176,7 +177,7 @@ def test_repeated_xid_bumps_count_without_a_change(tracker, clock):
 def test_a_second_xid_is_a_change(tracker):
     tracker.record_xid("GPU-1", xid_info(79), None, None)
     (change,) = tracker.record_xid("GPU-1", xid_info(48), None, None)
-    assert (change.previous, change.state) == (UNHEALTHY, UNHEALTHY)
+    assert (change.previous, change.state) == (Health.UNHEALTHY, Health.UNHEALTHY)
     assert [r.code for r in change.reasons] == ["79", "48"]
 
 
@@ -189,12 +190,12 @@ def test_xid_for_a_device_not_in_the_inventory_is_dropped(tracker):
 
 def test_lost_gpu_is_unhealthy_with_its_mig_devices_until_it_is_back(tracker):
     changes = tracker.set_inventory(inventory(gpu(0, mig_gis=(1, 2), lost=True), gpu(1), gpu(2)))
-    assert {c.device: c.state for c in changes} == {"GPU-0": UNHEALTHY, "MIG-0-1-0": UNHEALTHY,
-                                                    "MIG-0-2-0": UNHEALTHY}
+    assert {c.device: c.state for c in changes} == {"GPU-0": Health.UNHEALTHY, "MIG-0-1-0": Health.UNHEALTHY,
+                                                    "MIG-0-2-0": Health.UNHEALTHY}
     reason = changes[0].reasons[0]
     assert (reason.kind, reason.action, reason.clears) == ("lost", "reboot", "reset")
     changes = tracker.set_inventory(NODE)
-    assert {c.device: c.state for c in changes} == {"GPU-0": HEALTHY, "MIG-0-1-0": HEALTHY, "MIG-0-2-0": HEALTHY}
+    assert {c.device: c.state for c in changes} == {"GPU-0": Health.HEALTHY, "MIG-0-1-0": Health.HEALTHY, "MIG-0-2-0": Health.HEALTHY}
 
 
 def test_removed_mig_devices_are_forgotten(tracker):
@@ -210,12 +211,12 @@ def test_removed_mig_devices_are_forgotten(tracker):
 
 def test_check_problem_shows_at_once_and_clears_after_three_passes(tracker):
     (change,) = tracker.observe("GPU-1", "temperature", "slowdown", HOT)
-    assert (change.state, change.reasons[0].clears) == (DEGRADED, "check")
+    assert (change.state, change.reasons[0].clears) == (Health.DEGRADED, "check")
     assert tracker.observe("GPU-1", "temperature", "slowdown", None) == []
     assert tracker.observe("GPU-1", "temperature", "slowdown", None) == []
-    assert states(tracker) == {"GPU-1": DEGRADED}
+    assert states(tracker) == {"GPU-1": Health.DEGRADED}
     (change,) = tracker.observe("GPU-1", "temperature", "slowdown", None)
-    assert (change.previous, change.state, change.reasons) == (DEGRADED, HEALTHY, ())
+    assert (change.previous, change.state, change.reasons) == (Health.DEGRADED, Health.HEALTHY, ())
 
 
 def test_check_passes_must_be_consecutive(tracker):
@@ -225,20 +226,20 @@ def test_check_passes_must_be_consecutive(tracker):
     assert tracker.observe("GPU-1", "temperature", "slowdown", HOT) == []
     tracker.observe("GPU-1", "temperature", "slowdown", None)
     tracker.observe("GPU-1", "temperature", "slowdown", None)
-    assert states(tracker) == {"GPU-1": DEGRADED}
+    assert states(tracker) == {"GPU-1": Health.DEGRADED}
 
 
 def test_check_severity_rising_is_a_change(tracker):
     tracker.observe("GPU-1", "temperature", "slowdown", HOT)
     (change,) = tracker.observe("GPU-1", "temperature", "slowdown", ("unhealthy", "inspect-hardware", "near shutdown"))
-    assert (change.previous, change.state) == (DEGRADED, UNHEALTHY)
+    assert (change.previous, change.state) == (Health.DEGRADED, Health.UNHEALTHY)
 
 
 def test_check_passes_do_not_clear_xids(tracker):
     tracker.record_xid("GPU-1", xid_info(79), None, None)
     for _ in range(5):
         assert tracker.observe("GPU-1", "xid", "79", None) == []
-    assert states(tracker) == {"GPU-1": UNHEALTHY}
+    assert states(tracker) == {"GPU-1": Health.UNHEALTHY}
 
 
 def test_check_of_an_unknown_device_is_dropped_and_a_bad_severity_refused(tracker):
@@ -256,8 +257,8 @@ def test_reset_clears_what_a_reset_fixes(tracker):
     tracker.observe("MIG-0-2-0", "mps", "daemon", ("degraded", "restart-app", "MPS daemon down"))
     tracker.record_xid("GPU-1", xid_info(79), None, None)
     changes = tracker.record_reset("GPU-0")
-    assert {c.device: c.state for c in changes} == {"GPU-0": HEALTHY, "MIG-0-1-0": HEALTHY, "MIG-0-2-0": HEALTHY}
-    assert states(tracker) == {"GPU-1": UNHEALTHY}
+    assert {c.device: c.state for c in changes} == {"GPU-0": Health.HEALTHY, "MIG-0-1-0": Health.HEALTHY, "MIG-0-2-0": Health.HEALTHY}
+    assert states(tracker) == {"GPU-1": Health.UNHEALTHY}
 
 
 def test_reset_keeps_what_needs_a_hardware_inspection(tracker):
@@ -265,17 +266,17 @@ def test_reset_keeps_what_needs_a_hardware_inspection(tracker):
     assert tracker.device("GPU-1")["reasons"][0]["clears"] == "admin"
     assert tracker.record_reset("GPU-1") == []
     (change,) = tracker.clear("GPU-1")
-    assert change.state == HEALTHY
+    assert change.state == Health.HEALTHY
 
 
 def test_admin_clear_by_kind_and_of_a_gpu_with_its_mig_devices(tracker):
     tracker.record_xid("GPU-1", xid_info(64), None, None)
     tracker.observe("GPU-1", "temperature", "slowdown", HOT)
     (change,) = tracker.clear("GPU-1", "xid")
-    assert (change.state, [r.kind for r in change.reasons]) == (DEGRADED, ["temperature"])
+    assert (change.state, [r.kind for r in change.reasons]) == (Health.DEGRADED, ["temperature"])
     tracker.record_xid("GPU-0", xid_info(94), 1, 0)
     changes = tracker.clear("GPU-0")
-    assert [(c.device, c.state) for c in changes] == [("MIG-0-1-0", HEALTHY)]
+    assert [(c.device, c.state) for c in changes] == [("MIG-0-1-0", Health.HEALTHY)]
     with pytest.raises(KeyError):
         tracker.clear("GPU-9")
 
@@ -285,7 +286,7 @@ def test_lost_gpu_cleared_by_hand_comes_back_while_still_lost(tracker):
     tracker.set_inventory(lost)
     tracker.clear("GPU-1")
     (change,) = tracker.set_inventory(lost)
-    assert (change.device, change.state) == ("GPU-1", UNHEALTHY)
+    assert (change.device, change.state) == ("GPU-1", Health.UNHEALTHY)
 
 
 # -- views -----------------------------------------------------------------------------------
@@ -295,18 +296,18 @@ def test_view_document(tracker):
     tracker.record_xid("GPU-0", xid_info(94), 2, 0)
     tracker.observe("GPU-2", "temperature", "slowdown", HOT)
     view = tracker.view(NODE)
-    assert view["status"] == UNHEALTHY
+    assert view["status"] == Health.UNHEALTHY
     assert [(g["index"], g["uuid"], g["state"]) for g in view["gpus"]] == [
-        (0, "GPU-0", HEALTHY), (1, "GPU-1", HEALTHY), (2, "GPU-2", DEGRADED)]
+        (0, "GPU-0", Health.HEALTHY), (1, "GPU-1", Health.HEALTHY), (2, "GPU-2", Health.DEGRADED)]
     assert [(m["uuid"], m["profile"], m["gi_id"], m["ci_id"], m["state"]) for m in view["gpus"][0]["mig_devices"]] == [
-        ("MIG-0-1-0", "1g.10gb", 1, 0, HEALTHY), ("MIG-0-2-0", "1g.10gb", 2, 0, UNHEALTHY)]
+        ("MIG-0-1-0", "1g.10gb", 1, 0, Health.HEALTHY), ("MIG-0-2-0", "1g.10gb", 2, 0, Health.UNHEALTHY)]
     reason = view["gpus"][0]["mig_devices"][1]["reasons"][0]
-    assert reason == {"kind": "xid", "code": "94", "message": "XID 94: contained memory error", "severity": UNHEALTHY,
+    assert reason == {"kind": "xid", "code": "94", "message": "XID 94: contained memory error", "severity": Health.UNHEALTHY,
                       "action": "restart-app", "first_seen": 1000.0, "last_seen": 1000.0, "count": 1,
                       "clears": "reset"}
 
 
 def test_view_of_a_healthy_node(tracker):
-    assert tracker.view(NODE)["status"] == HEALTHY
-    assert HealthTracker().view(inventory()) == {"status": HEALTHY, "node": {"state": HEALTHY, "reasons": []}, "gpus": [],
+    assert tracker.view(NODE)["status"] == Health.HEALTHY
+    assert HealthTracker().view(inventory()) == {"status": Health.HEALTHY, "node": {"state": Health.HEALTHY, "reasons": []}, "gpus": [],
                                                  "subjects": []}

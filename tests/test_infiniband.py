@@ -12,7 +12,8 @@ import pytest
 from helpers import IN_CI
 
 from gpud.api.metrics import MetricsRoute
-from gpud.health.infiniband import IbHealth, IbPort, families, peermem_problem, read_ports
+from gpud.health.collectors.infiniband import collect as families
+from gpud.health.infiniband import IbHealth, IbPort, peermem_problem, read_ports
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "infiniband"
 CLASS = Path("class") / "infiniband"  # under a sysfs root

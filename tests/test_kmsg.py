@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, until
 
-from gpud.health.kmsg import KernelLogFollower, KernelXid, parse_record, parse_xid
+from gpud.health.kmsg import KernelLogFollower
+from gpud.health.kmsg_records import KernelXid, parse_record, parse_xid
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
 

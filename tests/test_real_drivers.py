@@ -119,7 +119,7 @@ async def test_nvml_that_does_not_come_back_fails_waiting_calls_and_is_retried(t
 async def test_release_stops_the_event_thread_and_registers_every_gpu_again(short_tmp):
     node = await start_daemon(mig_config(short_tmp, "dgx-a100"))
     try:
-        listener = node.daemon.health._listener
+        listener = node.daemon.health.events._listener
         until(lambda: len(listener.registered) == 8, what="8 GPUs registered")
         sim = node.daemon.session.nvml
         sim.sim_set_gpu_lost(3)
@@ -580,7 +580,9 @@ async def test_links_seen_up_are_remembered_across_restarts(short_tmp):
         await first.check_once()
         second = HealthService(node.daemon.session, node.daemon.inventory, EventBus(), load_catalog(),
                                nvlinks_path=path)
-        assert second.nvlinks_ever_up == first.nvlinks_ever_up and len(next(iter(first.nvlinks_ever_up.values()))) == 12
+        second.load()
+        seen = first.gpu_checks.nvlinks_ever_up
+        assert second.gpu_checks.nvlinks_ever_up == seen and len(next(iter(seen.values()))) == 12
     finally:
         await stop_daemon(node)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO, GpudProcess, Lines, mig_config, running_daemons, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
-from gpud.health.service import SAVE_DELAY_S
+from gpud.health.persistence import SAVE_DELAY_S
 
 
 def first_events(gpud: GpudProcess, query: str, count: int) -> list[dict]:

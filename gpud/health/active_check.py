@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from gpud.errors import GpudError
-from gpud.health.diag import DiagStore, diag_problems, find_dcgmi, run_diag
+from gpud.health.diag import DiagRun, find_dcgmi, run_diag
+from gpud.health.diag_verdicts import diag_problems
 from gpud.health.service import HealthService
 from gpud.logs import get_logger
 from gpud.nvml.reset import compute_pids
+from gpud.persist import read_json, write_json_atomic
 
 log = get_logger("health")
 KIND = "diag"  # the health reasons a run leaves, one per GPU it found wrong
@@ -59,3 +62,29 @@ class ActiveCheck:
 
     def last(self) -> dict | None:
         return self.store.last()
+
+
+class DiagStore:
+    """The last run's document, one JSON file written atomically."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def save(self, run: DiagRun) -> None:
+        write_json_atomic(self.path, run.as_dict())
+
+    def last(self) -> dict | None:
+        document, corrupt = read_json(self.path, _checked_document)
+        if corrupt is not None:  # read_json logged it and kept it aside as <name>.corrupt
+            return None
+        return document
+
+
+def _checked_document(document: Any) -> dict:
+    if not isinstance(document, dict):
+        raise TypeError(f"a JSON {type(document).__name__}, not a check's document")
+    missing = sorted({"level", "command", "outcome", "tests", "exit_code", "started_at", "finished_at",
+                      "error", "output"} - set(document))
+    if missing:
+        raise KeyError(f"the check's document lacks {', '.join(missing)}")
+    return document

@@ -13,10 +13,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpud.health.states import Action, Named
 from gpud.yamlfile import at_line, load_yaml
 
-SEVERITIES = ("fatal", "critical", "warning", "info")
-ACTIONS = ("none", "restart-app", "reset-gpu", "reboot", "inspect-hardware")
+
+class Severity(Named):
+    FATAL = "fatal"
+    CRITICAL = "critical"
+    WARNING = "warning"
+    INFO = "info"
+
+
+SEVERITIES = tuple(Severity)
+ACTIONS = tuple(action for action in Action if action is not Action.FIX_SERVICE)  # a node reason's, no XID's
 UNKNOWN_NAME = "unknown XID"
 _REQUIRED_FIELDS = {"name", "severity", "action"}
 _FIELDS = _REQUIRED_FIELDS | {"application"}
@@ -32,7 +41,7 @@ class XidEntry:
 
     xid: int
     name: str
-    severity: str  # one of SEVERITIES
+    severity: str  # a Severity
     action: str  # one of ACTIONS
     application: bool  # normally caused by an application, not the GPU
 
@@ -59,12 +68,13 @@ class XidCatalog:
     def info(self, xid: int) -> XidInfo:
         """What the XID is and whether it counts, with the config's overrides applied: all that a
         reported XID needs, in one lookup."""
-        known = self._table.get(xid) or XidEntry(xid, UNKNOWN_NAME, "critical", "reset-gpu", application=False)
+        known = self._table.get(xid) or XidEntry(xid, UNKNOWN_NAME, Severity.CRITICAL, Action.RESET_GPU,
+                                                 application=False)
         forced, application = xid in self._forced, xid in self._application
         severity = known.severity
-        if forced and severity in ("warning", "info"):
-            severity = "critical"  # forced XIDs make the device unhealthy, not merely degraded
-        affects_health = forced or (xid not in self._ignored and not application and known.severity != "info")
+        if forced and severity in (Severity.WARNING, Severity.INFO):
+            severity = Severity.CRITICAL  # forced XIDs make the device unhealthy, not merely degraded
+        affects_health = forced or (xid not in self._ignored and not application and known.severity != Severity.INFO)
         return XidInfo(xid, known.name, severity, known.action, application, affects_health)
 
 

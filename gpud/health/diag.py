@@ -1,5 +1,6 @@
-"""The active check: DCGM's diagnostic (`dcgmi diag -r 1|2 -j`), run on demand, read back into per-GPU
-findings for health, and kept for `gpud check --last`.
+"""The active check: DCGM's diagnostic (`dcgmi diag -r 1|2 -j`), run on demand and read back into per-test
+results (gpud.health.diag_verdicts says what they mean for each GPU, gpud.health.active_check keeps the
+last run for `gpud check --last`).
 
 What dcgmi prints and how it exits is DCGM 4's (NVIDIA/DCGM on GitHub), read from its source:
 - dcgmi/Diag.cpp, Diag::HelperJsonBuildOutput and HelperJsonAddResult: the JSON document, whose names are
@@ -25,12 +26,9 @@ import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
-from gpud.health.tracker import ACTION_RANK
 from gpud.logs import get_logger
-from gpud.persist import read_json, write_json_atomic
 
 log = get_logger("diag")
 
@@ -60,14 +58,6 @@ FAILED_EXITS = (226, 205)
 
 # dcgm_errors.h dcgmErrorSeverity_t
 SEVERITY_MONITOR, SEVERITY_ISOLATE, SEVERITY_CONFIG, SEVERITY_RESET = 1, 2, 5, 6
-# dcgm_errors.h dcgmErrorCategory_t: 9..15 are DCGM_FR_EC_HARDWARE_* (thermal, memory, NVLink, NVSwitch, PCIe,
-# power, other); 3..8 DCGM_FR_EC_SOFTWARE_*
-HARDWARE_CATEGORIES = range(9, 16)
-# nvvs/include/PluginStrings.h: the plugins whose failures are of the GPU itself, not of the node's software
-HARDWARE_TESTS = {"memory", "pcie", "diagnostic", "pulse_test", "memtest", "memory_bandwidth", "targeted_stress",
-                  "targeted_power", "sm_stress", "eud", "nvbandwidth"}
-
-
 @dataclass(frozen=True)
 class DiagTest:
     name: str              # DCGM's test (plugin) name: "software", "pcie", "memory", ...
@@ -292,69 +282,3 @@ def _severity_rank(severity: Any) -> int:
 def _sanitized(message: str) -> str:
     """dcgmi's Sanitize (Diag.cpp): what precedes '***' is dropped, and the ends trimmed."""
     return message.split("***", 1)[1].strip() if "***" in message else message.strip()
-
-
-def _verdict(test: DiagTest) -> tuple[str, str] | None:
-    """(severity, action) for one test result; None when it says nothing is wrong."""
-    if test.result in ("pass", "skip"):
-        return None
-    hardware = test.name.split(" ")[0] in HARDWARE_TESTS or test.category in HARDWARE_CATEGORIES
-    if test.result == "warn" or test.severity in (SEVERITY_MONITOR, SEVERITY_CONFIG):
-        return "degraded", "none"
-    if test.severity == SEVERITY_RESET:  # DCGM_ERROR_RESET: "Drain and reset GPU"
-        return "unhealthy", "reset-gpu"
-    # DCGM_ERROR_ISOLATE ("GPU should be isolated"), TRIAGE, or no severity: hardware is looked at; a failed
-    # software (Deployment) test is the node's configuration, which no GPU action fixes
-    return "unhealthy", "inspect-hardware" if hardware else "none"
-
-
-def diag_problems(run: DiagRun) -> dict[int, tuple[str, str, str] | None]:
-    """Per GPU index the run has a verdict on: (severity, action, message) for its worst failed or warned
-    test, None when its tests passed. A failure of no one GPU (a test's summary) is every GPU's of the run.
-    A run that could not run or be read has no verdict on any GPU: {}."""
-    if run.outcome in ("error", "unavailable"):
-        return {}
-    gpus = sorted({test.gpu_index for test in run.tests if test.gpu_index is not None})
-    problems: dict[int, tuple[str, str, str] | None] = {gpu: None for gpu in gpus}
-    for test in run.tests:
-        verdict = _verdict(test)
-        if verdict is None:
-            continue
-        message = f"DCGM diag -r {run.level}: test {test.name} {'warned' if verdict[0] == 'degraded' else 'failed'}" \
-                  + (f": {test.info}" if test.info else "")
-        for gpu in ([test.gpu_index] if test.gpu_index is not None else gpus):
-            problems[gpu] = _worse(problems.get(gpu), (*verdict, message))
-    return problems
-
-
-def _worse(old: tuple[str, str, str] | None, new: tuple[str, str, str]) -> tuple[str, str, str]:
-    if old is None:
-        return new
-    rank = lambda p: ((p[0] == "unhealthy"), ACTION_RANK.index(p[1]))  # noqa: E731
-    return new if rank(new) > rank(old) else old
-
-
-class DiagStore:
-    """The last run's document, one JSON file written atomically."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def save(self, run: DiagRun) -> None:
-        write_json_atomic(self.path, run.as_dict())
-
-    def last(self) -> dict | None:
-        document, corrupt = read_json(self.path, _checked_document)
-        if corrupt is not None:  # read_json logged it and kept it aside as <name>.corrupt
-            return None
-        return document
-
-
-def _checked_document(document: Any) -> dict:
-    if not isinstance(document, dict):
-        raise TypeError(f"a JSON {type(document).__name__}, not a check's document")
-    missing = sorted({"level", "command", "outcome", "tests", "exit_code", "started_at", "finished_at",
-                      "error", "output"} - set(document))
-    if missing:
-        raise KeyError(f"the check's document lacks {', '.join(missing)}")
-    return document

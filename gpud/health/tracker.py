@@ -17,82 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
-from gpud.health.catalog import XidInfo
+from gpud.health.catalog import Severity, XidInfo
+from gpud.health.driver_actions import REBOOT_ACTIONS, driver_action_reason
+from gpud.health.reasons import Change, Key, Reason, TrackedDevice, suggested_action, worst
+from gpud.health.states import Action, Clears, Health
 from gpud.inventory import Gpu, Inventory
 
-HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
-_RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
 # Reasons others re-derive after a restart, so they are not persisted: the inventory says again which
 # GPUs are lost, the MPS manager which daemons are down.
 REDERIVED_KINDS = ("lost", "mps")
 NODE = "node"  # the subject of node-level reasons
-# The driver's recovery actions (nvml.h nvmlDeviceGetFieldValues NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
-# NVML_GPU_RECOVERY_ACTION_*) by value, as gpud names them; "none": nothing needed.
-DRIVER_ACTIONS = {0: "none", 1: "gpu-reset", 2: "node-reboot", 3: "drain-p2p", 4: "drain-and-reset",
-                  5: "recover-imex-domain", 6: "bus-reset", 7: "system-reboot"}
-# What each asks of the operator: (severity, gpud's action, message). NVIDIA's "Error Recovery and
-# Response Flags" (reference health.md §D): drain P2P is the driver recovering by itself once peer
-# traffic stops; the others need the reset or reboot they name.
-_DRIVER_ACTION_REASONS = {
-    "gpu-reset": (UNHEALTHY, "reset-gpu", "the driver asks for a GPU reset"),
-    "bus-reset": (UNHEALTHY, "reset-gpu", "the driver asks for a bus reset of the GPU"),
-    "drain-and-reset": (UNHEALTHY, "reset-gpu", "the driver asks for the GPU to be drained of work, then reset"),
-    "node-reboot": (UNHEALTHY, "reboot", "the driver asks for a node reboot"),
-    "system-reboot": (UNHEALTHY, "reboot", "the driver asks for a system reboot"),
-    "drain-p2p": (DEGRADED, "restart-app", "the driver asks for peer-to-peer traffic to drain: stop the work "
-                                            "using P2P/NVLink on this GPU; the driver recovers once it stops"),
-    "recover-imex-domain": (UNHEALTHY, "restart-app", "the driver asks for the IMEX domain to be recovered "
-                                                      "(restart nvidia-imex across the domain)"),
-}
-_REBOOT_ACTIONS = ("node-reboot", "system-reboot")
 ESCALATION = "repeated-reboot"  # the recovery-action reason of a GPU a reboot does not fix
-
-Key = tuple[str, str]  # (kind, code)
-
-
-@dataclass(frozen=True)
-class Reason:
-    kind: str  # "xid" | "ecc" | "temperature" | "remapped-rows" | "lost" | "mps" | ...
-    code: str  # "79", "dbe", "pending", ...
-    message: str
-    severity: str  # DEGRADED | UNHEALTHY
-    action: str  # none | restart-app | reset-gpu | reboot | inspect-hardware
-    first_seen: float
-    last_seen: float
-    count: int
-    # "check": checks pass again; "reset": a GPU reset, the GPU back, or the driver saying it recovered;
-    # "driver": the driver's recovery action is none again; "admin": only a clear
-    clears: str
-
-
-@dataclass(frozen=True)
-class Change:
-    """One device's state transition, for the watch stream and the log."""
-
-    device: str  # UUID (GPU- or MIG-), or a subject's name ("node", "ib:mlx5_0/1")
-    gpu_index: int | None  # None for a subject
-    previous: str
-    state: str
-    reasons: tuple[Reason, ...]  # the device's effective reasons now
-    driver_action: str | None = None  # a GPU's recovery action as the driver says it now; None: not said
-
-
-@dataclass
-class _Device:
-    gpu_index: int | None  # None for a subject
-    parent: str | None = None  # the GPU's UUID, for a MIG device
-    gi_id: int | None = None
-    ci_id: int | None = None
-    reasons: dict[Key, Reason] = field(default_factory=dict)  # its own, not its GPU's
-    passes: dict[Key, int] = field(default_factory=dict)  # consecutive passing checks of a check's reason
-
-    def drop(self, matches: Callable[[Reason], bool]) -> None:
-        for key in [key for key, reason in self.reasons.items() if matches(reason)]:
-            del self.reasons[key]
-            self.passes.pop(key, None)
 
 
 class HealthTracker:
@@ -100,8 +38,8 @@ class HealthTracker:
                  reboot_escalation: tuple[int, float] = (3, 86400.0)):
         self._clear_after_passes = clear_after_passes
         self._clock = clock
-        self._devices: dict[str, _Device] = {}  # by UUID; each GPU followed by its MIG devices
-        self._subjects: dict[str, _Device] = {NODE: _Device(None)}  # by name: the node, InfiniBand ports
+        self._devices: dict[str, TrackedDevice] = {}  # by UUID; each GPU followed by its MIG devices
+        self._subjects: dict[str, TrackedDevice] = {NODE: TrackedDevice(None)}  # by name: the node, InfiniBand ports
         self._restored: dict[str, dict[Key, Reason]] = {}  # persisted reasons of devices not learned yet
         self._driver_actions: dict[str, str | None] = {}  # GPU UUID -> the driver's recovery action now
         self._driver_acted_at: dict[str, float] = {}  # GPU UUID -> when the driver last asked for an action
@@ -147,14 +85,14 @@ class HealthTracker:
         devices of it, only on those (None: attributed to no instance)."""
         if gpu_uuid not in self._devices or not info.affects_health:
             return []
-        severity = UNHEALTHY if info.severity in ("fatal", "critical") else DEGRADED
+        severity = Health.UNHEALTHY if info.severity in (Severity.FATAL, Severity.CRITICAL) else Health.DEGRADED
         # A reset cannot fix what needs a hardware inspection: only an administrator clears that.
-        clears = "admin" if info.action == "inspect-hardware" else "reset"
+        clears = Clears.ADMIN if info.action == Action.INSPECT_HARDWARE else Clears.RESET
         reason = self._reason("xid", str(info.xid), f"XID {info.xid}: {info.name}", severity, info.action, clears)
         before = self._summaries()
         for device in self._xid_targets(gpu_uuid, gi_id, ci_id):
-            self._raise(device, reason)
-        if info.action == "reboot":
+            device.add(reason)
+        if info.action == Action.REBOOT:
             self._needs_reboot(gpu_uuid)
         return self._changes_since(before)
 
@@ -172,18 +110,18 @@ class HealthTracker:
         self._driver_actions[gpu_uuid] = action
         if action != "none":
             self._driver_acted_at[gpu_uuid] = self._clock()
-            severity, gpud_action, message = _DRIVER_ACTION_REASONS.get(
-                action, (UNHEALTHY, "reset-gpu", f"the driver asks for recovery action {action!r}"))
+            severity, gpud_action, message = driver_action_reason(action)
             device.drop(lambda reason: reason.kind == "recovery-action" and reason.code not in (action, ESCALATION))
-            self._raise(device, self._reason("recovery-action", action, message, severity, gpud_action, "driver"))
-            if action in _REBOOT_ACTIONS:
+            device.add(self._reason("recovery-action", action, message, severity, gpud_action, Clears.DRIVER))
+            if action in REBOOT_ACTIONS:
                 self._needs_reboot(gpu_uuid)
         else:
             acted_at = self._driver_acted_at.get(gpu_uuid)
             for uuid, member in self._family(gpu_uuid):
-                member.drop(lambda reason: reason.clears == "driver" or (reason.kind == "xid" and reason.clears == "reset"
-                            and ((acted_at is not None and reason.last_seen <= acted_at)
-                                 or (uuid, (reason.kind, reason.code)) in self._from_earlier_boot)))
+                member.drop(lambda reason: reason.clears == Clears.DRIVER or (
+                    reason.kind == "xid" and reason.clears == Clears.RESET
+                    and ((acted_at is not None and reason.last_seen <= acted_at)
+                         or (uuid, (reason.kind, reason.code)) in self._from_earlier_boot)))
         return self._changes_since(before)
 
     def _needs_reboot(self, gpu_uuid: str) -> None:
@@ -198,8 +136,8 @@ class HealthTracker:
             hours = self._escalation_window_s / 3600
             message = (f"needed a node reboot in {len(boots)} boots within {hours:g} h: a reboot does not fix it, "
                        "inspect the hardware")
-            self._raise(self._devices[gpu_uuid], self._reason("recovery-action", ESCALATION, message, UNHEALTHY,
-                                                              "inspect-hardware", "admin"))
+            self._devices[gpu_uuid].add(self._reason("recovery-action", ESCALATION, message, Health.UNHEALTHY,
+                                                     Action.INSPECT_HARDWARE, Clears.ADMIN))
 
     def set_subjects(self, prefix: str, names: Iterable[str]) -> list[Change]:
         """The subjects whose names start with prefix are these now (InfiniBand ports come and go)."""
@@ -208,7 +146,7 @@ class HealthTracker:
         for name in [name for name in self._subjects if name.startswith(prefix) and name not in names]:
             del self._subjects[name]
         for name in names:
-            self._subjects.setdefault(name, _Device(None))
+            self._subjects.setdefault(name, TrackedDevice(None))
         return self._changes_since(before)
 
     def observe(self, device_uuid: str, kind: str, code: str,
@@ -221,17 +159,18 @@ class HealthTracker:
             return []  # a device gone since the check read it (a MIG device destroyed meanwhile)
         before = self._summaries()
         if problem is None:
-            self._count_pass(device, (kind, code))
+            device.count_pass((kind, code), self._clear_after_passes)
         else:
             severity, action, message = problem
-            if severity not in (DEGRADED, UNHEALTHY):
-                raise ValueError(f"a problem's severity must be {DEGRADED!r} or {UNHEALTHY!r}, not {severity!r}")
-            self._raise(device, self._reason(kind, code, message, severity, action, "check"))
+            if severity not in (Health.DEGRADED, Health.UNHEALTHY):
+                raise ValueError(f"a problem's severity must be {Health.DEGRADED.value!r} or "
+                                 f"{Health.UNHEALTHY.value!r}, not {severity!r}")
+            device.add(self._reason(kind, code, message, severity, action, Clears.CHECK))
         return self._changes_since(before)
 
     def record_reset(self, gpu_uuid: str) -> list[Change]:
         """The GPU was reset: what a reset fixes goes, on the GPU and its MIG devices."""
-        return self._drop_in_family(gpu_uuid, lambda reason: reason.clears in ("reset", "check"))
+        return self._drop_in_family(gpu_uuid, lambda reason: reason.clears in (Clears.RESET, Clears.CHECK))
 
     def clear(self, device_uuid: str, kind: str | None = None) -> list[Change]:
         """An administrator's clear of a device's reasons (of one kind, or all); a GPU's takes its MIG
@@ -250,7 +189,7 @@ class HealthTracker:
         gpus = [self._gpu_view(gpu) for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index)]
         node, subjects = self.subjects_view()
         states = [entry["state"] for gpu in gpus for entry in (gpu, *gpu["mig_devices"])]
-        return {"status": _worst([*states, node["state"], *(subject["state"] for subject in subjects)]),
+        return {"status": worst([*states, node["state"], *(subject["state"] for subject in subjects)]),
                 "node": node, "gpus": gpus, "subjects": subjects}
 
     def gpu_states(self) -> dict[str, str]:
@@ -275,42 +214,42 @@ class HealthTracker:
         mig_devices = [{"uuid": mig.uuid, "profile": mig.profile, "gi_id": mig.gi_id, "ci_id": mig.ci_id,
                         **self._health_view(mig.uuid)} for mig in gpu.mig.devices]
         view = self._health_view(gpu.uuid)
-        return {"index": gpu.index, "uuid": gpu.uuid, **view, "suggested_action": _suggested(view["reasons"]),
+        return {"index": gpu.index, "uuid": gpu.uuid, **view, "suggested_action": suggested_action(view["reasons"]),
                 "driver_action": self._driver_actions.get(gpu.uuid), "mig_devices": mig_devices}
 
     def _health_view(self, uuid: str) -> dict:
         """State and reasons; a device not learned yet has nothing recorded against it."""
         return self._health_view_of(self._devices.get(uuid))
 
-    def _health_view_of(self, device: _Device | None) -> dict:
-        state, reasons = self._effective(device) if device else (HEALTHY, ())
+    def _health_view_of(self, device: TrackedDevice | None) -> dict:
+        state, reasons = self._effective(device) if device else (Health.HEALTHY, ())
         return {"state": state, "reasons": [asdict(reason) for reason in reasons]}
 
     # -- devices -----------------------------------------------------------------------------
 
-    def _learn(self, inventory: Inventory) -> dict[str, _Device]:
+    def _learn(self, inventory: Inventory) -> dict[str, TrackedDevice]:
         devices = {}
         for gpu in sorted(inventory.gpus, key=lambda gpu: gpu.index):
-            devices[gpu.uuid] = self._adopt(gpu.uuid, _Device(gpu.index))
+            devices[gpu.uuid] = self._adopt(gpu.uuid, TrackedDevice(gpu.index))
             for mig in gpu.mig.devices:
-                devices[mig.uuid] = self._adopt(mig.uuid, _Device(gpu.index, gpu.uuid, mig.gi_id, mig.ci_id))
+                devices[mig.uuid] = self._adopt(mig.uuid, TrackedDevice(gpu.index, gpu.uuid, mig.gi_id, mig.ci_id))
         return devices
 
-    def _adopt(self, uuid: str, placed: _Device) -> _Device:
+    def _adopt(self, uuid: str, placed: TrackedDevice) -> TrackedDevice:
         """The device as the inventory places it now, with what is known of it already."""
         known = self._devices.get(uuid)
         if known:
             return replace(placed, reasons=known.reasons, passes=known.passes)
         return replace(placed, reasons=self._restored.pop(uuid, {}))
 
-    def _update_lost(self, device: _Device, gpu: Gpu) -> None:
+    def _update_lost(self, device: TrackedDevice, gpu: Gpu) -> None:
         if gpu.lost:
             message = f"{LOST_MESSAGE} (the driver answers: {gpu.error})" if gpu.error else LOST_MESSAGE
-            self._raise(device, self._reason("lost", "gpu-lost", message, UNHEALTHY, "reboot", "reset"))
+            device.add(self._reason("lost", "gpu-lost", message, Health.UNHEALTHY, Action.REBOOT, Clears.RESET))
         else:
             device.drop(lambda reason: reason.kind == "lost")
 
-    def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[_Device]:
+    def _xid_targets(self, gpu_uuid: str, gi_id: int | None, ci_id: int | None) -> list[TrackedDevice]:
         """The MIG devices the ids name (a GPU-instance id alone names all its compute instances);
         the whole GPU when they name none."""
         if gi_id is not None:
@@ -320,7 +259,7 @@ class HealthTracker:
                 return named
         return [self._devices[gpu_uuid]]
 
-    def _children(self, gpu_uuid: str) -> list[_Device]:
+    def _children(self, gpu_uuid: str) -> list[TrackedDevice]:
         return [device for device in self._devices.values() if device.parent == gpu_uuid]
 
     def _drop_in_family(self, uuid: str, matches: Callable[[Reason], bool]) -> list[Change]:
@@ -330,7 +269,7 @@ class HealthTracker:
             device.drop(matches)
         return self._changes_since(before)
 
-    def _family(self, uuid: str) -> list[tuple[str, _Device]]:
+    def _family(self, uuid: str) -> list[tuple[str, TrackedDevice]]:
         """The device (KeyError for one gpud does not know) and its MIG devices, with their UUIDs."""
         device = self._devices.get(uuid) or self._subjects[uuid]
         return [(uuid, device), *((child, member) for child, member in self._devices.items() if member.parent == uuid)]
@@ -341,35 +280,20 @@ class HealthTracker:
         now = self._clock()
         return Reason(kind, code, message, severity, action, first_seen=now, last_seen=now, count=1, clears=clears)
 
-    def _raise(self, device: _Device, reason: Reason) -> None:
-        """Adds the reason, or refreshes the one already there (keeping when it was first seen)."""
-        key = (reason.kind, reason.code)
-        known = device.reasons.get(key)
-        device.reasons[key] = replace(reason, first_seen=known.first_seen, count=known.count + 1) if known else reason
-        device.passes.pop(key, None)  # passes must be consecutive
-
-    def _count_pass(self, device: _Device, key: Key) -> None:
-        reason = device.reasons.get(key)
-        if reason is None or reason.clears != "check":
-            return
-        device.passes[key] = device.passes.get(key, 0) + 1
-        if device.passes[key] >= self._clear_after_passes:
-            device.drop(lambda candidate: (candidate.kind, candidate.code) == key)
-
     # -- states and changes ------------------------------------------------------------------
 
-    def _effective(self, device: _Device) -> tuple[str, tuple[Reason, ...]]:
+    def _effective(self, device: TrackedDevice) -> tuple[str, tuple[Reason, ...]]:
         inherited = tuple(self._devices[device.parent].reasons.values()) if device.parent else ()
         reasons = inherited + tuple(device.reasons.values())
-        return _worst(reason.severity for reason in reasons), reasons
+        return worst(reason.severity for reason in reasons), reasons
 
-    def _all(self) -> Iterable[tuple[str, _Device]]:
+    def _all(self) -> Iterable[tuple[str, TrackedDevice]]:
         return (*self._devices.items(), *self._subjects.items())
 
     def _summaries(self) -> dict[str, tuple]:
         return {uuid: self._summary(uuid, device) for uuid, device in self._all()}
 
-    def _summary(self, uuid: str, device: _Device) -> tuple:
+    def _summary(self, uuid: str, device: TrackedDevice) -> tuple:
         state, reasons = self._effective(device)
         return state, frozenset((reason.kind, reason.code) for reason in reasons), self._driver_actions.get(uuid)
 
@@ -377,39 +301,9 @@ class HealthTracker:
         changes = []
         for uuid, device in self._all():
             summary = self._summary(uuid, device)
-            previous = before.get(uuid, (HEALTHY, frozenset(), None))  # a device just learned starts healthy
+            previous = before.get(uuid, (Health.HEALTHY, frozenset(), None))  # a device just learned starts healthy
             if summary != previous:
                 state, reasons = self._effective(device)
                 changes.append(Change(uuid, device.gpu_index, previous[0], state, reasons, summary[2]))
         return changes
 
-
-def parse_reasons(document: dict[str, list[dict]]) -> dict[str, dict[Key, Reason]]:
-    """What export() wrote. TypeError or ValueError for a document of another shape."""
-    parsed = {}
-    for uuid, reasons in document.items():
-        if not isinstance(uuid, str) or not isinstance(reasons, list):
-            raise TypeError(f"device {uuid!r}: a list of reasons expected")
-        parsed[uuid] = {(reason.kind, reason.code): reason for reason in map(_reason_from, reasons)}
-    return parsed
-
-
-def _reason_from(fields: dict) -> Reason:
-    reason = Reason(**fields)  # TypeError for missing or unknown fields
-    if reason.severity not in (DEGRADED, UNHEALTHY) or not isinstance(reason.count, int):
-        raise ValueError(f"not a persisted reason: {fields!r}")
-    return reason
-
-
-# What a reason asks of an operator, weakest first: "fix-service" is a host service to start or install
-# (a node reason's), the rest as the XID catalog's actions.
-ACTION_RANK = ("none", "restart-app", "fix-service", "reset-gpu", "reboot", "inspect-hardware")
-
-
-def _suggested(reasons: list[dict]) -> str:
-    """gpud's suggested action for a device: the strongest its reasons ask for."""
-    return max((reason["action"] for reason in reasons), key=ACTION_RANK.index, default="none")
-
-
-def _worst(states: Iterable[str]) -> str:
-    return max(states, key=_RANK.__getitem__, default=HEALTHY)

@@ -1,0 +1,88 @@
+"""health.auto_reset: a GPU whose driver asks for a reset is reset when nothing holds it, one GPU at a
+time and at most health.auto_reset_max_per_hour times an hour (the times persisted, so the limit holds
+across restarts). Each attempt's result is logged, counted and on the watch stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+from gpud.config import HealthConfig
+from gpud.events import EventBus
+from gpud.health.driver_actions import RESET_ACTIONS
+from gpud.health.states import Named
+from gpud.health.tracker import HealthTracker
+from gpud.inventory import Gpu, Inventory
+from gpud.logs import get_logger
+
+log = get_logger("health")
+
+
+class AutoResetResult(Named):
+    DONE = "done"
+    REFUSED = "refused"  # something holds the GPU (ResetBlocked) or a reset is under way (ResetBusy)
+    FAILED = "failed"
+    RATE_LIMITED = "rate-limited"
+
+
+class AutoReset:
+    def __init__(self, tracker: HealthTracker, bus: EventBus, settings: HealthConfig,
+                 reset_gpu: Callable[[int, str], Awaitable[object]] | None, attempted: Callable[[], None]):
+        self._tracker = tracker
+        self.bus = bus
+        self.settings = settings
+        self.reset_gpu = reset_gpu
+        self._attempted = attempted  # told when an attempt is added to `attempts` (to save them)
+        self.attempts: list[float] = []  # when gpud reset a GPU by itself
+        self.results: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        self._last_said: tuple[str, str] | None = None
+
+    def consider(self, inventory: Inventory) -> None:
+        """One GPU at a time: the first whose driver asks for a reset, within the hourly limit."""
+        if self.reset_gpu is None or (self._task and not self._task.done()):
+            return
+        wanting = [gpu for gpu in inventory.gpus if not gpu.lost
+                   and self._tracker.driver_action(gpu.uuid) in RESET_ACTIONS]
+        if not wanting:
+            return
+        gpu = wanting[0]
+        now = time.time()
+        self.attempts = [when for when in self.attempts if now - when < 3600]
+        if len(self.attempts) >= self.settings.auto_reset_max_per_hour:
+            self._said(gpu, AutoResetResult.RATE_LIMITED, f"{len(self.attempts)} automatic resets in the last hour "
+                                                          f"already (health.auto_reset_max_per_hour): reset it by hand",
+                       once=True)
+            return
+        self.attempts.append(now)
+        self._attempted()
+        self._task = asyncio.ensure_future(self._reset(gpu))
+
+    def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def _reset(self, gpu: Gpu) -> None:
+        action = self._tracker.driver_action(gpu.uuid)
+        log.warning("gpu_auto_reset", gpu=gpu.index, uuid=gpu.uuid, driver_action=action,
+                    why="health.auto_reset: the driver asks for a GPU reset")
+        try:
+            await self.reset_gpu(gpu.index, f"the driver asks for a GPU reset ({action}): health.auto_reset")
+        except Exception as exc:  # ResetBlocked (held, processes), ResetBusy, ResetFailed, NVML down
+            blocked = type(exc).__name__ in ("ResetBlocked", "ResetBusy")
+            self._said(gpu, AutoResetResult.REFUSED if blocked else AutoResetResult.FAILED, str(exc))
+            return
+        self._said(gpu, AutoResetResult.DONE, "the GPU was reset")
+
+    def _said(self, gpu: Gpu, result: AutoResetResult, message: str, once: bool = False) -> None:
+        """Logged, counted and on the watch stream; `once`: only when it differs from the last said."""
+        said = (gpu.uuid, result)
+        if once and self._last_said == said:
+            return
+        self._last_said = said
+        self.results[result] = self.results.get(result, 0) + 1
+        (log.warning if result is AutoResetResult.DONE else log.error)(
+            "gpu_auto_reset_result", gpu=gpu.index, uuid=gpu.uuid, result=result, message=message)
+        self.bus.publish("health", {"device": gpu.uuid, "gpu_index": gpu.index, "auto_reset": result,
+                                    "message": message, "cause": "health.auto_reset"})
