@@ -138,7 +138,7 @@ class Daemon:
                                  around_gpu_change=around_gpu_change, notify=self.bus.publish,
                                  default_layout=config.mig.default_layout,
                                  layouts=LayoutsFile(Path(config.mig.layouts_file)))
-        self.health.use_resetter(self.mig.reset_gpus)
+        self.health.use_resetter(self.mig.reset_gpu)
         # the processes are the host's even on a simulated node: their cgroups too, unless sysfs is set
         sysfs = config.host.sysfs or config.sysfs
         cgroupfs = Path(sysfs) / "fs" / "cgroup" if sysfs else CGROUPFS

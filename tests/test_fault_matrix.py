@@ -37,8 +37,7 @@ def raised(caplog):
 
 def node_tasks_alive(daemon: Daemon) -> bool:
     """gpud's background work (the node task, health checks, MPS supervision) has not died of an error."""
-    return all(not task.done() or task.cancelled() or task.exception() is None
-               for task in [daemon._node_task, *daemon._background])
+    return daemon.lifecycle.tasks.crashed == {}
 
 
 async def raw_get(running, path: str):

@@ -307,6 +307,10 @@ class MigReconciler(Component):
         finally:
             self._running = None
 
+    async def reset_gpu(self, index: int, why: str):
+        """health.auto_reset's reset of one GPU (and the peers it must be reset with)."""
+        return await self.reset_gpus([index], why=why)
+
     async def wait(self) -> ApplyStatus:
         task = getattr(self, "_task", None)
         if task is not None:
