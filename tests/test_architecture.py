@@ -97,15 +97,15 @@ def test_only_the_device_plugins_grpc_modules_import_grpc_and_protobuf():
     offenders = {name: sorted(m for m in imported if _in(m, "grpc") or _in(m, "google"))
                  for name, imported in graph.items() if name not in GRPC_MODULES}
     # the CLI's device-plugin command: `import grpc` in its check, before it imports the plugin
-    assert {name: found for name, found in offenders.items() if found} == {"gpud.cli": ["grpc"]}
+    assert {name: found for name, found in offenders.items() if found} == {"gpud.cli.kubernetes": ["grpc"]}
     reaching = {name: sorted(imported & GRPC_MODULES) for name, imported in graph.items() if name not in GRPC_MODULES}
     assert {name: found for name, found in reaching.items() if found} == {
-        "gpud.cli": ["gpud.device_plugin.plugin", "gpud.dra.plugin"]}
+        "gpud.cli.kubernetes": ["gpud.device_plugin.plugin", "gpud.dra.plugin"]}
 
 
 def test_the_daemon_and_the_cli_import_no_grpc():
     """What `gpud serve` imports (the daemon, the CLI and its parser), in a fresh interpreter."""
-    code = ("import sys; import gpud.daemon, gpud.cli, gpud.kubernetes.agent; gpud.cli.build_parser(); "
+    code = ("import sys; import gpud.daemon, gpud.cli.parser, gpud.kubernetes.agent; gpud.cli.parser.build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stdout + result.stderr
