@@ -120,7 +120,7 @@ mkdir -p "$share/man/man1" "$share/bash-completion/completions" "$share/zsh/vend
 host_tag=$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 # the staged gpud, not the checkout's (the working directory is the stage)
 cli_docs() {
-    (cd "$stage" && PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$lib/$host_tag:$lib/common" "$PYTHON" -s -m gpud.cli_docs "$@")
+    (cd "$stage" && PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$lib/$host_tag:$lib/common" "$PYTHON" -s -m gpud.cli.docs "$@")
 }
 cli_docs man - | gzip -9n > "$share/man/man1/gpud.1.gz"
 cli_docs bash "$share/bash-completion/completions/gpud"

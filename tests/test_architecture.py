@@ -99,15 +99,15 @@ def test_only_the_device_plugins_grpc_modules_import_grpc_and_protobuf():
     offenders = {name: sorted(m for m in imported if _in(m, "grpc") or _in(m, "google"))
                  for name, imported in graph.items() if name not in GRPC_MODULES}
     # the CLI's device-plugin command: `import grpc` in its check, before it imports the plugin
-    assert {name: found for name, found in offenders.items() if found} == {"gpud.cli": ["grpc"]}
+    assert {name: found for name, found in offenders.items() if found} == {"gpud.cli.kubernetes": ["grpc"]}
     reaching = {name: sorted(imported & GRPC_MODULES) for name, imported in graph.items() if name not in GRPC_MODULES}
     assert {name: found for name, found in reaching.items() if found} == {
-        "gpud.cli": ["gpud.device_plugin.plugin", "gpud.dra.plugin"]}
+        "gpud.cli.kubernetes": ["gpud.device_plugin.plugin", "gpud.dra.plugin"]}
 
 
 def test_the_daemon_and_the_cli_import_no_grpc():
     """What `gpud serve` imports (the daemon, the CLI and its parser), in a fresh interpreter."""
-    code = ("import sys; import gpud.daemon, gpud.cli, gpud.kubernetes.agent; gpud.cli.build_parser(); "
+    code = ("import sys; import gpud.daemon, gpud.cli.parser, gpud.kubernetes.agent; gpud.cli.parser.build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stdout + result.stderr
@@ -190,3 +190,32 @@ def test_each_health_collector_module_defines_one_collector():
                                             ("gpud.health.kmsg.KernelLogFollower", "gpud.health.sources.kernel_log")])
 def test_each_health_source_is_read_in_its_own_module(reader, source):
     assert {name for name, imported in _modules().items() if reader in imported} == {source}
+# the CLI package ---------------------------------------------------------------------------------
+
+CLI = PACKAGE / "cli"
+CLI_MODULE_MAX_LINES = 350
+# Outside gpud.cli, only these import it: the entry point, and `gpud slurm health`, whose exit codes 0 to 3
+# are every gpud command's (docs/slurm.md, "Exit codes").
+CLI_IMPORTERS = {"gpud.__main__": {"gpud.cli"}, "gpud.slurm.health": {"gpud.cli.output"}}
+
+
+def test_no_module_of_the_cli_is_longer_than_350_lines():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in CLI.glob("*.py")}
+    assert "parser.py" in lengths
+    assert {name: length for name, length in lengths.items() if length > CLI_MODULE_MAX_LINES} == {}
+
+
+def test_the_cli_package_is_imported_only_by_the_entry_point_and_slurm_health():
+    """The daemon, the plugins and the agent never load the command line; the docs generator is
+    imported by nothing (it runs as `python -m gpud.cli.docs`)."""
+    graph = _modules()
+    importers = {name: {m for m in imported if _in(m, "gpud.cli") and m in graph}
+                 for name, imported in graph.items() if not _in(name, "gpud.cli")}
+    assert {name: found for name, found in importers.items() if found} == CLI_IMPORTERS
+    assert [name for name, imported in graph.items() if "gpud.cli.docs" in imported] == []
+
+
+def test_no_top_level_module_is_named_cli_something():
+    """The command line lives in gpud/cli/, grouped by feature."""
+    assert sorted(path.name for path in PACKAGE.glob("cli_*.py")) == []
+    assert not (PACKAGE / "cli.py").exists() and (CLI / "__init__.py").is_file()

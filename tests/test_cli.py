@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from helpers import REPO, GpudProcess, Lines
 
-from gpud.cli import HEALTH_REASON_KINDS, build_parser, main
+from gpud.cli import main
+from gpud.cli.health import HEALTH_REASON_KINDS
+from gpud.cli.parser import build_parser
 from gpud.client import SOCKET_ENV, find_socket
 from gpud.nvml.sim.presets import PRESETS
 
@@ -566,7 +568,7 @@ def test_a_pipe_whose_reader_closed_is_noticed_without_a_write(reader_open):
     read_end, write_end = os.pipe()
     if not reader_open:
         os.close(read_end)
-    check = "import sys; from gpud.cli_output import stdout_reader_gone; sys.exit(3 if stdout_reader_gone() else 4)"
+    check = "import sys; from gpud.cli.output import stdout_reader_gone; sys.exit(3 if stdout_reader_gone() else 4)"
     try:
         result = subprocess.run([sys.executable, "-c", check], stdout=write_end, cwd=REPO, timeout=30)
     finally:
@@ -597,7 +599,7 @@ def test_watch_says_when_the_daemon_went_away(run_gpud, short_tmp):
 
 def _generated(kind: str, tmp_path: Path) -> Path:
     out = tmp_path / kind
-    result = subprocess.run([sys.executable, "-m", "gpud.cli_docs", kind, str(out)], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "gpud.cli.docs", kind, str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return out

@@ -21,7 +21,7 @@ import pynvml
 import pytest
 from helpers import IN_CI, REPO, Lines, real_nvml_library_present
 
-from gpud import doctor
+from gpud.cli import doctor_checks
 from gpud.nvml import smi
 from gpud.nvml.doctor_reads import MIB, GiProfile, GpuReading, NodeReading
 from gpud.nvml.sim import SimulatedNvml
@@ -126,7 +126,7 @@ def test_lgip_without_a_table_lists_nothing():
 def test_real_nvml_answers_agree_with_real_nvidia_smi():
     reading = probe_reading()
     report = smi.parse_query_xml(H100.joinpath("nvidia-smi-q.xml").read_text())
-    assert doctor.smi_mismatches(reading, report, smi.parse_lgip(captured_lgip())) == []
+    assert doctor_checks.smi_mismatches(reading, report, smi.parse_lgip(captured_lgip())) == []
 
 
 def test_a_changed_value_is_a_mismatch():
@@ -135,7 +135,7 @@ def test_a_changed_value_is_a_mismatch():
     shrunk = replace(gpu, memory_total_mib=gpu.memory_total_mib - 1,
                      gi_profiles=(replace(gpu.gi_profiles[0], memory_mib=10240, instances=6),) + gpu.gi_profiles[1:])
     report = smi.parse_query_xml(H100.joinpath("nvidia-smi-q.xml").read_text())
-    mismatches = doctor.smi_mismatches(replace(reading, gpus=(shrunk,)), report, smi.parse_lgip(captured_lgip()))
+    mismatches = doctor_checks.smi_mismatches(replace(reading, gpus=(shrunk,)), report, smi.parse_lgip(captured_lgip()))
     assert mismatches == ["GPU 0 memory total (MiB): NVML 81558, nvidia-smi 81559",
                           "GPU 0 profile 19 instances: NVML 6, nvidia-smi 7",
                           "GPU 0 profile 19 memory: NVML 10240 MiB, nvidia-smi 9.75 GiB"]
@@ -200,7 +200,7 @@ def fake_smi(short_tmp):
 
 def _doctor(*args: str, path: str = "/nonexistent", env: dict | None = None, user: list[str] | None = None):
     environment = {**os.environ, "PATH": path, **(env or {})}
-    result = subprocess.run([*(user or []), sys.executable, "-m", "gpud.doctor", *args], capture_output=True,
+    result = subprocess.run([*(user or []), sys.executable, "-m", "gpud.cli.doctor", *args], capture_output=True,
                             text=True, timeout=60, cwd=REPO, env=environment)
     return result
 
@@ -213,7 +213,7 @@ def test_doctor_makes_no_changing_call_and_leaves_the_state_untouched(tmp_path):
     before = state.read_bytes()
     backend = RecordingBackend(SimulatedNvml("dgx-a100", state))
 
-    report = doctor.examine(backend, simulated=True, smi_path=None)
+    report = doctor_checks.examine(backend, simulated=True, smi_path=None)
 
     assert report["status"] == "ok", report["problems"]
     assert {"nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstances",
@@ -309,7 +309,7 @@ def test_holders_and_processes_are_reset_blockers_but_not_problems(tmp_path, sho
         nvml = started("dgx-a100", tmp_path / "state.json")
         nvml.sim_set_processes(0, [holder.pid, 4242])  # a process holding the node and running on the GPU: once
         nvml.nvmlShutdown()
-        report = doctor.examine(nvml, simulated=False, smi_path=None, dev=short_tmp)
+        report = doctor_checks.examine(nvml, simulated=False, smi_path=None, dev=short_tmp)
     finally:
         holder.stdin.close()
         holder.wait(10)
@@ -328,15 +328,15 @@ def test_a_down_nvlink_is_noted_and_boards_without_nvlink_or_bridge_are_fine(tmp
     nvml = started("dgx-a100", tmp_path / "a100.json")
     nvml.sim_set_nvlink(1, 3, up=False)
     nvml.nvmlShutdown()
-    report = doctor.examine(nvml, simulated=True, smi_path=None)
+    report = doctor_checks.examine(nvml, simulated=True, smi_path=None)
     assert report["gpus"][1]["nvlink"] == {"links": 12, "active": 11, "inactive": 1,
                                            "summary": "1 of 12 links inactive"}
     assert any(n.startswith("GPU 1: 1 of 12 links inactive") for n in report["notes"])
-    t4 = doctor.examine(SimulatedNvml("t4", tmp_path / "t4.json"), simulated=True, smi_path=None)
+    t4 = doctor_checks.examine(SimulatedNvml("t4", tmp_path / "t4.json"), simulated=True, smi_path=None)
     assert t4["gpus"][0]["nvlink"]["summary"] == "no NVLink" and t4["gpus"][0]["mig"] == {"capable": False}
     assert t4["status"] == "ok"
     # NVLink-capable PCIe boards without a bridge report every link inactive: not a fault (reference README).
-    pcie = doctor.examine(SimulatedNvml("A100-PCIE-80GB:2", tmp_path / "pcie.json"), simulated=True, smi_path=None)
+    pcie = doctor_checks.examine(SimulatedNvml("A100-PCIE-80GB:2", tmp_path / "pcie.json"), simulated=True, smi_path=None)
     assert [gpu["nvlink"]["summary"] for gpu in pcie["gpus"]] == ["no bridge: all 12 links inactive"] * 2
     assert pcie["status"] == "ok" and not any("inactive" in n for n in pcie["notes"])
 
@@ -345,7 +345,7 @@ def test_simulated_holders_are_the_reset_blockers_of_a_simulated_node(tmp_path):
     nvml = started("dgx-a100", tmp_path / "state.json")
     nvml.sim_add_holder(3, "nvidia-persistenced", 1234)
     nvml.nvmlShutdown()
-    report = doctor.examine(nvml, simulated=True, smi_path=None)
+    report = doctor_checks.examine(nvml, simulated=True, smi_path=None)
     assert report["gpus"][3]["reset_blockers"] == [
         "PID 1234 (nvidia-persistenced) holds /dev/nvidia3: stop it (systemctl stop nvidia-persistenced) or turn "
         "persistence mode off for this GPU (nvidia-smi -pm 0 -i <GPU>), and restore it after the reset"]

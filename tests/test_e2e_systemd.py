@@ -89,7 +89,7 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     assert install.returncode == 0, install.stdout + install.stderr
     # postinstall compiled the libraries for the distribution's python3 (3.11 on Debian 12, 3.13 on 13)
     abi = box.run("python3", "-c", "import sys; print('%d%d' % sys.version_info[:2])", check=True).stdout.strip()
-    assert (box.root / f"usr/lib/gpud/common/gpud/__pycache__/cli.cpython-{abi}.pyc").is_file()
+    assert (box.root / f"usr/lib/gpud/common/gpud/cli/__pycache__/__init__.cpython-{abi}.pyc").is_file()
     assert list((box.root / f"usr/lib/gpud/cp{abi}").glob("aiohttp/__pycache__/web.cpython-*.pyc"))
     # A real member of gpud's group, and an MPS daemon of its own user, as on a node with Kubernetes.
     box.run("useradd", "-M", "-G", "gpud", "gpud-reader", check=True)
@@ -198,7 +198,7 @@ def test_the_rpm_installs_into_the_root_with_its_files_and_scriptlets(container,
             for path in ("usr/bin/gpud", "usr/lib/systemd/system/gpud.service", "usr/lib/systemd/system/gpud.socket",
                          "etc/gpud/gpud.yaml"):
                 assert (root / path).exists(), path
-            cli = [path for path in rpm("-ql", "gpud").stdout.split() if path.endswith("/gpud/cli.py")]
+            cli = [path for path in rpm("-ql", "gpud").stdout.split() if path.endswith("/gpud/cli/__init__.py")]
             assert cli and all((root / path.lstrip("/")).exists() for path in cli)
             assert "gpud-admin:" in (root / "etc/group").read_text()  # the postinstall scriptlet ran
             assert _enabled_in(root, "gpud.service") == expected, operator_preset

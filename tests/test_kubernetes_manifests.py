@@ -377,7 +377,7 @@ def test_gpud_config_parses_with_gpuds_parser():
 
 def test_every_gpud_command_in_the_manifests_is_one_gpud_accepts():
     """Each container's `gpud ...` command line parses with gpud's own parser, as the image would run it."""
-    from gpud.cli import build_parser
+    from gpud.cli.parser import build_parser
 
     commands = [container.get("command", []) + container.get("args", [])
                 for daemonset in kube_manifests.daemonsets()
@@ -434,7 +434,7 @@ def _dra_daemonset() -> dict:
 
 
 def test_the_dra_plugin_daemonset():
-    from gpud.cli import build_parser
+    from gpud.cli.parser import build_parser
 
     plugin = _dra_daemonset()
     assert plugin["metadata"]["namespace"] == kube_manifests.NAMESPACE

@@ -19,7 +19,7 @@ from helpers import (REPO, GpudProcess, cli, mig_settled, put_layout, sharing_co
                      until_async)
 from openapi_check import assert_matches_openapi
 
-from gpud.cli import build_parser
+from gpud.cli.parser import build_parser
 from gpud.config import SYSTEM_RUNTIME_DIR, ConfigError, MigHooksConfig, parse_config
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
 from gpud.events import EventBus

@@ -176,7 +176,7 @@ def test_one_library_tree_per_cpython_abi(unpacked, abi):
     assert not others, others
     # what every ABI shares is once in common/: gpud itself, the pure-Python libraries, protobuf's abi3 module
     common = unpacked / LIB / "common"
-    assert (common / "gpud/cli.py").is_file() and (common / "structlog").is_dir()
+    assert (common / "gpud/cli/__init__.py").is_file() and (common / "structlog").is_dir()
     assert not list(common.rglob("*.cpython-*.so"))
     assert (common / "google/_upb").is_dir() and not (tree / "gpud").exists()
 

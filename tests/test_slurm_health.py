@@ -408,7 +408,7 @@ def test_slurmd_runs_it_as_the_prolog_of_a_job_on_a_sick_gpu(fresh):
 
 
 def test_every_kind_of_health_reason_has_its_words():
-    from gpud.cli import HEALTH_REASON_KINDS
+    from gpud.cli.health import HEALTH_REASON_KINDS
     from gpud.slurm.health import KIND_TEXT
 
     assert set(HEALTH_REASON_KINDS) <= set(KIND_TEXT)

@@ -248,7 +248,7 @@ def test_the_dra_plugin_unit_runs_the_plugin_with_the_operators_environment():
 
 
 def test_the_dra_plugin_unit_passes_its_options_to_a_command_gpud_accepts():
-    from gpud.cli import build_parser
+    from gpud.cli.parser import build_parser
 
     (start,) = unit_values(DRA_UNIT, "ExecStart")
     argv = [word for word in start.split()[1:] if not word.startswith("$")]  # an unset $VAR is no argument

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.cli_output import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE
+from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 
 REASON_PREFIX = "gpud:"

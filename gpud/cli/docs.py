@@ -1,6 +1,6 @@
 """The man page gpud.1 and the bash and zsh completions, generated from the `gpud` command's parser
-(packaging/build.sh ships them): `python -m gpud.cli_docs man|bash|zsh OUT` (OUT '-' is stdout).
-Kept out of gpud.cli so that the CLI does not load it to start."""
+(packaging/build.sh ships them): `python -m gpud.cli.docs man|bash|zsh OUT` (OUT '-' is stdout).
+No module of the command imports it, so that the CLI does not load it to start."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpud import __version__
-from gpud.cli import build_parser
-from gpud.cli_output import EXIT_CODES, SOCKET_ORDER
+from gpud.cli.output import EXIT_CODES, SOCKET_ORDER
+from gpud.cli.parser import build_parser
 
 FILE_METAVARS = {"FILE", "PATH", "CONFIG"}
 
@@ -145,8 +145,8 @@ def _tables(found: list[Command]) -> dict[str, dict[str, str]]:
 
 
 def bash_completion(found: list[Command]) -> str:
-    lines = ["# bash completion for gpud: generated from its parser by `python -m gpud.cli_docs bash`",
-             "# (shipped as /usr/share/bash-completion/completions/gpud); edit gpud/cli.py, not this file."]
+    lines = ["# bash completion for gpud: generated from its parser by `python -m gpud.cli.docs bash`",
+             "# (shipped as /usr/share/bash-completion/completions/gpud); edit gpud/cli/, not this file."]
     for name, table in _tables(found).items():
         lines.append(f"_gpud_{name}() {{\n    case \"$1\" in")
         lines += [f"        '{key}') echo '{value}' ;;" for key, value in table.items() if value]
@@ -194,8 +194,8 @@ complete -F _gpud gpud"""
 
 
 def zsh_completion(found: list[Command]) -> str:
-    lines = ["#compdef gpud", "# zsh completion for gpud: generated from its parser by `python -m gpud.cli_docs zsh`",
-             "# (shipped as /usr/share/zsh/vendor-completions/_gpud); edit gpud/cli.py, not this file.",
+    lines = ["#compdef gpud", "# zsh completion for gpud: generated from its parser by `python -m gpud.cli.docs zsh`",
+             "# (shipped as /usr/share/zsh/vendor-completions/_gpud); edit gpud/cli/, not this file.",
              "local -A gpud_commands gpud_options gpud_values gpud_files gpud_choices"]
     for name, table in _tables(found).items():
         pairs = " ".join(f"'{key}' '{value}'" for key, value in table.items() if value)
@@ -236,7 +236,7 @@ GENERATORS = {"man": man_page, "bash": bash_completion, "zsh": zsh_completion}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpud.cli_docs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gpud.cli.docs", description=__doc__.split("\n")[0])
     parser.add_argument("kind", choices=sorted(GENERATORS))
     parser.add_argument("out", help="the file to write, or - for stdout")
     args = parser.parse_args(argv)

@@ -90,6 +90,14 @@ def print_json(document: Any) -> None:
     print(json.dumps(document, indent=2))
 
 
+def print_text(as_json: bool, text_format: str, text: str) -> None:
+    """A route's text (YAML, Prometheus) as it is; with --json, inside a JSON object that says its format."""
+    if as_json:
+        print_json({"format": text_format, "text": text})
+    else:
+        print(text, end="")
+
+
 def warn(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr)
 
@@ -121,34 +129,3 @@ def _wrapped(text: str, width: int) -> list[str]:
 def reasons_text(reasons: list[dict]) -> str:
     return "; ".join(f"{r['kind']} {r['code']}: {r['message']} (×{r['count']}, action: {r['action']})"
                      for r in reasons)
-
-
-def devices_text(side: dict | None) -> str:
-    if side is None:
-        return "(left alone)"
-    if not side["mig_enabled"]:
-        return "MIG off"
-    return ", ".join(f"{count}× {name}" for name, count in side["devices"].items()) or "MIG on, no devices"
-
-
-def format_gpu_table(gpus: list[dict], health: dict | None = None) -> str:
-    """The GPUs and their MIG devices; with /v1/health's document, each device's health too."""
-    states = {}
-    for gpu in (health or {}).get("gpus", []):
-        states[gpu["uuid"]] = gpu["state"]
-        states.update((dev["uuid"], dev["state"]) for dev in gpu.get("mig_devices", []))
-    rows = [("IDX", "NAME", "UUID", "PCI BUS ID", "MEMORY", "MIG", "STATE", "HEALTH")]
-    for gpu in gpus:
-        mig = gpu["mig"]
-        mig_text = "n/a" if not mig["capable"] else (mig["mode"] or "?") + (
-            f" → {mig['pending_mode']}" if mig["pending_mode"] != mig["mode"] else "")
-        state = "lost" if gpu["lost"] else ("error" if gpu.get("error") else "ok")
-        rows.append((str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"],
-                     f"{gpu['memory_total_mib']} MiB", mig_text, state, states.get(gpu["uuid"], "-")))
-        for dev in mig["devices"]:
-            place = dev["placement"]
-            rows.append(("", f"└ MIG {dev['profile']}", dev["uuid"],
-                         f"gi {dev['gi_id']} ci {dev['ci_id']} @{place['start']}:{place['size']}",
-                         f"{dev['memory_total_mib']} MiB", f"{dev['sm_count']} SMs", "",
-                         states.get(dev["uuid"], "-")))
-    return table(rows)
