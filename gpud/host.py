@@ -57,8 +57,8 @@ _ADVICE = {
     "nvidia-persiste": "stop it (systemctl stop nvidia-persistenced) or turn persistence mode off for this GPU "
                        "(nvidia-smi -pm 0 -i <GPU>), and restore it after the reset",
     # DCGM's host engine and its exporter keep NVML sessions open: mig-parted's default hooks stop
-    # nvidia-dcgm and dcgm-exporter before a reset (deployments/systemd/hooks.sh;
-    # /work/shared/reference/migparted.md §4.2).
+    # nvidia-dcgm and dcgm-exporter before a reset (NVIDIA/mig-parted deployments/systemd/hooks.sh
+    # and hooks-default.yaml, pre-apply-mode).
     "nv-hostengine": "stop DCGM (systemctl stop nvidia-dcgm) and start it again after the reset",
     "dcgm-exporter": "stop dcgm-exporter (its service or pod) and start it again after the reset",
     # nvidia-cuda-mps-control and nvidia-cuda-mps-server share these 15 characters.

@@ -3,8 +3,8 @@ of the inventory snapshot, the sharing document, the MPS clients and the device 
 
 Device names (kind gpud/gpu, so they never collide with nvidia-ctk's nvidia.com/gpu spec):
   "0", "GPU-<uuid>"        a whole GPU, by index and by UUID
-  "0:1", "MIG-<uuid>"      a MIG device, by "<GPU index>:<MIG index>" (nvidia-ctk's index names,
-                           /work/shared/reference/device-plugin.md §5) and by UUID
+  "0:1", "MIG-<uuid>"      a MIG device, by "<GPU index>:<MIG index>" (nvidia-ctk's index names: NVIDIA
+                           Container Toolkit docs, "Support for Container Device Interface") and by UUID
   "<uuid>::<n>"            a replica of /v1/sharing (time-slicing or MPS)
   "all"                    every GPU and MIG device
 """

@@ -184,7 +184,7 @@ def _nvlink(gpu: GpuReading, findings: _Findings) -> dict:
         summary = "no NVLink"
     elif links.active == 0:
         # NVLink-capable PCIe boards without a bridge report every link inactive: not a fault
-        # (/work/shared/reference/README.md, corrections).
+        # (NVIDIA/NVSentinel#1481, NVIDIA/DCGM#198).
         summary = f"no bridge: all {links.present} links inactive"
     elif inactive:
         summary = f"{inactive} of {links.present} links inactive"

@@ -89,8 +89,9 @@ def _dra_servicer(pb: ModuleType, base: type, prepare: PrepareAll, unprepare: Un
 
 
 class HealthService(health_rpc.DRAResourceHealthServicer):
-    """Each message carries every device (the kubelet replaces its view with it: dra.md §4), sent on a
-    change and every HEALTH_REFRESH_S."""
+    """Each message carries every device (the kubelet replaces its view with it: KEP-4680;
+    kubernetes/kubernetes pkg/kubelet/cm/dra/healthinfo.go), sent on a change and every
+    HEALTH_REFRESH_S."""
 
     def __init__(self, entries: Callable[[], list[HealthEntry]]):
         self._entries = entries

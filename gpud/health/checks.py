@@ -110,7 +110,7 @@ def _throttle(r: Readings) -> Problem:
 
 def _nvlinks(r: Readings, ever_up: frozenset[int]) -> Problem:
     """Only links that were up count: a PCIe board without a bridge has every link present but
-    inactive from the start, which is no fault (reference README.md corrections)."""
+    inactive from the start, which is no fault (NVIDIA/NVSentinel#1481, NVIDIA/DCGM#198)."""
     if not r.nvlinks_up:
         return None
     down = [link for link in sorted(ever_up) if link < len(r.nvlinks_up) and not r.nvlinks_up[link]]

@@ -8,9 +8,9 @@ from gpud.health.states import Action, Health
 # By value; "none": nothing needed.
 DRIVER_ACTIONS = {0: "none", 1: "gpu-reset", 2: "node-reboot", 3: "drain-p2p", 4: "drain-and-reset",
                   5: "recover-imex-domain", 6: "bus-reset", 7: "system-reboot"}
-# (severity, gpud's action, message). NVIDIA's "Error Recovery and Response Flags" (reference health.md
-# §D): drain P2P is the driver recovering by itself once peer traffic stops; the others need the reset
-# or reboot they name.
+# (severity, gpud's action, message). NVIDIA's "Error Recovery and Response Flags"
+# (docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html): drain P2P is
+# the driver recovering by itself once peer traffic stops; the others need the reset or reboot they name.
 _REASONS = {
     "gpu-reset": (Health.UNHEALTHY, Action.RESET_GPU, "the driver asks for a GPU reset"),
     "bus-reset": (Health.UNHEALTHY, Action.RESET_GPU, "the driver asks for a bus reset of the GPU"),

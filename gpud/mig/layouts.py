@@ -38,7 +38,8 @@ _TOP_LEVEL_KEYS = ("version", "mig-configs")
 _ENTRY_KEYS = ("devices", "device-filter", "mig-enabled", "mig-devices")
 # PCI device id plus vendor id, optionally followed by the subsystem device id plus subsystem vendor id.
 _DEVICE_FILTER = re.compile(r"0x[0-9a-f]{8}(?::0x[0-9a-f]{8})?")
-_NVIDIA_VENDOR = "10de"  # mig-parted enumerates NVIDIA's PCI devices only (migparted.md §1, device matching)
+# mig-parted enumerates NVIDIA's PCI devices only (NVIDIA/mig-parted cmd/nvidia-mig-parted/assert/assert.go)
+_NVIDIA_VENDOR = "10de"
 _REPO_LAYOUTS = Path(__file__).parents[2] / "etc/gpud/mig-layouts.yaml"
 
 log = get_logger("mig")
@@ -73,7 +74,7 @@ class LayoutEntry:
 
     def selects(self, gpu: NodeGpu, pci_subsystem_id: str | None = None) -> bool:
         """Whether this entry applies to the GPU: `devices: all` means all MIG-capable GPUs
-        (mig-parted since v0.4.0, migparted.md §1)."""
+        (mig-parted since v0.4.0: NVIDIA/mig-parted CHANGELOG.md)."""
         return self.matches(gpu.index, gpu.pci_device_id, pci_subsystem_id) and \
             (self.devices is not None or gpu.mig_capable)
 

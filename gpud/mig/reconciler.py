@@ -97,8 +97,9 @@ def mode_change_needs_reset(gpu: Gpu, desired: GpuDesired) -> bool:
     """Whether applying desired changes the GPU's MIG mode on a GPU that needs a reset for it.
 
     Ampere GPUs (A100, A30) apply a MIG mode change at a GPU reset; Hopper and later switch at
-    once (MIG user guide; /work/shared/reference/mig-profiles.md §1 item 8). mig-parted tells them
-    apart by compute capability below 9.0 (/work/shared/reference/migparted.md §3).
+    once (NVIDIA MIG user guide, "Enable MIG Mode":
+    https://docs.nvidia.com/datacenter/tesla/mig-user-guide/). mig-parted tells them apart by
+    compute capability below 9.0 (NVIDIA/mig-parted deployments/systemd/utils.sh).
     """
     wanted = "enabled" if desired.mig_enabled else "disabled"
     return gpu.mig.capable and gpu.mig.mode != wanted and _compute_major(gpu) < 9

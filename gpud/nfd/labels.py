@@ -30,7 +30,7 @@ GPU_HEALTHY = "nvidia.com/gpu.healthy"
 # Kept first when the file would exceed NFD's limit: what only gpud knows of the node.
 OWN_LABELS = (MIG_CONFIG, MIG_CONFIG_STATE, GPU_HEALTH, GPU_HEALTHY)
 # The MIG reconciler's end states -> the values NVIDIA's mig-manager gives nvidia.com/mig.config.state
-# (/work/shared/reference/migparted.md §4.3: pending, success, failed; `rebooting` has no gpud
+# (NVIDIA/mig-parted pkg/mig/reconfigure/reconfigure.go: pending, success, failed; `rebooting` has no gpud
 # equivalent); any other state (pending, applying) is `pending`. reset-required is a mode change that
 # did not take effect without a reset, which mig-manager reports as failed when it may not reboot.
 MIG_END_STATE_LABEL = {"success": "success", "failed": "failed", "reset-required": "failed"}

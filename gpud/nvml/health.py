@@ -47,8 +47,9 @@ class EventListener:
     """Registers XID and ECC events on every GPU and reports each as an NvmlEvent through `deliver`.
 
     No NVML error ends the thread. A set with a lost GPU registered answers every wait with
-    GPU_IS_LOST at once (nvml.h: nvmlEventSetWait_v2 "may return NVML_ERROR_GPU_IS_LOST"; reference
-    mig-profiles.md §8; the simulator models the repeat), so on GPU_IS_LOST the set is rebuilt with
+    GPU_IS_LOST at once (nvml.h: nvmlEventSetWait_v2 "may return NVML_ERROR_GPU_IS_LOST", and
+    NVIDIA/k8s-dra-driver-gpu cmd/gpu-kubelet-plugin/device_health.go marks every device lost on it;
+    the simulator models the repeat), so on GPU_IS_LOST the set is rebuilt with
     the GPUs that still answer: the others keep reporting, and the lost ones are tried again every
     RETRY_UNREGISTERED_S. Failures in a row back off exponentially up to BACKOFF_MAX_S.
     """

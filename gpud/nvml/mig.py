@@ -59,8 +59,9 @@ def read_capabilities(nvml: Any, handle: Any, device_mib: int) -> MigCapabilitie
     """The GPU's MIG profile table as the driver answers it under the current MIG mode.
 
     nvml.h fixes the table only for the lifetime of a MIG mode, and R535 answers NOT_SUPPORTED for
-    every profile while MIG is disabled (NVIDIA mig-parted commit 219e780d; reference README.md
-    corrections), R580 answers (our H100 capture): an empty table means "not answered now".
+    every profile while MIG is disabled (NVIDIA/mig-parted commit 219e780d: "Older drivers such as
+    R535 does not support querying MIG profiles when MIG mode is disabled"), R580 answers (our H100
+    capture): an empty table means "not answered now".
     Constants the GPU lacks answer NOT_SUPPORTED, past the last one INVALID_ARGUMENT (our capture:
     0x11 on H100). Compute-instance profiles are derived here; `read_instances` replaces them with
     NVML's once a GPU instance of the profile exists.
@@ -204,7 +205,7 @@ def set_mig_mode(nvml: Any, index: int, enabled: bool) -> str:
     resets the GPU itself when it is idle; IN_USE when it is not (other clients hold it: NVIDIA's
     DRA driver logs it as "in use by another client"); RESET_REQUIRED where the platform does not
     expose a reset (pass-through VMs), which needs a reboot. GetMigMode confirms it, as mig-parted
-    does (/work/shared/reference/mig-profiles.md §7.2).
+    does (NVIDIA/mig-parted cmd/nvidia-mig-parted/apply/mode.go, IsMigModeChangePending).
     """
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     wanted = nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE

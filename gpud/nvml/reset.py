@@ -7,8 +7,9 @@ Ampere, or, on an NVSwitch system, when Fabric Manager is not running (Ampere ne
 reset of one GPU; from Hopper on the dependency is gone). Ampere and later GPUs on direct
 GPU-to-GPU NVLink are reset one at a time. When a GPU cannot be reset on its own, no compute
 process may run on any GPU of the system. (NVIDIA's mig-parted resets every GPU in one command,
-"NVLink-connected GPUs must be reset together or the reset fails", commit 362e7aa6 of 2021,
-/work/shared/reference/migparted.md §3: the manual's tables are the later and finer word.)
+cmd/nvidia-mig-parted/apply/mode.go, because GPUs "connected by an NVLINK must be reset together or
+else the reset fails": NVIDIA/mig-parted commit 362e7aa6 of 2021. The manual's tables are the later
+and finer word.)
 """
 
 from __future__ import annotations

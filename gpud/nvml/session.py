@@ -4,9 +4,9 @@ NVML calls block (a MIG create can take a second), so they all run on one dedica
 never on the event loop. One thread also means NVML sees calls in a single, predictable order.
 
 A GPU reset needs the GPU free of every NVML client, gpud's own session and event sets included
-(nvidia-smi's manual, "-r": "there can't be any applications using these devices"; reference
-README.md corrections). `released()` shuts NVML down for the length of such an operation: calls
-made meanwhile wait for NVML to come back instead of failing.
+(nvidia-smi(1), "-r": "there can't be any applications using these devices"). `released()` shuts
+NVML down for the length of such an operation: calls made meanwhile wait for NVML to come back
+instead of failing.
 """
 
 from __future__ import annotations

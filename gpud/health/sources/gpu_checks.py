@@ -37,7 +37,7 @@ class GpuChecks:
         self._mps_watched: set[str] = set()
         # NVLink links seen active on each GPU (since gpud started, or kept in nvlinks_path): only
         # those count when down. A board without a bridge has every link present but inactive
-        # from the start, which is no fault (reference README.md corrections).
+        # from the start, which is no fault (NVIDIA/NVSentinel#1481, NVIDIA/DCGM#198).
         self._nvlinks_path = nvlinks_path
         self._corrupt_files = corrupt_files
         self.nvlinks_ever_up: dict[str, frozenset[int]] = {}

@@ -3,8 +3,8 @@ NVLink throughput), with each model's values from telemetry.yaml.
 
 Every call here is a whole-GPU query: MIG device handles answer NOT_SUPPORTED, as the simulator's other
 whole-GPU queries do (DCGM reports clocks per physical GPU and no utilisation per MIG instance:
-reference health.md §C2). No source shows these calls differing between the R535, R550 and R580
-branches: they answer alike on all three.
+NVIDIA/dcgm-exporter#216 and #430, NVIDIA/DCGM#80). No source shows these calls differing between the
+R535, R550 and R580 branches: they answer alike on all three.
 """
 
 from __future__ import annotations
