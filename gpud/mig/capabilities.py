@@ -1,7 +1,9 @@
 """Compute-instance profiles of a GPU instance, and the MIG tables gpud ships for known GPUs.
 
 NVML describes compute-instance profiles only through an existing GPU instance, so until one
-exists gpud derives them from the GPU-instance size with the rule in mig-profiles.md §4.2–4.3.
+exists gpud derives them from the GPU-instance size: which CI sizes fit by go-nvlib's rule, where they
+start as NVIDIA/go-nvml's mock GPUs place them (pkg/nvml/mock/gpus/; no real `nvidia-smi mig -lcipp`
+output was found).
 
 The shipped tables (data/mig-profiles.yaml, each row with its source) stand in for a GPU whose
 driver does not answer its MIG table while MIG is off (R535) and that gpud has never read; they
@@ -43,12 +45,14 @@ def derive_ci_profiles(gi_slices: int, constants_by_slices: dict[int, int],
 
 
 def _fits_partially(ci_slices: int, gi_slices: int) -> bool:
-    # §4.2 (go-nvlib's rule): a CI smaller than its GI takes at most about half of it.
+    # go-nvlib's rule (NVIDIA/go-nvlib pkg/nvlib/device/device.go, VisitMigProfiles): a CI smaller than
+    # its GI takes at most about half of it.
     return 0 < ci_slices < gi_slices and 2 * ci_slices <= gi_slices + 1
 
 
 def _ci_starts(ci_slices: int, gi_slices: int) -> tuple[int, ...]:
-    # §4.3: CIs start on boundaries of their size rounded up to a power of two (3c in a 7g GI at
+    # As NVIDIA/go-nvml pkg/nvml/mock/gpus/ places them (INFERRED: no real -lcipp output was found):
+    # CIs start on boundaries of their size rounded up to a power of two (3c in a 7g GI at
     # 0 and 4, like a 3g GI on the memory axis), as long as they end inside the GI.
     alignment = 1 << (ci_slices - 1).bit_length()
     return tuple(range(0, gi_slices - ci_slices + 1, alignment))
@@ -60,7 +64,7 @@ def _ci_starts(ci_slices: int, gi_slices: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ShippedTable:
     model: str
-    source: str  # where the rows come from (a section of the reference notes, and its sources)
+    source: str  # where the rows come from: the public sources, and how sure they are
     pci_device_ids: tuple[int, ...]
     capabilities: MigCapabilities
     nvml_instance_counts_wrong: bool  # the driver misreports instanceCount: use these counts
@@ -84,7 +88,8 @@ def _table(model: str, entry: dict, gi_constants: dict[str, int], ci_by_slices: 
            rev1_ci: int) -> ShippedTable:
     profiles = []
     for name, constant, profile_id, slices, memory_mib, count, starts, size in entry["gpu_instance_profiles"]:
-        # §4.2: a double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1.
+        # A double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1 (seen once:
+        # `nvidia-smi mig -cgi 15 -C` on an H100 made CI profile ID 7; `nvidia-smi mig -lcip` checks it).
         whole_ci = rev1_ci if constant == "1_SLICE_REV2" else None
         profiles.append(GiProfile(
             id=profile_id, constant=gi_constants[constant], name=name, slices=slices, memory_mib=memory_mib,
