@@ -21,8 +21,8 @@ _PATTERN = re.compile(rf"(?:(?P<ci>{_NUMBER})c\.)?(?P<gi>{_NUMBER})g\.(?P<gb>{_N
 
 
 def mig_device_name(gi_profile_name: str, gi_slices: int, ci_slices: int) -> str:
-    """A MIG device's profile name (§4.4): its GPU instance's profile name, prefixed by <C>c. when
-    the compute instance is smaller than the GPU instance."""
+    """A MIG device's profile name: its GPU instance's profile name, prefixed by <C>c. when the
+    compute instance is smaller than the GPU instance (MIG user guide, "MIG Device Names")."""
     return gi_profile_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_profile_name}"
 
 

@@ -88,7 +88,8 @@ def read_capabilities(nvml: Any, handle: Any, device_mib: int) -> MigCapabilitie
 
 
 def _whole_ci_constant(nvml: Any, gi_constant: int) -> int | None:
-    """§4.2: a double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1."""
+    """A double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1 (seen once:
+    `nvidia-smi mig -cgi 15 -C` on an H100 made CI profile ID 7)."""
     if gi_constant == getattr(nvml, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2", None):
         return nvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
     return None
@@ -106,7 +107,7 @@ def read_ci_profiles(nvml: Any, gi: Any, profile: GiProfile) -> tuple[CiProfile,
     """The compute-instance profiles a GPU instance offers, as NVML answers through it: every
     constant is asked (nvml.h: NOT_SUPPORTED for one the GI does not offer, INVALID_ARGUMENT past
     the last), with its placements. Smallest first; of the profiles that take the whole GI, the
-    one nvidia-smi creates by default last (§4.2: 1_SLICE_REV1 in a REV2 GI). None when the driver
+    one nvidia-smi creates by default last (1_SLICE_REV1 in a REV2 GI). None when the driver
     cannot answer (an older one without the calls): the derived profiles stay."""
     whole = profile.whole_ci.constant
     found = []
@@ -166,7 +167,8 @@ def _gpu_instance_state(nvml: Any, gi: Any, profile: GiProfile, mig_devices: dic
 
 
 def _gpu_instances(nvml: Any, handle: Any, profile: GiProfile, memory_slices: int) -> list:
-    # Sized for as many GIs as memory slices: the count NVML reports can be wrong (A30, §3.3).
+    # Sized for as many GIs as memory slices: the count NVML reports can be wrong (A30: NVIDIA/mig-parted
+    # pkg/mig/discovery/discovery.go).
     size = max(profile.instance_count, memory_slices, 1)
     count = ctypes.c_uint(size)
     array = (nvml.c_nvmlGpuInstance_t * size)()

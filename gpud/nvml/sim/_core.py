@@ -280,7 +280,8 @@ class SimCore:
     # Not a simulator handle of the expected kind -> INVALID_ARGUMENT. A GI, CI or MIG device
     # that has been destroyed since the handle was made -> NOT_FOUND (the code the *ById calls
     # give for it too). Anything on a lost GPU through a handle obtained before -> GPU_IS_LOST (what
-    # long-running NVML clients see: leptonai/gpud#604, NVIDIA k8s-dra-driver's event loop, §8).
+    # long-running NVML clients see: leptonai/gpud#604; NVIDIA/k8s-dra-driver-gpu's event loop,
+    # cmd/gpu-kubelet-plugin/device_health.go).
 
     def _ref(self, handle: object, *kinds: Kind) -> HandleRef:
         ref = decode(handle)
@@ -335,7 +336,7 @@ class SimCore:
         return gpu, self._live_mig_device(gpu, ref)
 
     def _gi_memory_mb(self, gpu: Gpu, gi: GpuInstance) -> int:
-        """A GPU instance's memory as the running driver sizes its profile (§1 item 5)."""
+        """A GPU instance's memory as the running driver sizes its profile (it changes by driver: models.yaml)."""
         return gpu.model.mig.memory_mb(gi.profile, self._driver.version_tuple)
 
     @staticmethod

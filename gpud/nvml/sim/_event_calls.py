@@ -32,8 +32,8 @@ class EventCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceRegisterEvents(self, handle, eventTypes: int, eventSet) -> None:
-        """Parent GPU handles only (§8). Asking for any unsupported type registers nothing.
-        A lost GPU cannot be registered: its handle raises GPU_IS_LOST."""
+        """Parent GPU handles only (nvml.h, nvmlDeviceRegisterEvents). Asking for any unsupported type
+        registers nothing. A lost GPU cannot be registered: its handle raises GPU_IS_LOST."""
         gpu = self._gpu(handle)
         event_set = self._event_set(eventSet)
         if eventTypes & ~self._supported_event_types(gpu):

@@ -1,6 +1,6 @@
 """NVML MIG calls: mode, GPU instances, compute instances and MIG device handles.
 
-Conventions (§1, §7):
+Conventions (nvml.h, the MIG user guide, and what is named beside each):
 * GetGpuInstanceProfileInfo takes an NVML_GPU_INSTANCE_PROFILE_* constant; every other call takes
   the info.id it returns. A GPU-instance profile id the GPU does not have -> INVALID_ARGUMENT.
   Constants the driver branch does not know -> INVALID_ARGUMENT; known but not on this GPU ->
@@ -11,9 +11,9 @@ Conventions (§1, §7):
 * With MIG mode off, by driver branch (models.yaml drivers): R580 answers profile info, possible
   placements, remaining capacity and an empty nvmlDeviceGetGpuInstances (H100 capture); R535 answers
   NOT_SUPPORTED to all of them (mig-parted commit 219e780d), R550 too (no evidence: the strictest).
-  Creating instances or looking one up by id needs MIG mode on (NOT_SUPPORTED, nvml.h §7.2).
+  Creating instances or looking one up by id needs MIG mode on (NOT_SUPPORTED, nvml.h).
 * Privileges (os.geteuid() read per call): changing the MIG mode, creating and destroying GPU and
-  compute instances need root (nvidia-smi manual: "-mig ... Requires root"; §7.2). Listing GPU and
+  compute instances need root (nvidia-smi manual: "-mig ... Requires root"). Listing GPU and
   compute instances with MIG on needs the MIG config/monitor capability: NO_PERMISSION otherwise
   (`nvidia-smi mig -lci` "Failed to display compute instances: Insufficient Permissions",
   Project-HAMi/HAMi#1044; non-root MIG UUID mapping, NVIDIA/go-nvml#57). With MIG off every read
@@ -186,7 +186,7 @@ class MigCalls(SimCore):
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(
         self, device, profile: int, engProfile: int, version: int = 2
     ):
-        """Every constant the branch knows: offered in this GI -> its info, else NOT_SUPPORTED (§4.2)."""
+        """Every constant the branch knows: offered in this GI -> its info, else NOT_SUPPORTED (nvml.h)."""
         _, gi = self._gpu_instance(device)  # pynvml names the GI handle "device" here
         found = self._compute_instance_profile(gi, profile)
         if engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
@@ -206,7 +206,7 @@ class MigCalls(SimCore):
         self, gpuInstance, profileId: int, placementsRef, countRef
     ):
         """In compute slices inside the GI; a NULL array asks for the count (nvml.h). The placement
-        table itself is INFERRED (§4.3: no real -lcipp output exists)."""
+        table itself is INFERRED (NVIDIA/go-nvml pkg/nvml/mock/gpus/: no real -lcipp output was found)."""
         _, gi = self._gpu_instance(gpuInstance)
         profile = self._compute_instance_profile(gi, profileId)
         placements = [pynvml.c_nvmlComputeInstancePlacement_t(*span) for span in profile.spans]

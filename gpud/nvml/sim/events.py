@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-# gpuInstanceId / computeInstanceId of an event that no GI/CI is attributed to (§8).
+# gpuInstanceId / computeInstanceId of an event that no GI/CI is attributed to (nvml.h, nvmlEventData_t).
 NOT_ATTRIBUTED = 0xFFFFFFFF
 
 

@@ -16,7 +16,8 @@ def gpu_uuid(preset: str, index: int, model_key: str) -> str:
 
 
 def mig_uuid(parent_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> str:
-    """Like the driver's: a version-5 UUID of the place, so re-creating it gives the same UUID (§7.4)."""
+    """Like the driver's: a version-5 UUID of the place, so re-creating it gives the same UUID
+    (NVIDIA/open-gpu-kernel-modules src/nvidia/src/kernel/gpu/gpu_uuid.c)."""
     return "MIG-" + str(uuid.uuid5(_NAMESPACE, f"{parent_uuid}/{gpu_instance_id}/{compute_instance_id}"))
 
 

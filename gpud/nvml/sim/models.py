@@ -18,7 +18,8 @@ from .placement import Span
 @dataclass(frozen=True)
 class ComputeInstanceProfile:
     id: int  # the NVML_COMPUTE_INSTANCE_PROFILE_* constant; NVML reports it as info.id too
-    name: str  # "1c.3g.20gb", or the GI profile name when the CI spans the whole GI (§4.4)
+    # "1c.3g.20gb", or the GI profile name when the CI spans the whole GI (MIG user guide, "MIG Device Names")
+    name: str
     slice_count: int
     multiprocessor_count: int
     spans: tuple[Span, ...]
@@ -66,7 +67,7 @@ class MigSpec:
     memory_by_driver: tuple[MemoryOverride, ...] = ()
 
     def memory_mb(self, profile: GpuInstanceProfile, driver_version: tuple[int, ...]) -> int:
-        """memorySizeMB of a GI profile as this driver reports it (§1 item 5: it changes by driver)."""
+        """memorySizeMB of a GI profile as this driver reports it (it changes by driver: models.yaml)."""
         memory = profile.memory_mb
         for override in self.memory_by_driver:  # ascending by from_version: the last applicable wins
             if driver_version >= override.from_version:
@@ -247,14 +248,15 @@ def _compute_profile(
         id=_compute_profile_constant(gi_constant, slices),
         name=gi["name"] if whole_gi else f"{slices}c.{gi['name']}",
         slice_count=slices,
-        # Partial CIs get an equal share of the GI's SMs (matches A100 §4.2; inferred elsewhere).
+        # Partial CIs get an equal share of the GI's SMs (matches A100's in the MIG user guide; inferred elsewhere).
         multiprocessor_count=gi["sm"] if whole_gi else gi["sm"] // gi["slices"] * slices,
         spans=tuple(Span(start, slices) for start in starts),
     )
 
 
 def _compute_profile_constant(gi_constant: int, slices: int) -> int:
-    # A double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1 (§4.2, S18).
+    # A double-memory 1g GI (REV2) offers its single slice as CI profile 1_SLICE_REV1 (seen once:
+    # `nvidia-smi mig -cgi 15 -C` on an H100 made CI profile ID 7).
     if gi_constant == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2:
         return pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
     return getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE")

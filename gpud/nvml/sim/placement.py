@@ -2,7 +2,8 @@
 
 The same rules apply on both levels: a profile offers a fixed list of placements, a new instance
 needs one that overlaps no existing instance, and a profile may have at most instanceCount
-instances. Errors are the NVML return codes the driver gives for each violation (§7.3).
+instances. Errors are the NVML return codes the driver gives for each violation (nvml.h; NVIDIA/k8s-dra-driver-gpu
+cmd/gpu-kubelet-plugin/nvlib.go).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def instances_left(profile: Profile, instances: Iterable[Instance]) -> int:
 
 
 def remaining_capacity(profile: Profile, instances: Collection[Instance]) -> int:
-    """What nvidia-smi prints as "Free": fully free placements, capped by instanceCount (§5.1).
+    """What nvidia-smi prints as "Free": fully free placements, capped by instanceCount
+    (checkable with `nvidia-smi mig -lgip` after each create).
 
     A profile's own placements never overlap each other, so every free one can still be used.
     """
@@ -85,7 +87,8 @@ def _least_blocking(
     """Auto placement: the candidate that blocks the fewest still-free placements, ties → lowest start.
 
     Blocked placements are counted per (profile, placement) pair. This is the inferred driver
-    heuristic of §5.2; it reproduces every A100 transcript there (e.g. a lone 1g lands on slot 6,
+    heuristic; it reproduces every public A100 transcript (the MIG user guide's "Getting Started with
+    MIG" among them; e.g. a lone 1g lands on slot 6,
     which keeps 4g@0 and both 3g placements available).
     """
     still_free = [span for p in all_profiles for span in free_spans(p, instances)]
@@ -93,7 +96,8 @@ def _least_blocking(
 
 
 def gpu_instance_id(span: Span, memory_slices: int) -> int:
-    """GPU-instance id = RM swizzId, the node of a binary tree over the memory slices (§5.3).
+    """GPU-instance id = RM swizzId, the node of a binary tree over the memory slices
+    (NVIDIA/open-gpu-kernel-modules kmigmgr_ga100.c, kmigmgrSwizzIdToSpan_GA100).
 
     Numbered like a heap: the whole GPU is 0, halves 1-2, quarters 3-6, eighths 7-14
     (4-slot A30: whole 0, halves 1-2, quarters 3-6). Real GPUs sometimes mirror this.
@@ -102,5 +106,6 @@ def gpu_instance_id(span: Span, memory_slices: int) -> int:
 
 
 def lowest_free_id(used: Collection[int]) -> int:
-    """Compute-instance ids restart at 0 in each GI and are allocated lowest-free-first (§1 item 4)."""
+    """Compute-instance ids restart at 0 in each GI and are allocated lowest-free-first
+    (every transcript of the MIG user guide)."""
     return next(i for i in range(len(used) + 1) if i not in used)

@@ -183,7 +183,8 @@ class Gpu:
         return self.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE
 
     def mig_devices(self) -> list[MigDevice]:
-        """In NVML's MIG device index order: by GI id, then CI id (§4.4)."""
+        """In NVML's MIG device index order: by GI id, then CI id (as nvidia-smi -L lists them in the
+        MIG user guide)."""
         return [
             MigDevice(gi, gi.compute_instances[ci_id])
             for _, gi in sorted(self.gpu_instances.items())

@@ -30,7 +30,7 @@ def gpu_instance_profile_info(profile: GpuInstanceProfile, memory_mb: int, versi
         version, pynvml.c_nvmlGpuInstanceProfileInfo_t, pynvml.c_nvmlGpuInstanceProfileInfo_v2_t
     )
     info.id = profile.id
-    info.isP2pSupported = 0  # nvidia-smi shows P2P "No" for every profile (§3)
+    info.isP2pSupported = 0  # nvidia-smi shows P2P "No" for every profile (MIG user guide; H100 capture)
     info.sliceCount = profile.slice_count
     info.instanceCount = profile.reported_instance_count
     info.multiprocessorCount = profile.multiprocessor_count
@@ -58,7 +58,7 @@ def compute_instance_profile_info(
     info.sliceCount = profile.slice_count
     info.instanceCount = profile.instance_count
     info.multiprocessorCount = profile.multiprocessor_count
-    # A CI shares its GI's engines (§4.2).
+    # A CI shares its GI's engines (nvml.h: nvmlComputeInstanceProfileInfo_t's shared* counts).
     info.sharedCopyEngineCount = gi_profile.copy_engines
     info.sharedDecoderCount = gi_profile.decoders
     info.sharedEncoderCount = gi_profile.encoders
