@@ -219,3 +219,17 @@ def test_no_top_level_module_is_named_cli_something():
     """The command line lives in gpud/cli/, grouped by feature."""
     assert sorted(path.name for path in PACKAGE.glob("cli_*.py")) == []
     assert not (PACKAGE / "cli.py").exists() and (CLI / "__init__.py").is_file()
+# public sources ----------------------------------------------------------------------------------
+
+# Comments and data files cite public sources (repository, path, commit, or URL), never notes that
+# live on a working machine.
+MACHINE_PATHS = ("/work/", "../shared", "shared/reference")
+CITING_SUFFIXES = {".py", ".yaml", ".yml", ".json", ".md"}
+
+
+def test_no_file_of_the_package_cites_a_path_on_a_working_machine():
+    found = {f"{path.relative_to(PACKAGE.parent)}:{number}": line.strip()
+             for path in sorted(PACKAGE.rglob("*")) if path.suffix in CITING_SUFFIXES
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if any(marker in line for marker in MACHINE_PATHS)}
+    assert found == {}
