@@ -38,11 +38,14 @@ from gpud.health.active_check import ActiveCheck
 from gpud.health.service import HealthService, HostPaths
 from gpud.inventory import InventoryService
 from gpud.logs import configure_log_level, get_logger
+from gpud.mig.desired import DesiredStore
+from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
 from gpud.mps.manager import MpsManager, client_env
 from gpud.nfd.labels import machine_type, node_labels
 from gpud.nfd.writer import NfdWriter
+from gpud.node_operations import NodeOperations
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
@@ -117,20 +120,24 @@ class Daemon:
                                unhealthy_xids=health.unhealthy_xids)
         self.health = HealthService(self.session, self.inventory, self.bus, catalog, settings=health,
                                     host=HostPaths(config.procfs_path, config.sysfs_path, config.kmsg_path),
-                                    reset_gpu=lambda index, why: self.mig.reset_gpus([index], why=why),
+                                    reset_gpu=lambda index, why: self.resetter.reset_gpus([index], why=why),
                                     mps_failures=self.mps.failures,
                                     nvlinks_path=config.state_path / "nvlinks-seen-up.json",
                                     state_path=config.state_path / "health.json",
                                     on_change=lambda: self.sharing.update(self.inventory.current, reason="health"))
         self.active_check = ActiveCheck(self.health, config.state_path / "check-last.json")
         around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
-        self.resetter = GpuResetter(self.session, self.inventory,
-                                    host_tools_for(self.session.nvml, self.session.simulated),
+        host_tools = host_tools_for(self.session.nvml, self.session.simulated)
+        self.node_operations = NodeOperations()  # the one writer of the GPUs: MIG applies and resets take turns
+        mig_desired = DesiredStore(config.state_path / "mig-desired.json")
+        mig_instances = MigInstances(self.session, host_tools, mig_desired)
+        self.resetter = GpuResetter(self.session, self.inventory, host_tools, self.node_operations,
                                     own_pids=self._own_pids, around=around_gpu_change,
-                                    health_reasons=self._health_reasons, on_gpu_reset=self.health.gpu_was_reset)
+                                    health_reasons=self._health_reasons, on_gpu_reset=self.health.gpu_was_reset,
+                                    restore=mig_instances.restore_after_reset)
         hooks = config.mig.hooks
-        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json", self.resetter,
-                                 allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
+        self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
+                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
                                  post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
                                  around_gpu_change=around_gpu_change, notify=self.bus.publish)
         self._mig_layouts = LayoutsFile(Path(config.mig.layouts_file))
@@ -167,7 +174,7 @@ class Daemon:
                                                 shutdown_timeout_s=config.api.shutdown_timeout_s,
                                                 with_processes=config.metrics.listen_process_series)
         self.api = Api(self.session, self.inventory, node_base, more_routes=(
-            sim_routes, mig_routes.register, GpuRoutes(self.mig, self.inventory, body_timeout_s,
+            sim_routes, mig_routes.register, GpuRoutes(self.resetter, self.inventory, body_timeout_s,
                                                        self.processes).register,
             MpsRoutes(self.mps).register,
             SharingRoutes(self.sharing, self.choose_sharing_config, body_timeout_s).register,
