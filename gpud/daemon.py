@@ -137,8 +137,8 @@ class Daemon:
                                     restore=mig_instances.restore_after_reset)
         hooks = config.mig.hooks
         self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
-                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
-                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
+                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset,
+                                 pre_apply=hooks.pre_apply, post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
                                  around_gpu_change=around_gpu_change, notify=self.bus.publish)
         self._mig_layouts = LayoutsFile(Path(config.mig.layouts_file))
         mig_routes = MigRoutes(self.mig, self.inventory, self._mig_layouts, config.api.body_timeout_s)

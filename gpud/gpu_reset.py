@@ -2,12 +2,13 @@
 
 `nvidia-smi -r` is refused while anything holds the GPU: CUDA processes, monitoring tools (DCGM,
 another nvidia-smi, gpud's own NVML session and event sets), nvidia-persistenced, MPS servers, the
-nvidia_drm module (nvidia-smi(1) under -r/--gpu-reset). GPUs joined by direct NVLink go in the same command (gpud.nvml.reset). So a reset
-here is: find the GPUs that go together; check every one of them for blockers and refuse before
-changing anything; stop gpud's own MPS daemons there; shut gpud's NVML session down; reset; bring
-NVML back, re-read the node, put back the MIG instances a reset destroys, tell health what a
-reset clears, restart MPS. A reset holds the node's operations lock (gpud.node_operations): no MIG
-apply runs meanwhile, and an apply that needs a reset runs it inside its own hold.
+nvidia_drm module (nvidia-smi(1) under -r/--gpu-reset). GPUs joined by direct NVLink go in the same
+command (gpud.nvml.reset). So a reset here is: find the GPUs that go together; check every one of
+them for blockers and refuse before changing anything; stop gpud's own MPS daemons there; shut
+gpud's NVML session down; reset; bring NVML back, re-read the node, put back the MIG instances a
+reset destroys, tell health what a reset clears, restart MPS. A reset holds the node's operations
+lock (gpud.node_operations): no MIG apply runs meanwhile, and an apply that needs a reset runs it
+inside its own hold.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ def root_needed(plans: dict[str, GpuPlan]) -> str | None:
 
 def mig_state_of(gpu: Gpu) -> GpuMigState:
     return GpuMigState(index=gpu.index, uuid=gpu.uuid, pci_device_id=gpu.pci_device_id, capable=gpu.mig.capable,
-                       mode_enabled=gpu.mig.mode == "enabled", capabilities=gpu.mig.capabilities, instances=gpu.mig.instances)
+                       mode_enabled=gpu.mig.mode == "enabled", capabilities=gpu.mig.capabilities,
+                       instances=gpu.mig.instances)
 
 
 def actual_of(gpu: Gpu) -> dict:
