@@ -42,11 +42,14 @@ from gpud.host import boot_id
 from gpud.inventory import InventoryService
 from gpud.lifecycle import Lifecycle
 from gpud.logs import configure_log_level, get_logger
+from gpud.mig.desired import DesiredStore
+from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
 from gpud.mps.manager import MpsManager
 from gpud.nfd.labels import machine_type, node_labels
 from gpud.nfd.writer import NfdWriter
+from gpud.node_operations import NodeOperations
 from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
@@ -128,17 +131,21 @@ class Daemon:
         self.sharing_control = SharingControl(self.sharing_configs, self.sharing, self.inventory, self.mps.converge)
         self.active_check = ActiveCheck(self.health, config.state_path / "check-last.json")
         around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)
-        self.resetter = GpuResetter(self.session, self.inventory,
-                                    host_tools_for(self.session.nvml, self.session.simulated),
+        host_tools = host_tools_for(self.session.nvml, self.session.simulated)
+        self.node_operations = NodeOperations()  # the one writer of the GPUs: MIG applies and resets take turns
+        mig_desired = DesiredStore(config.state_path / "mig-desired.json")
+        mig_instances = MigInstances(self.session, host_tools, mig_desired)
+        self.resetter = GpuResetter(self.session, self.inventory, host_tools, self.node_operations,
                                     own_pids=self.mps.own_pids, around=around_gpu_change,
-                                    health_reasons=self.health.reasons_by_device, on_gpu_reset=self.health.gpu_was_reset)
-        self.mig = MigReconciler(self.session, self.inventory, config.state_path / "mig-desired.json", self.resetter,
-                                 allow_reset=config.mig.allow_gpu_reset, pre_apply=hooks.pre_apply,
-                                 post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
+                                    health_reasons=self.health.reasons_by_device, on_gpu_reset=self.health.gpu_was_reset,
+                                    restore=mig_instances.restore_after_reset)
+        self.health.use_resetter(self.resetter.reset_gpu)
+        self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
+                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset,
+                                 pre_apply=hooks.pre_apply, post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
                                  around_gpu_change=around_gpu_change, notify=self.bus.publish,
                                  default_layout=config.mig.default_layout,
                                  layouts=LayoutsFile(Path(config.mig.layouts_file)))
-        self.health.use_resetter(self.mig.reset_gpu)
         # the processes are the host's even on a simulated node: their cgroups too, unless sysfs is set
         sysfs = config.host.sysfs or config.sysfs
         cgroupfs = Path(sysfs) / "fs" / "cgroup" if sysfs else CGROUPFS
@@ -180,7 +187,7 @@ class Daemon:
         mig_routes = MigRoutes(self.mig, self.inventory, self.mig.layouts, body_timeout_s)
         return Api(self.session, self.inventory, node_base, more_routes=(
             sim_routes, mig_routes.register,
-            GpuRoutes(self.mig, self.inventory, body_timeout_s, self.processes).register,
+            GpuRoutes(self.resetter, self.inventory, body_timeout_s, self.processes).register,
             MpsRoutes(self.mps).register,
             SharingRoutes(self.sharing, self.sharing_control.choose, body_timeout_s).register,
             AllocationRoutes(self.gpu_memory, body_timeout_s).register,

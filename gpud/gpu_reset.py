@@ -2,11 +2,13 @@
 
 `nvidia-smi -r` is refused while anything holds the GPU: CUDA processes, monitoring tools (DCGM,
 another nvidia-smi, gpud's own NVML session and event sets), nvidia-persistenced, MPS servers, the
-nvidia_drm module (nvidia-smi(1) under -r/--gpu-reset). GPUs joined by direct NVLink go in the
-same command (gpud.nvml.reset). So a reset
-here is: find the GPUs that go together; check every one of them for blockers and refuse before
-changing anything; stop gpud's own MPS daemons there; shut gpud's NVML session down; reset; bring
-NVML back, re-read the node, tell health what a reset clears, restart MPS.
+nvidia_drm module (nvidia-smi(1) under -r/--gpu-reset). GPUs joined by direct NVLink go in the same
+command (gpud.nvml.reset). So a reset here is: find the GPUs that go together; check every one of
+them for blockers and refuse before changing anything; stop gpud's own MPS daemons there; shut
+gpud's NVML session down; reset; bring NVML back, re-read the node, put back the MIG instances a
+reset destroys, tell health what a reset clears, restart MPS. A reset holds the node's operations
+lock (gpud.node_operations): no MIG apply runs meanwhile, and an apply that needs a reset runs it
+inside its own hold.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
+from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.host_tools import HostTools, ResetFailed, SimHostTools
 from gpud.nvml.reset import compute_pids, read_topology
 from gpud.nvml.session import NvmlSession, NvmlUnavailable
@@ -25,6 +28,8 @@ from gpud.nvml.session import NvmlSession, NvmlUnavailable
 log = get_logger("reset")
 
 GpuHook = Callable[[str], Awaitable[None]]
+# Runs after a reset, before gpud's MPS daemons start again: (the GPUs reset, the node re-read after it).
+Restore = Callable[[tuple[Gpu, ...], Inventory], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -70,19 +75,21 @@ class ResetOutcome:
 
 
 class GpuResetter:
-    def __init__(self, session: NvmlSession, inventory: InventoryService, host: HostTools | SimHostTools, *,
-                 own_pids: Callable[[], Collection[int]],
+    def __init__(self, session: NvmlSession, inventory: InventoryService, host: HostTools | SimHostTools,
+                 operations: NodeOperations, *, own_pids: Callable[[], Collection[int]],
                  around: tuple[GpuHook, GpuHook] | None = None,
                  health_reasons: Callable[[], dict[str, list[dict]]] = dict,
-                 on_gpu_reset: Callable[[str], object] = lambda uuid: None):
+                 on_gpu_reset: Callable[[str], object] = lambda uuid: None, restore: Restore | None = None):
         self.session = session
         self.inventory = inventory
         self.host = host
+        self._operations = operations
         self._own_pids = own_pids  # gpud and the MPS daemons it started: they go away for the reset
         self._around = around  # stops gpud's MPS daemons on a GPU, and starts them again
         self._health_reasons = health_reasons  # device UUID -> its health reasons now
         self._on_gpu_reset = on_gpu_reset  # health clears what a reset clears
-        self._lock = asyncio.Lock()
+        self._restore = restore  # the MIG instances a reset destroyed come back (gpud.mig.instances)
+        self._resetting = False  # a reset runs: a second one started inside it (by a restore) is ResetBusy
 
     async def group(self, targets: Collection[int], inventory: Inventory) -> tuple[tuple[Gpu, ...], bool]:
         """The targets and the NVLink peers that must be reset with them, in index order, and
@@ -112,43 +119,65 @@ class GpuResetter:
                 found.append(Blocker(gpu.index, gpu.uuid, line))
         return gpus, sorted(found, key=lambda b: b.gpu)
 
+    async def reset_gpus(self, indices: list[int], *, force: bool = False,
+                         why: str = "asked through the API") -> ResetOutcome:
+        """A GPU reset asked for through the API (or by health.auto_reset): the GPUs with their NVLink
+        peers, MIG instances brought back afterwards (a reset destroys every one). Refused with
+        OperationInProgress (409) while a MIG apply or another reset holds the node."""
+        self._operations.claim(Operation.RESET, gpus=sorted(indices))
+        try:
+            return await self.reset(indices, why, force=force, restore=self._restore)
+        finally:
+            self._operations.release()
+
+    async def reset_gpu(self, index: int, why: str) -> ResetOutcome:
+        """health.auto_reset's reset of one GPU (with the peers it must be reset with)."""
+        return await self.reset_gpus([index], why=why)
+
     async def reset(self, targets: Collection[int], why: str, *, force: bool = False,
-                    restore: Callable[[tuple[Gpu, ...], Inventory], Awaitable[None]] | None = None) -> ResetOutcome:
+                    restore: Restore | None = None) -> ResetOutcome:
         """Resets the targets with their NVLink peers, or raises ResetBlocked having changed nothing.
+        The caller holds the node's operations lock (reset_gpus, or a MIG apply).
 
         restore runs after the reset, before gpud's MPS daemons start again (MIG instances come
         back there). ResetFailed when the reset tool refused or failed; NVML is back either way.
         """
-        if self._lock.locked():
+        if self._resetting:
             raise ResetBusy("another GPU reset is in progress")
-        async with self._lock:
-            inventory = await self.inventory.refresh("gpu reset requested")
-            if inventory is None:
-                raise NvmlUnavailable(self.session.error or "no inventory yet: NVML is not available")
-            gpus, blockers = await self.preflight(targets, inventory, force=force)
-            if blockers:
-                log.warning("gpu_reset_refused", gpus=[g.index for g in gpus], why=why,
-                            blockers=[f"GPU {b.gpu}: {b.reason}" for b in blockers])
-                raise ResetBlocked(blockers, tuple(g.index for g in gpus), tuple(targets))
-            outcome = ResetOutcome(requested=tuple(sorted(targets)), gpus=tuple(g.index for g in gpus), output="")
-            if force:
-                outcome.ended_pids = await self._end_compute_processes(gpus)
-            await self._each(gpus, 0)
-            before = self._health_reasons()
-            try:
-                outcome.output, after = await self._reset_released(gpus, why)
-                for gpu in gpus:
-                    self.after_gpu_reset(gpu.uuid)
-                if restore is not None:
-                    await restore(gpus, after)
-            finally:
-                await self._each(gpus, 1)
-            outcome.cleared = _cleared(before, self._health_reasons())
+        self._resetting = True
+        try:
+            return await self._reset(targets, why, force, restore)
+        finally:
+            self._resetting = False
+
+    async def _reset(self, targets: Collection[int], why: str, force: bool, restore: Restore | None) -> ResetOutcome:
+        inventory = await self.inventory.refresh("gpu reset requested")
+        if inventory is None:
+            raise NvmlUnavailable(self.session.error or "no inventory yet: NVML is not available")
+        gpus, blockers = await self.preflight(targets, inventory, force=force)
+        if blockers:
+            log.warning("gpu_reset_refused", gpus=[g.index for g in gpus], why=why,
+                        blockers=[f"GPU {b.gpu}: {b.reason}" for b in blockers])
+            raise ResetBlocked(blockers, tuple(g.index for g in gpus), tuple(targets))
+        outcome = ResetOutcome(requested=tuple(sorted(targets)), gpus=tuple(g.index for g in gpus), output="")
+        if force:
+            outcome.ended_pids = await self._end_compute_processes(gpus)
+        await self._each(gpus, 0)
+        before = self._health_reasons()
+        try:
+            outcome.output, after = await self._reset_released(gpus, why)
             for gpu in gpus:
-                log.warning("gpu_reset", gpu=gpu.index, uuid=gpu.uuid, bus_id=gpu.pci_bus_id, why=why,
-                            together_with=[g.index for g in gpus if g.index != gpu.index],
-                            nvlink_peer=gpu.index in outcome.peers)
-            return outcome
+                self.after_gpu_reset(gpu.uuid)
+            if restore is not None:
+                await restore(gpus, after)
+        finally:
+            await self._each(gpus, 1)
+        outcome.cleared = _cleared(before, self._health_reasons())
+        for gpu in gpus:
+            log.warning("gpu_reset", gpu=gpu.index, uuid=gpu.uuid, bus_id=gpu.pci_bus_id, why=why,
+                        together_with=[g.index for g in gpus if g.index != gpu.index],
+                        nvlink_peer=gpu.index in outcome.peers)
+        return outcome
 
     def after_gpu_reset(self, uuid: str) -> None:
         """A GPU was reset, by gpud or by the driver (a MIG mode change on an idle Ampere GPU)."""

@@ -219,6 +219,49 @@ def test_no_top_level_module_is_named_cli_something():
     """The command line lives in gpud/cli/, grouped by feature."""
     assert sorted(path.name for path in PACKAGE.glob("cli_*.py")) == []
     assert not (PACKAGE / "cli.py").exists() and (CLI / "__init__.py").is_file()
+
+
+# one lock for GPU operations: a MIG apply, a GPU reset (and DRA's dynamic MIG claims) take the node's one
+# operations lock (gpud/node_operations.py); the reset route reaches the resetter, not MIG; mig/ is split by
+# concern (as mig-parted's pkg/mig/mode, pkg/mig/state, cmd apply) and its routes run no planner.
+
+LOCKS = ("asyncio.Lock(", "threading.Lock(", "threading.RLock(")
+# The one lock in mig/ that guards no GPU change: the history's writes, one at a time.
+LOCKS_KEPT = {"gpud/mig/history.py": 1}
+# mig/ modules longer than this are split; the two longer ones are a single parser and a single search.
+MIG_MODULE_LINES = 300
+MIG_MODULES_LONGER = {"layouts.py", "planner.py"}
+
+
+def test_only_the_node_operations_module_defines_the_lock():
+    definers = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+                      if "class NodeOperations" in path.read_text())
+    assert definers == ["gpud/node_operations.py"]
+    graph = _modules()
+    assert not any(_in(m, "gpud.mig") for m in graph["gpud.node_operations"] | graph["gpud.gpu_reset"])
+
+
+def test_mig_and_the_resetter_guard_gpu_changes_with_no_lock_of_their_own():
+    paths = [*sorted((PACKAGE / "mig").rglob("*.py")), PACKAGE / "gpu_reset.py"]
+    found = {str(path.relative_to(PACKAGE.parent)): sum(path.read_text().count(lock) for lock in LOCKS)
+             for path in paths}
+    assert {path: count for path, count in found.items() if count} == LOCKS_KEPT
+
+
+def test_the_reset_route_does_not_reach_mig():
+    assert not any(_in(m, "gpud.mig") for m in _modules()["gpud.api.gpus"])
+
+
+def test_the_mig_routes_run_no_planner():
+    assert not any(_in(m, "gpud.mig.planner") for m in _modules()["gpud.api.mig"])
+
+
+def test_mig_modules_are_small():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in (PACKAGE / "mig").glob("*.py")}
+    assert {name for name, lines in lengths.items() if lines > MIG_MODULE_LINES} <= MIG_MODULES_LONGER
+    assert lengths["reconciler.py"] <= 250  # a coordinator: preflight, apply, instances, history, view do the work
+
+
 # public sources ----------------------------------------------------------------------------------
 
 # Comments and data files cite public sources (repository, path, commit, or URL), never notes that

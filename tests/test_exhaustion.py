@@ -18,7 +18,7 @@ from helpers import (ADMINS, READERS, mig_config, mig_settled, put_layout, runni
 from openapi_check import assert_matches_openapi
 
 from gpud.api.connections import EXCESS_GRACE_S, FairTurns
-from gpud.mig.reconciler import HISTORY_KEPT
+from gpud.mig.history import HISTORY_KEPT
 from gpud.mps.control import process_alive
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the test users cannot reach the virtual environment's interpreter

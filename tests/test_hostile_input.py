@@ -22,6 +22,7 @@ from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon
 from gpud.api.errors import MAX_BODY_VALUES, REQUEST_ERROR_LOG, REQUEST_ERRORS_LOGGED
 from gpud.api.mig import MAX_INLINE_CONFIG_BYTES
 from gpud.logs import configure_logging
+from gpud.mig import overview
 from gpud.yamlfile import MAX_NODES, load_yaml
 
 # -- config files ------------------------------------------------------------------------------
@@ -243,15 +244,16 @@ def test_a_failure_inside_a_request_is_logged_without_the_frames_locals():
 # -- GET /v1/mig/layouts -----------------------------------------------------------------------
 
 
-def test_layouts_are_planned_once_per_layouts_file_and_inventory(short_tmp):
+def test_layouts_are_planned_once_per_layouts_file_and_inventory(short_tmp, monkeypatch):
     """GET /v1/mig/layouts planned every layout on every request (several ms of event-loop time,
     tens on a slow host); now once per layouts file, GPU state and active layout, off the loop."""
 
     async def scenario():
         node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
         planned = []
-        plan = node.daemon.mig.plan
-        node.daemon.mig.plan = lambda *args, **kwargs: planned.append(args[0].name) or plan(*args, **kwargs)
+        plan = overview.plan_layout
+        monkeypatch.setattr(overview, "plan_layout",
+                            lambda *args, **kwargs: planned.append(args[0].name) or plan(*args, **kwargs))
         try:
             first = [await node.get("/v1/mig/layouts") for _ in range(3)]
             assert first[0] == first[1] == first[2] and first[0][0] == 200

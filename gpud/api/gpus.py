@@ -7,18 +7,17 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, json_errors, read_json_object
 from gpud.api.responses import json_response
-from gpud.gpu_reset import ResetBlocked, ResetBusy
+from gpud.gpu_reset import GpuResetter, ResetBlocked, ResetBusy
 from gpud.inventory import InventoryService
-from gpud.mig.reconciler import MigReconciler
 from gpud.nvml.host_tools import ResetFailed
 from gpud.nvml.session import NvmlUnavailable
 from gpud.processes.monitor import ProcessMonitor
 
 
 class GpuRoutes:
-    def __init__(self, reconciler: MigReconciler, inventory: InventoryService, body_timeout_s: float,
+    def __init__(self, resetter: GpuResetter, inventory: InventoryService, body_timeout_s: float,
                  processes: ProcessMonitor):
-        self.reconciler = reconciler
+        self.resetter = resetter
         self.inventory = inventory
         self.body_timeout_s = body_timeout_s
         self.processes = processes
@@ -64,7 +63,7 @@ class GpuRoutes:
             raise ApiError(422, "not-a-gpu", f"'{ident}' is a MIG device: a reset takes its whole GPU "
                                              f"({gpu.index}, {gpu.uuid}); name the GPU")
         try:
-            outcome = await self.reconciler.reset_gpus([gpu.index], force=bool(body.get("force")))
+            outcome = await self.resetter.reset_gpus([gpu.index], force=bool(body.get("force")))
         except ResetBlocked as exc:
             raise ApiError(409, "reset-blocked", f"{exc}. Nothing was changed", blockers=[b.as_dict() for b in
                                                                                         exc.blockers],

@@ -11,10 +11,12 @@ from gpud.api.errors import ApiError, json_errors, off_the_loop, read_json_objec
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.encoding import encode
 from gpud.inventory import Inventory, InventoryService
-from gpud.mig.layouts import (Layout, LayoutError, LayoutsFile, NodeGpu, check_layouts, export_layout, layout_named,
-                              offers)
+from gpud.mig.layouts import Layout, LayoutError, LayoutsFile, check_layouts, export_layout, layout_named
 from gpud.mig.model import GpuPlan
-from gpud.mig.reconciler import ApplyRefused, MigReconciler, actual_of, node_gpus, root_needed
+from gpud.mig.overview import layouts_overview
+from gpud.mig.preflight import plan_layout
+from gpud.mig.reconciler import MigReconciler
+from gpud.mig.sync import actual_of, root_needed
 
 # An inline `config` (PUT /v1/mig) is a mig-parted file sent in the request: 64 KiB is nine times the
 # layouts gpud ships, and reads in a fraction of a second (a 1 MiB one took seconds). A larger file
@@ -70,28 +72,9 @@ class MigRoutes:
         if cached is None or cached[0] is not layouts or cached[2] != active or \
                 not (cached[1] is inventory.gpus or cached[1] == inventory.gpus):
             warnings = self.layouts_file.warnings()
-            view = await asyncio.to_thread(self._layouts_view, source, layouts, warnings, inventory, active)
+            view = await asyncio.to_thread(layouts_overview, source, layouts, warnings, inventory, active)
             cached = self._layouts_answer = (layouts, inventory.gpus, active, encode(view))
         return encoded_json_response(cached[3])
-
-    def _layouts_view(self, source: str, layouts: dict[str, Layout], file_warnings: list[str], inventory: Inventory,
-                      active: str | None) -> dict:
-        gpus = node_gpus(inventory)
-        views, node_warnings = [], []
-        for layout in layouts.values():
-            warnings = _node_warnings(layout, inventory, gpus)
-            node_warnings += warnings
-            try:
-                _desired, plans = self.reconciler.plan(layout, inventory, force=True)
-                fits, reason, changed, needs_root = True, None, len(plans), root_needed(plans)
-            except ApplyRefused as exc:
-                fits, reason, changed, needs_root = False, exc.message, None, None
-            views.append({"name": layout.name, "fits": fits, "reason": reason, "gpus_changed": changed,
-                          "needs_root": needs_root,
-                          "matching_gpus": len(layout.selected(gpus)), "active": layout.name == active,
-                          "warnings": [w for w in file_warnings if w.startswith(f"mig-configs.{layout.name}[")]
-                                      + warnings})
-        return {"source": source, "warnings": file_warnings + node_warnings, "layouts": views}
 
     @admin_only
     @json_errors
@@ -105,7 +88,7 @@ class MigRoutes:
         layout, origin = await self._requested_layout(body["layout"], body.get("config"))
         force = bool(body.get("force"))
         if body.get("dry_run"):
-            _desired, plans = self.reconciler.plan(layout, self._inventory(), force)
+            _desired, plans = plan_layout(layout, self._inventory(), force)
             return json_response({"layout": layout.name, "dry_run": True, "needs_root": root_needed(plans),
                                   "plan": plan_view(plans)})
         plans, applying = await self.reconciler.apply(layout, force=force, origin=origin)
@@ -142,17 +125,3 @@ class MigRoutes:
         name = request.query.get("name", "current")
         return web.Response(text=export_layout(name, per_gpu), content_type="application/yaml")
 
-
-def _node_warnings(layout: Layout, inventory: Inventory, gpus: list[NodeGpu]) -> list[str]:
-    """What the layout asks of this node's GPUs that none of them offers: per entry that selects
-    some of them, each profile no selected GPU's table has."""
-    tables = {gpu.index: gpu.mig.capabilities for gpu in inventory.gpus if gpu.mig.capabilities is not None}
-    warnings = []
-    for number, entry in enumerate(layout.entries):
-        selected = [tables[g.index] for g in gpus if entry.selects(g) and g.index in tables]
-        if not selected:
-            continue  # the entry is for other nodes, or GPUs whose tables are not known yet
-        warnings += [f"mig-configs.{layout.name}[{number}].mig-devices.{profile}: none of the GPUs of "
-                     f"this node that the entry selects offers profile {profile}"
-                     for profile in entry.mig_devices if not any(offers(t, profile) for t in selected)]
-    return warnings

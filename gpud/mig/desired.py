@@ -64,10 +64,12 @@ def _previous(document: dict) -> dict | None:
 
 
 class DesiredStore:
-    """mig-desired.json: load, save (refusing loudly when the disk will not take it) and take back."""
+    """mig-desired.json and the layout chosen now: load, save (refusing loudly when the disk will not
+    take it) and take back. The MIG apply, and the restore after any GPU reset, converge on `chosen`."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.chosen: Desired = NOTHING
         self.problem: str | None = None  # what went wrong reading the file, until a layout is chosen again
         self._previous: dict | None = None  # the document a saved layout replaced (None: there was none)
 
@@ -76,15 +78,14 @@ class DesiredStore:
         if corrupt is not None:
             self.problem = (f"{corrupt.message()}: no MIG layout is applied, mig.default_layout included, "
                             "until one is chosen with PUT /v1/mig")
-        if parsed is None:
-            return NOTHING
-        desired, self._previous = parsed
-        return desired
+        if parsed is not None:
+            self.chosen, self._previous = parsed
+        return self.chosen
 
-    def save(self, desired: Desired, replacing: Desired) -> None:
-        """Saves desired with the layout it replaces. Raises GpudError (507 when the disk is full)
-        having changed nothing."""
-        previous = replacing.document() if replacing.gpus is not None else None
+    def save(self, desired: Desired) -> None:
+        """Saves desired, the layout chosen now, with the one it replaces. Raises GpudError (507 when
+        the disk is full) having changed nothing."""
+        previous = self.chosen.document() if self.chosen.gpus is not None else None
         try:
             write_json_atomic(self.path, {**desired.document(), "previous": previous})
         except OSError as exc:
@@ -92,6 +93,7 @@ class DesiredStore:
             raise write_failed(self.path, exc, "the desired MIG layout") from None
         self._previous = previous
         self.problem = None
+        self.chosen = desired
 
     def take_back(self) -> Desired:
         """The saved layout is withdrawn (its pre_apply hook refused it): the one it replaced is the
@@ -107,4 +109,5 @@ class DesiredStore:
                             f"({exc.strerror or exc}): remove the file before gpud starts again")
             log.error("mig_desired_not_taken_back", path=str(self.path), error=str(exc))
         self._previous = None
-        return _parse(previous) if previous is not None else NOTHING
+        self.chosen = _parse(previous) if previous is not None else NOTHING
+        return self.chosen

@@ -1,0 +1,52 @@
+"""The states of a MIG apply, of the GPUs it changes, and what requesting a MIG mode did. Strings in
+every JSON answer and the watch stream (/v1/mig, NFD's nvidia.com/mig.config.state follows them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ApplyState(str, Enum):
+    SUCCESS = "success"
+    PENDING = "pending"  # chosen, not converged yet (or gpud has not begun converging at start)
+    APPLYING = "applying"
+    FAILED = "failed"
+    RESET_REQUIRED = "reset-required"  # a MIG mode change waits for a GPU reset or a reboot
+
+
+class GpuApplyState(str, Enum):
+    PENDING = "pending"
+    APPLYING = "applying"
+    DONE = "done"
+    UNCHANGED = "unchanged"
+    FAILED = "failed"
+    RESET_REQUIRED = "reset-required"
+
+
+class ModeOutcome(str, Enum):
+    """What requesting a MIG mode did (gpud.nvml.mig.set_mig_mode), or that the reset it waits for
+    would be refused."""
+    ACTIVE = "active"
+    NEEDS_RESET = "needs-reset"
+    NEEDS_REBOOT = "needs-reboot"
+    BLOCKED = "blocked"
+
+
+@dataclass
+class GpuProgress:
+    index: int
+    uuid: str
+    state: GpuApplyState = GpuApplyState.PENDING
+    error: str | None = None
+    mutations: int = 0
+
+
+@dataclass
+class ApplyStatus:
+    layout: str | None = None
+    state: ApplyState = ApplyState.SUCCESS
+    error: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    gpus: dict[str, GpuProgress] = field(default_factory=dict)

@@ -1,0 +1,41 @@
+"""What /v1/mig shows of the MIG layout (desired and actual per GPU, the apply's state, the history),
+and the in-sync gauge /metrics collects from it."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from gpud.inventory import Inventory
+from gpud.mig.desired import GpuDesired
+from gpud.mig.status import ApplyState, ApplyStatus
+from gpud.mig.sync import actual_of, in_sync
+from gpud.samples import HOSTNAME, Family
+
+
+def mig_view(inventory: Inventory | None, desired: dict[str, GpuDesired], status: ApplyStatus, *,
+             origin: str | None, started: bool, problem: str | None, history: list[dict]) -> dict:
+    """`started`: gpud has converged (or begun converging) the GPUs at start-up; until then the state is pending."""
+    gpus = []
+    for gpu in inventory.gpus if inventory else ():
+        wanted = desired.get(gpu.uuid)
+        progress = status.gpus.get(gpu.uuid)
+        gpus.append({"index": gpu.index, "uuid": gpu.uuid,
+                     "desired": wanted.as_dict() if wanted else None, "actual": actual_of(gpu),
+                     "in_sync": wanted is None or in_sync(gpu, wanted),
+                     "state": progress.state.value if progress else None,
+                     "error": progress.error if progress else None})
+    all_in_sync = bool(gpus) and all(g["in_sync"] for g in gpus)
+    state = status.state
+    if (state == ApplyState.SUCCESS and not all_in_sync and desired) or not started:
+        state = ApplyState.PENDING
+    return {"layout": status.layout, "layout_origin": origin, "state": state.value, "in_sync": all_in_sync,
+            "error": status.error or problem,
+            "started_at": status.started_at, "finished_at": status.finished_at, "gpus": gpus,
+            "history": history}
+
+
+def in_sync_family(view: dict, desired: dict[str, GpuDesired]) -> Iterator[Family]:
+    """Whether the GPUs have the desired layout, for /metrics (no desired layout: nothing is out of sync)."""
+    family = Family("gpud_mig_in_sync", "1 when every GPU has the desired MIG layout.", "gauge")
+    family.add({"hostname": HOSTNAME}, 1 if view["in_sync"] or not desired else 0)
+    yield family
