@@ -51,7 +51,7 @@ def mode_change_needs_reset(gpu: Gpu, desired: GpuDesired) -> bool:
     Ampere GPUs (A100, A30) apply a MIG mode change at a GPU reset; Hopper and later switch at
     once (NVIDIA MIG user guide, "Enable MIG Mode":
     https://docs.nvidia.com/datacenter/tesla/mig-user-guide/). mig-parted tells them apart by
-    compute capability below 9.0 (github.com/NVIDIA/mig-parted).
+    compute capability below 9.0 (NVIDIA/mig-parted deployments/systemd/utils.sh).
     """
     wanted = "enabled" if desired.mig_enabled else "disabled"
     return gpu.mig.capable and gpu.mig.mode != wanted and resets_to_change_mode(gpu)
