@@ -87,8 +87,8 @@ def _least_blocking(
     """Auto placement: the candidate that blocks the fewest still-free placements, ties → lowest start.
 
     Blocked placements are counted per (profile, placement) pair. This is the inferred driver
-    heuristic; it reproduces every public A100 transcript (the MIG user guide's "Getting Started with
-    MIG" among them; e.g. a lone 1g lands on slot 6,
+    heuristic; it reproduces the A100 transcripts it was drawn from (the MIG user guide's "Getting
+    Started with MIG" among them; e.g. a lone 1g lands on slot 6,
     which keeps 4g@0 and both 3g placements available).
     """
     still_free = [span for p in all_profiles for span in free_spans(p, instances)]
@@ -107,5 +107,5 @@ def gpu_instance_id(span: Span, memory_slices: int) -> int:
 
 def lowest_free_id(used: Collection[int]) -> int:
     """Compute-instance ids restart at 0 in each GI and are allocated lowest-free-first
-    (every transcript of the MIG user guide)."""
+    (as in the MIG user guide's transcripts)."""
     return next(i for i in range(len(used) + 1) if i not in used)
