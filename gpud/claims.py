@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.mps.manager import daemon_name
@@ -125,13 +125,14 @@ class ClaimRegistry:
                 hold.devices, hold.strategy, hold.interval):
             return self._claim_view(previous, self.inventory.current)
         if previous is None and len(self.holds) >= MAX_CLAIMS:
-            raise GpudError(409, "too-many-claims", f"gpud keeps at most {MAX_CLAIMS} claims")
+            raise GpudError(ErrorKind.CONFLICT, "too-many-claims", f"gpud keeps at most {MAX_CLAIMS} claims")
         inventory = self.inventory.current
         if hold.interval is not None and self._set_time_slice is not None and inventory is not None:
             indices = sorted({_gpu_of(inventory, d)[0].index for d in hold.devices})
             failed = await self._set_time_slice(indices, hold.interval)
             if failed:
-                raise GpudError(502, "time-slice-not-set", f"the time-slice interval {hold.interval} could not be "
+                raise GpudError(ErrorKind.TOOL_FAILED, "time-slice-not-set",
+                                f"the time-slice interval {hold.interval} could not be "
                                 f"set on GPUs {indices}: {failed}")
         self.holds[uid] = hold
         self._save(f"claim {uid}")
@@ -144,7 +145,8 @@ class ClaimRegistry:
     async def release(self, uid: str) -> dict:
         """DELETE /v1/claims/{uid}: idempotent; an unknown claim is released already."""
         if not UID.fullmatch(uid):
-            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
+            raise GpudError(ErrorKind.INVALID, "invalid-uid",
+                            "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
         hold = self.holds.pop(uid, None)
         if hold is None:
             return {"uid": uid, "released": False}
@@ -172,29 +174,36 @@ class ClaimRegistry:
 
     def _checked(self, uid: str, body: dict) -> Hold:
         if not UID.fullmatch(uid):
-            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
+            raise GpudError(ErrorKind.INVALID, "invalid-uid",
+                            "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
         for key in ("namespace", "name"):
             if not NAME.fullmatch(body[key]):
-                raise GpudError(400, "invalid-field", f"field {key!r} must be a Kubernetes name (a DNS subdomain)")
+                raise GpudError(ErrorKind.INVALID, "invalid-field",
+                                f"field {key!r} must be a Kubernetes name (a DNS subdomain)")
         if not NAME.fullmatch(body["driver"]) or len(body["driver"]) > 63:
-            raise GpudError(400, "invalid-field", "field 'driver' must be a DRA driver name (a DNS subdomain, at most 63)")
+            raise GpudError(ErrorKind.INVALID, "invalid-field",
+                            "field 'driver' must be a DRA driver name (a DNS subdomain, at most 63)")
         devices = body["devices"]
         if not devices or len(devices) > MAX_DEVICES or not all(isinstance(d, str) for d in devices):
-            raise GpudError(400, "invalid-field", f"field 'devices' must list 1 to {MAX_DEVICES} GPU or MIG UUIDs")
+            raise GpudError(ErrorKind.INVALID, "invalid-field",
+                            f"field 'devices' must list 1 to {MAX_DEVICES} GPU or MIG UUIDs")
         sharing = body.get("sharing") or {}
         if not isinstance(sharing, dict) or set(sharing) - {"strategy", "interval"}:
-            raise GpudError(400, "invalid-field", "field 'sharing' takes 'strategy' and 'interval' only")
+            raise GpudError(ErrorKind.INVALID, "invalid-field", "field 'sharing' takes 'strategy' and 'interval' only")
         strategy, interval = sharing.get("strategy"), sharing.get("interval")
         if strategy is not None and strategy not in STRATEGIES:
-            raise GpudError(400, "invalid-field", f"sharing.strategy must be one of {', '.join(STRATEGIES)}")
+            raise GpudError(ErrorKind.INVALID, "invalid-field",
+                            f"sharing.strategy must be one of {', '.join(STRATEGIES)}")
         if interval is not None and (strategy != "TimeSlicing" or interval not in INTERVALS):
-            raise GpudError(400, "invalid-field", f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
+            raise GpudError(ErrorKind.INVALID, "invalid-field",
+                            f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
         inventory = self.inventory.current
         if inventory is None:
-            raise GpudError(503, "no-inventory", "gpud has not read the GPUs yet")
+            raise GpudError(ErrorKind.UNAVAILABLE, "no-inventory", "gpud has not read the GPUs yet")
         unknown = [d for d in devices if _gpu_of(inventory, d) is None]
         if unknown:
-            raise GpudError(422, "unknown-device", f"no GPU (outside MIG mode) or MIG device {unknown[0][:80]!r} on "
+            raise GpudError(ErrorKind.REFUSED, "unknown-device",
+                            f"no GPU (outside MIG mode) or MIG device {unknown[0][:80]!r} on "
                             "this node (GET /v1/gpus)")
         hold = Hold(uid, body["namespace"], body["name"], body["driver"], tuple(dict.fromkeys(devices)), strategy,
                     interval, time.time())
@@ -203,6 +212,6 @@ class ClaimRegistry:
             for device in hold.devices:
                 # a GPU in MIG mode is never held whole (_gpu_of), so a MIG device and its GPU cannot both be
                 if other.uid != uid and device in other.devices and not shared:
-                    raise GpudError(409, "device-held", f"device {device} is held by {other.describe()}",
+                    raise GpudError(ErrorKind.CONFLICT, "device-held", f"device {device} is held by {other.describe()}",
                                     holder={"namespace": other.namespace, "name": other.name, "uid": other.uid})
         return hold

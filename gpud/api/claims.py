@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import json_errors, read_json_object
+from gpud.api.errors import read_json_object
 from gpud.api.responses import json_response
 from gpud.claims import ClaimRegistry
 
@@ -25,7 +25,6 @@ class ClaimRoutes:
         return json_response(self.registry.view())
 
     @admin_only
-    @json_errors
     async def put(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self._body_timeout_s, {
             "namespace": (str,), "name": (str,), "driver": (str,), "devices": (list,),
@@ -33,6 +32,5 @@ class ClaimRoutes:
         return json_response(await self.registry.hold(request.match_info["uid"], body))
 
     @admin_only
-    @json_errors
     async def delete(self, request: web.Request) -> web.Response:
         return json_response(await self.registry.release(request.match_info["uid"]))

@@ -9,7 +9,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import json_errors, read_json_object
+from gpud.api.errors import read_json_object
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.sharing.gpu_memory import MAX_REPORTED_IDS, MAX_REPORTED_PODS, GpuMemory
 from gpud.sharing.service import SharingView
@@ -34,7 +34,6 @@ class SharingRoutes:
         return encoded_json_response(self.sharing.body)
 
     @admin_only
-    @json_errors
     async def put_config(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self._body_timeout_s, {"name": (str, type(None)),
                                                                       "reason": (str, type(None))})
@@ -50,12 +49,10 @@ class AllocationRoutes:
         app.router.add_get("/v1/allocations", self.get)
         app.router.add_put("/v1/allocations", self.put)
 
-    @json_errors
     async def get(self, request: web.Request) -> web.Response:
         return json_response(self.gpu_memory.view())
 
     @admin_only
-    @json_errors
     async def put(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self._body_timeout_s,
                                       {"resource": (str,), "read_at": (int, float), "pods": (list,)},

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 from gpud.config import GpuMemoryConfig
 from gpud.dcgm_labels import gpu_labels, instance_labels
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory
 from gpud.mps.manager import daemon_name
 from gpud.samples import Family
@@ -121,23 +121,25 @@ class GpuMemory:
         """Takes PUT /v1/allocations' body (its top-level types checked by the API): what the device
         plugin read from the kubelet's PodResources API. GpudError 400 names what is wrong."""
         if not self.config.enabled:
-            raise GpudError(409, "gpu-memory-disabled", "gpu_memory is not enabled on this node (gpud.yaml "
-                                                        "gpu_memory.enabled)")
+            raise GpudError(ErrorKind.CONFLICT, "gpu-memory-disabled",
+                            "gpu_memory is not enabled on this node (gpud.yaml "
+                            "gpu_memory.enabled)")
         if body["resource"] != self.config.resource:
-            raise GpudError(409, "wrong-resource", f"this node advertises GPU memory as "
+            raise GpudError(ErrorKind.CONFLICT, "wrong-resource", f"this node advertises GPU memory as "
                             f"{self.config.resource!r}, not {body['resource'][:80]!r}")
         read_at = body["read_at"]
         if not 0 <= read_at < 1e11:
-            raise GpudError(400, "invalid-field", "field 'read_at' must be a Unix time in seconds")
+            raise GpudError(ErrorKind.INVALID, "invalid-field", "field 'read_at' must be a Unix time in seconds")
         pods = body["pods"]
         if len(pods) > MAX_REPORTED_PODS:
-            raise GpudError(400, "too-many-pods", f"at most {MAX_REPORTED_PODS} pods in a report, got {len(pods)}")
+            raise GpudError(ErrorKind.INVALID, "too-many-pods",
+                            f"at most {MAX_REPORTED_PODS} pods in a report, got {len(pods)}")
         holders, ids = [], 0
         for position, pod in enumerate(pods):
             holders.append(_holder(pod, position))
             ids += len(holders[-1]["device_ids"])
             if ids > MAX_REPORTED_IDS:
-                raise GpudError(400, "too-many-ids", f"at most {MAX_REPORTED_IDS} device IDs in a report")
+                raise GpudError(ErrorKind.INVALID, "too-many-ids", f"at most {MAX_REPORTED_IDS} device IDs in a report")
         report = {"read_at": float(read_at), "pods": holders}
         changed = self._report is None or {**self._report, "reported_at": None} != {**report, "reported_at": None}
         self._report = {**report, "reported_at": time.time()}
@@ -213,17 +215,18 @@ class GpuMemory:
 def _holder(pod: Any, position: int) -> dict:
     where = f"pods[{position}]"
     if not isinstance(pod, dict):
-        raise GpudError(400, "invalid-field", f"{where} must be an object")
+        raise GpudError(ErrorKind.INVALID, "invalid-field", f"{where} must be an object")
     unknown = sorted(set(pod) - {"namespace", "pod", "container", "device_ids"})
     if unknown:
-        raise GpudError(400, "unknown-field", f"{where}: unknown field(s) {', '.join(unknown)[:200]}")
+        raise GpudError(ErrorKind.INVALID, "unknown-field", f"{where}: unknown field(s) {', '.join(unknown)[:200]}")
     for key in ("namespace", "pod", "container"):
         value = pod.get(key)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_LENGTH:
-            raise GpudError(400, "invalid-field", f"{where}.{key} must be a string of 1 to {MAX_NAME_LENGTH} "
-                                                  "characters")
+            raise GpudError(ErrorKind.INVALID, "invalid-field",
+                            f"{where}.{key} must be a string of 1 to {MAX_NAME_LENGTH} "
+                            "characters")
     ids = pod.get("device_ids")
     if not isinstance(ids, list) or not all(isinstance(id_, str) and 0 < len(id_) <= MAX_ID_LENGTH for id_ in ids):
-        raise GpudError(400, "invalid-field", f"{where}.device_ids must be a list of strings of 1 to "
-                                              f"{MAX_ID_LENGTH} characters")
+        raise GpudError(ErrorKind.INVALID, "invalid-field", f"{where}.device_ids must be a list of strings of 1 to "
+                                                            f"{MAX_ID_LENGTH} characters")
     return {"namespace": pod["namespace"], "pod": pod["pod"], "container": pod["container"], "device_ids": ids}
