@@ -12,13 +12,12 @@ of an earlier boot the same way). Written atomically but without fsync: a power 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory, InventoryService
 from gpud.lifecycle import Component, Tasks
 from gpud.logs import get_logger
@@ -27,14 +26,9 @@ from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
 
 log = get_logger("claims")
 
-UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
-NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain
-MAX_DEVICES = 64  # a claim's devices on one node: more than any node has
 # Every hold is checked against the others and the whole list saved on each change, on the event loop: the
 # count is bounded well above a node's (the kubelet's default is 110 pods, each with a few claims).
 MAX_CLAIMS = 1024
-STRATEGIES = ("TimeSlicing", "MPS")
-INTERVALS = ("Default", "Short", "Medium", "Long")  # NVIDIA's TimeSliceInterval, gpud's time-slice names lowered
 
 
 @dataclass(frozen=True)
@@ -132,21 +126,23 @@ class ClaimRegistry(Component):
 
     # -- holding and releasing -------------------------------------------------------------------
 
-    async def hold(self, uid: str, body: dict) -> dict:
-        """PUT /v1/claims/{uid}: the claim holds these devices (the same body again: nothing changes)."""
-        hold = self._checked(uid, body)
+    async def hold(self, wanted: Hold) -> dict:
+        """PUT /v1/claims/{uid}: the claim holds these devices (the same again: nothing changes)."""
+        hold = self._checked(wanted)
+        uid = hold.uid
         previous = self.holds.get(uid)
         if previous is not None and (previous.devices, previous.strategy, previous.interval) == (
                 hold.devices, hold.strategy, hold.interval):
             return self._claim_view(previous, self.inventory.current)
         if previous is None and len(self.holds) >= MAX_CLAIMS:
-            raise GpudError(409, "too-many-claims", f"gpud keeps at most {MAX_CLAIMS} claims")
+            raise GpudError(ErrorKind.CONFLICT, "too-many-claims", f"gpud keeps at most {MAX_CLAIMS} claims")
         inventory = self.inventory.current
         if hold.interval is not None and self._set_time_slice is not None and inventory is not None:
             indices = sorted({_gpu_of(inventory, d)[0].index for d in hold.devices})
             failed = await self._set_time_slice(indices, hold.interval)
             if failed:
-                raise GpudError(502, "time-slice-not-set", f"the time-slice interval {hold.interval} could not be "
+                raise GpudError(ErrorKind.TOOL_FAILED, "time-slice-not-set",
+                                f"the time-slice interval {hold.interval} could not be "
                                 f"set on GPUs {indices}: {failed}")
         self.holds[uid] = hold
         self._save(f"claim {uid}")
@@ -158,8 +154,6 @@ class ClaimRegistry(Component):
 
     async def release(self, uid: str) -> dict:
         """DELETE /v1/claims/{uid}: idempotent; an unknown claim is released already."""
-        if not UID.fullmatch(uid):
-            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
         hold = self.holds.pop(uid, None)
         if hold is None:
             return {"uid": uid, "released": False}
@@ -185,39 +179,23 @@ class ClaimRegistry(Component):
         except OSError as exc:
             raise write_failed(self.path, exc, what) from None
 
-    def _checked(self, uid: str, body: dict) -> Hold:
-        if not UID.fullmatch(uid):
-            raise GpudError(400, "invalid-uid", "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
-        for key in ("namespace", "name"):
-            if not NAME.fullmatch(body[key]):
-                raise GpudError(400, "invalid-field", f"field {key!r} must be a Kubernetes name (a DNS subdomain)")
-        if not NAME.fullmatch(body["driver"]) or len(body["driver"]) > 63:
-            raise GpudError(400, "invalid-field", "field 'driver' must be a DRA driver name (a DNS subdomain, at most 63)")
-        devices = body["devices"]
-        if not devices or len(devices) > MAX_DEVICES or not all(isinstance(d, str) for d in devices):
-            raise GpudError(400, "invalid-field", f"field 'devices' must list 1 to {MAX_DEVICES} GPU or MIG UUIDs")
-        sharing = body.get("sharing") or {}
-        if not isinstance(sharing, dict) or set(sharing) - {"strategy", "interval"}:
-            raise GpudError(400, "invalid-field", "field 'sharing' takes 'strategy' and 'interval' only")
-        strategy, interval = sharing.get("strategy"), sharing.get("interval")
-        if strategy is not None and strategy not in STRATEGIES:
-            raise GpudError(400, "invalid-field", f"sharing.strategy must be one of {', '.join(STRATEGIES)}")
-        if interval is not None and (strategy != "TimeSlicing" or interval not in INTERVALS):
-            raise GpudError(400, "invalid-field", f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
+    def _checked(self, wanted: Hold) -> Hold:
+        """The hold `wanted` (its fields checked by the API) as it would be now: refused without an
+        inventory, for a device not on this node, or for one another claim holds and does not share."""
         inventory = self.inventory.current
         if inventory is None:
-            raise GpudError(503, "no-inventory", "gpud has not read the GPUs yet")
-        unknown = [d for d in devices if _gpu_of(inventory, d) is None]
+            raise GpudError(ErrorKind.UNAVAILABLE, "no-inventory", "gpud has not read the GPUs yet")
+        unknown = [d for d in wanted.devices if _gpu_of(inventory, d) is None]
         if unknown:
-            raise GpudError(422, "unknown-device", f"no GPU (outside MIG mode) or MIG device {unknown[0][:80]!r} on "
+            raise GpudError(ErrorKind.REFUSED, "unknown-device",
+                            f"no GPU (outside MIG mode) or MIG device {unknown[0][:80]!r} on "
                             "this node (GET /v1/gpus)")
-        hold = Hold(uid, body["namespace"], body["name"], body["driver"], tuple(dict.fromkeys(devices)), strategy,
-                    interval, time.time())
+        hold = replace(wanted, devices=tuple(dict.fromkeys(wanted.devices)), held_since=time.time())
         for other in self.holds.values():
-            shared = strategy is not None and other.strategy == strategy
+            shared = hold.strategy is not None and other.strategy == hold.strategy
             for device in hold.devices:
                 # a GPU in MIG mode is never held whole (_gpu_of), so a MIG device and its GPU cannot both be
-                if other.uid != uid and device in other.devices and not shared:
-                    raise GpudError(409, "device-held", f"device {device} is held by {other.describe()}",
+                if other.uid != hold.uid and device in other.devices and not shared:
+                    raise GpudError(ErrorKind.CONFLICT, "device-held", f"device {device} is held by {other.describe()}",
                                     holder={"namespace": other.namespace, "name": other.name, "uid": other.uid})
         return hold

@@ -32,7 +32,7 @@ from gpud.api.slurm import SlurmRoutes
 from gpud.cdi.writer import CdiSpecRemoved, CdiWriter
 from gpud.claims import ClaimRegistry
 from gpud.config import Config, ConfigError
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.events import EventBus, EventType
 from gpud.gpu_reset import GpuResetter
 from gpud.health.active_check import ActiveCheck
@@ -256,7 +256,7 @@ class Daemon:
     async def reload_from_files(self) -> str:
         """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.
         Every file is read and checked before anything is applied, so one that is invalid changes
-        nothing, not even the log level: GpudError 422 config-invalid. systemd hears READY=1 after
+        nothing, not even the log level: GpudError (refused) config-invalid. systemd hears READY=1 after
         RELOADING=1 either way, or it would wait for the reload to time out."""
         self.notifier.reloading()
         try:
@@ -266,7 +266,7 @@ class Daemon:
                     read_sharing_file(Path(config.sharing.file))
             except (ConfigError, SharingConfigError, OSError) as exc:
                 log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
-                raise GpudError(422, "config-invalid", f"{exc}; the running config stays") from None
+                raise GpudError(ErrorKind.REFUSED, "config-invalid", f"{exc}; the running config stays") from None
             await self.reload(config)
         finally:
             self.notifier.ready(self.status_line())
@@ -318,7 +318,7 @@ class Daemon:
         except MetricsListenError as exc:
             log.error("reload_refused", error=str(exc), listening=self.metrics_listener.address,
                       why="the new metrics.listen cannot be listened on; the running config stays")
-            raise GpudError(409, "metrics-listen-failed", f"{exc}; the running config stays",
+            raise GpudError(ErrorKind.CONFLICT, "metrics-listen-failed", f"{exc}; the running config stays",
                             listening=self.metrics_listener.address) from None
 
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpud.errors import ErrorKind, GpudError, nvml_unavailable
 from gpud.inventory import Gpu, Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.node_operations import NodeOperations, Operation
@@ -42,19 +43,28 @@ class Blocker:
         return {"gpu": self.gpu, "uuid": self.uuid, "reason": self.reason}
 
 
-class ResetBlocked(Exception):
-    """Something holds a GPU that must be reset: nothing was changed."""
+class ResetBlocked(GpudError):
+    """Something holds a GPU that must be reset: nothing was changed. str() is the refusal alone, for a
+    sentence of its own (a MIG apply's, health's auto-reset)."""
 
     def __init__(self, blockers: list[Blocker], group: tuple[int, ...], requested: tuple[int, ...]):
-        self.blockers, self.group = blockers, group
         peers = [index for index in group if index not in requested]
         together = f" (NVLink peers {', '.join(map(str, peers))} must be reset in the same command)" if peers else ""
-        super().__init__(f"a GPU reset would be refused{together}: "
-                         + "; ".join(f"GPU {b.gpu}: {b.reason}" for b in blockers))
+        self.refusal = (f"a GPU reset would be refused{together}: "
+                        + "; ".join(f"GPU {b.gpu}: {b.reason}" for b in blockers))
+        super().__init__(ErrorKind.CONFLICT, "reset-blocked", f"{self.refusal}. Nothing was changed",
+                         blockers=[b.as_dict() for b in blockers], reset_gpus=list(group))
+        self.blockers, self.group = blockers, group
+
+    def __str__(self) -> str:
+        return self.refusal
 
 
-class ResetBusy(Exception):
+class ResetBusy(GpudError):
     """Another reset is running."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorKind.CONFLICT, "reset-in-progress", message)
 
 
 @dataclass
@@ -127,6 +137,8 @@ class GpuResetter:
         self._operations.claim(Operation.RESET, gpus=sorted(indices))
         try:
             return await self.reset(indices, why, force=force, restore=self._restore)
+        except NvmlUnavailable as exc:
+            raise nvml_unavailable(str(exc)) from None
         finally:
             self._operations.release()
 

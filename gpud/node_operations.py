@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 
 
 class Operation(str, Enum):
@@ -41,8 +41,9 @@ class NodeOperations:
             running = self.running
             what = (f"a reset of GPUs {', '.join(map(str, running['gpus']))}" if running["operation"] == "reset"
                     else f"a MIG apply of '{running['layout']}'")
-            raise OperationInProgress(409, "apply-in-progress", f"{what} is in progress; nothing was changed, try "
-                                                                "again once it is done", running=running)
+            raise OperationInProgress(ErrorKind.CONFLICT, "apply-in-progress",
+                                      f"{what} is in progress; nothing was changed, try "
+                                      "again once it is done", running=running)
         self.running = {"operation": operation.value, **details, "started_at": time.time()}
 
     def release(self) -> None:

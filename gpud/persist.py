@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.logs import get_logger
 
 log = get_logger("persist")
@@ -99,8 +99,8 @@ def _set_aside(path: Path, error: str, move: bool) -> CorruptFile:
 
 
 def write_failed(path: Path, exc: OSError, what: str) -> GpudError:
-    """The refusal to answer when `what` could not be saved: 507 when the disk is full, else 500."""
+    """The refusal to answer when `what` could not be saved: disk-full when the disk is full, else failed."""
     full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     reason = "the disk is full" if full else (exc.strerror or str(exc))
-    return GpudError(507 if full else 500, "state-not-saved",
+    return GpudError(ErrorKind.DISK_FULL if full else ErrorKind.FAILED, "state-not-saved",
                      f"could not save {what} to {path}: {reason}; nothing was changed", path=str(path))

@@ -276,3 +276,128 @@ def test_no_file_of_the_package_cites_a_path_on_a_working_machine():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if any(marker in line for marker in MACHINE_PATHS)}
     assert found == {}
+# one error table (issue 41 item 4): a domain error carries a kind (gpud/errors.py ErrorKind), never an
+# HTTP status; gpud/api/errors.py's ERROR_STATUS alone says which status answers each kind, and it
+# answers on every route, with no decorator for a route to forget.
+
+
+def _trees() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _error_classes(trees: dict[Path, ast.Module]) -> set[str]:
+    """GpudError and the classes deriving from it, directly or not (ApiError, ApplyRefused, ...)."""
+    bases = {node.name: {b.id for b in node.bases if isinstance(b, ast.Name)}
+             for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found = {"GpudError"}
+    while more := {name for name, of in bases.items() if of & found} - found:
+        found |= more
+    return found
+
+
+def _error_calls(trees: dict[Path, ast.Module]):
+    classes = _error_classes(trees)
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in classes:
+                yield path, node
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+
+
+def _is_kind(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ErrorKind"
+
+
+def test_errors_carry_a_kind_never_an_http_status():
+    trees = _trees()
+    calls = list(_error_calls(trees))
+    assert len(calls) > 50  # the walk finds them
+    offenders = [_where(path, call) for path, call in calls
+                 if any(isinstance(n, ast.Constant) and type(n.value) is int and 100 <= n.value <= 599
+                        for arg in call.args[:1] + [k.value for k in call.keywords if k.arg == "kind"]
+                        for n in ast.walk(arg))]
+    assert offenders == []
+    from gpud.errors import ErrorKind, GpudError
+    assert not hasattr(GpudError(ErrorKind.INVALID, "a", "b"), "status")
+
+
+def test_only_the_api_names_http_statuses():
+    """Outside gpud/api/, a module that raises gpud's errors writes no HTTP error status (400-599) at all."""
+    offenders = []
+    for path, tree in _trees().items():
+        if path.is_relative_to(PACKAGE / "api"):
+            continue
+        imports_errors = any(isinstance(n, ast.ImportFrom) and n.module == "gpud.errors" for n in ast.walk(tree))
+        if imports_errors or path == PACKAGE / "errors.py":
+            offenders += [_where(path, n) for n in ast.walk(tree)
+                          if isinstance(n, ast.Constant) and type(n.value) is int and 400 <= n.value <= 599]
+    assert offenders == []
+
+
+def test_the_kind_table_is_the_only_place_mapping_kinds():
+    from gpud.api.errors import ERROR_STATUS
+    from gpud.errors import ErrorKind
+    assert set(ERROR_STATUS) == set(ErrorKind)
+    assert len(set(ERROR_STATUS.values())) == len(ERROR_STATUS)  # two kinds of one status would be one kind
+    table = PACKAGE / "api" / "errors.py"
+    offenders = []
+    for path, tree in _trees().items():
+        for node in ast.walk(tree):
+            mapping = (isinstance(node, ast.Dict) and any(key is not None and _is_kind(key) for key in node.keys)
+                       or isinstance(node, ast.Compare) and any(_is_kind(n) for n in [node.left, *node.comparators])
+                       or isinstance(node, ast.MatchValue) and _is_kind(node.value)
+                       or isinstance(node, ast.Name) and node.id == "ERROR_STATUS")
+            if mapping and path != table:
+                offenders.append(_where(path, node))
+    assert offenders == []
+
+
+def test_no_route_decorator_answers_errors():
+    """json_errors, the decorator a route could forget (and then answered 500), is gone."""
+    offenders = [_where(path, node) for path, tree in _trees().items() for node in ast.walk(tree)
+                 if "json_errors" in (getattr(node, "id", None), getattr(node, "attr", None), getattr(node, "name", None))]
+    assert offenders == []
+
+
+async def test_every_route_of_the_daemons_app_answers_errors_by_the_table(short_tmp):
+    from helpers import sim_config
+
+    from gpud.api.errors import answering_gpud_errors
+    from gpud.daemon import Daemon
+    app = Daemon(sim_config(short_tmp, "dgx-a100")).api.app()
+    wrapped = answering_gpud_errors(lambda request: None).__code__
+    routes = list(app.router.routes())
+    assert len(routes) > 40
+    assert [f"{r.method} {r.resource.canonical}" for r in routes if r.handler.__code__ is not wrapped] == []
+
+
+async def test_a_gpud_error_is_answered_with_its_kinds_status_on_any_route():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gpud.api.errors import ERROR_STATUS
+    from gpud.api.server import Api
+    from gpud.errors import ErrorKind, GpudError
+
+    class Inventory:
+        error = None
+
+        def subscribe(self, callback) -> None:
+            pass
+
+    async def refuse(request):
+        raise GpudError(ErrorKind[request.match_info["kind"]], "refused-here", "a sentence", detail=1)
+
+    def register(app) -> None:
+        app.router.add_get("/v1/refuse/{kind}", refuse)
+        app.router.add_post("/v1/refuse/{kind}", refuse)
+
+    async with TestClient(TestServer(Api(None, Inventory(), {}, more_routes=(register,)).app())) as client:
+        for kind in ErrorKind:
+            for method in ("GET", "POST"):
+                response = await client.request(method, f"/v1/refuse/{kind.name}")
+                assert response.status == ERROR_STATUS[kind], (kind, method)
+                assert await response.json() == {"error": {"code": "refused-here", "message": "a sentence",
+                                                           "detail": 1}}

@@ -20,7 +20,8 @@ from helpers import REPO
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.check import CheckRoutes
-from gpud.errors import GpudError
+from gpud.api.errors import ErrorTableRouter
+from gpud.errors import ErrorKind, GpudError
 from gpud.health import diag
 from gpud.health.active_check import DiagStore
 from gpud.health.diag import DiagRun, DiagTest, find_dcgmi, run_diag
@@ -296,14 +297,15 @@ class Check:
     async def run(self, level: int, force: bool) -> dict:
         self.asked.append((level, force))
         if self.busy and not force:
-            raise GpudError(409, "gpus-busy", "GPU 0 runs compute processes (pid 4242 python); pass force to "
-                                              "check anyway", gpus={"0": [4242]})
+            raise GpudError(ErrorKind.CONFLICT, "gpus-busy", "GPU 0 runs compute processes (pid 4242 python); "
+                            "pass force to check anyway", gpus={"0": [4242]})
         self.document = {"level": level, "outcome": "pass"}
         return self.document
 
 
 async def _serve(site_of, check: Check):
     app = web.Application()
+    app.router.__class__ = ErrorTableRouter  # as gpud's own router: its routes answer GpudErrors by the table
     app[ADMIN_POLICY] = AdminPolicy("gpud-admin")
     CheckRoutes(check.run, lambda: check.document, body_timeout_s=5).register(app)
     runner = web.AppRunner(app)

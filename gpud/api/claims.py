@@ -3,12 +3,21 @@ DRA plugin holding and releasing them (gpud/claims.py)."""
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import json_errors, read_json_object
+from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
-from gpud.claims import ClaimRegistry
+from gpud.claims import ClaimRegistry, Hold
+from gpud.errors import ErrorKind
+
+UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
+NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain
+MAX_DEVICES = 64  # a claim's devices on one node: more than any node has
+STRATEGIES = ("TimeSlicing", "MPS")
+INTERVALS = ("Default", "Short", "Medium", "Long")  # NVIDIA's TimeSliceInterval, gpud's time-slice names lowered
 
 
 class ClaimRoutes:
@@ -25,14 +34,45 @@ class ClaimRoutes:
         return json_response(self.registry.view())
 
     @admin_only
-    @json_errors
     async def put(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self._body_timeout_s, {
             "namespace": (str,), "name": (str,), "driver": (str,), "devices": (list,),
             "sharing": (dict, type(None))})
-        return json_response(await self.registry.hold(request.match_info["uid"], body))
+        return json_response(await self.registry.hold(_wanted(_uid(request), body)))
 
     @admin_only
-    @json_errors
     async def delete(self, request: web.Request) -> web.Response:
-        return json_response(await self.registry.release(request.match_info["uid"]))
+        return json_response(await self.registry.release(_uid(request)))
+
+
+def _uid(request: web.Request) -> str:
+    uid = request.match_info["uid"]
+    if not UID.fullmatch(uid):
+        raise ApiError(ErrorKind.INVALID, "invalid-uid",
+                       "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
+    return uid
+
+
+def _wanted(uid: str, body: dict) -> Hold:
+    """The hold PUT /v1/claims/{uid}'s body asks for (its top-level types checked)."""
+    for key in ("namespace", "name"):
+        if not NAME.fullmatch(body[key]):
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"field {key!r} must be a Kubernetes name (a DNS subdomain)")
+    if not NAME.fullmatch(body["driver"]) or len(body["driver"]) > 63:
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       "field 'driver' must be a DRA driver name (a DNS subdomain, at most 63)")
+    devices = body["devices"]
+    if not devices or len(devices) > MAX_DEVICES or not all(isinstance(d, str) for d in devices):
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       f"field 'devices' must list 1 to {MAX_DEVICES} GPU or MIG UUIDs")
+    sharing = body.get("sharing") or {}
+    if not isinstance(sharing, dict) or set(sharing) - {"strategy", "interval"}:
+        raise ApiError(ErrorKind.INVALID, "invalid-field", "field 'sharing' takes 'strategy' and 'interval' only")
+    strategy, interval = sharing.get("strategy"), sharing.get("interval")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ApiError(ErrorKind.INVALID, "invalid-field", f"sharing.strategy must be one of {', '.join(STRATEGIES)}")
+    if interval is not None and (strategy != "TimeSlicing" or interval not in INTERVALS):
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
+    return Hold(uid, body["namespace"], body["name"], body["driver"], tuple(devices), strategy, interval)

@@ -10,14 +10,14 @@ import math
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from gpud.api.responses import json_response
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 
 MAX_BODY_BYTES = 1 << 20
 # No route takes anything nested deeper than a list in an object; this leaves room and keeps a
@@ -42,6 +42,7 @@ MAX_ECHOED_PATH = 100
 BODY_PARSER_THREADS = 2
 _body_parsers = ThreadPoolExecutor(BODY_PARSER_THREADS, thread_name_prefix="gpud-body-parser")
 Parsed = TypeVar("Parsed")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiError(GpudError):
@@ -54,24 +55,57 @@ def error_response(status: int, code: str, message: str, **details: Any) -> web.
     return json_response({"error": error}, status)
 
 
-def json_errors(handler):
-    """Answers a GpudError raised by the handler (an ApiError, or a domain refusal) with its JSON response.
+# The one table of what HTTP status answers each kind of GpudError, on every route (ErrorTableRouter).
+ERROR_STATUS: dict[ErrorKind, int] = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.TIMED_OUT: 408,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.REFUSED: 422,
+    ErrorKind.FAILED: 500,
+    ErrorKind.UNSUPPORTED: 501,
+    ErrorKind.TOOL_FAILED: 502,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DISK_FULL: 507,
+}
 
-    A decorator on the routes rather than an aiohttp middleware: a middleware costs every request
-    about 15% of throughput (bench/api.py), and the hot read routes cannot fail this way.
-    """
+
+def gpud_error_response(exc: GpudError) -> web.Response:
+    """The JSON answer to a GpudError, with its kind's status."""
+    response = error_response(ERROR_STATUS[exc.kind], exc.code, exc.message, **exc.details)
+    if exc.kind is ErrorKind.TIMED_OUT:
+        response.force_close()  # the rest of a stalled body is not worth waiting for
+    return response
+
+
+def answering_gpud_errors(handler: Handler) -> Handler:
+    """The handler, answering a GpudError it raises (an ApiError, or a domain refusal) with its JSON response."""
 
     @functools.wraps(handler)
-    async def answer(self, request: web.Request) -> web.StreamResponse:
+    async def answer(request: web.Request) -> web.StreamResponse:
         try:
-            return await handler(self, request)
+            return await handler(request)
         except GpudError as exc:
-            response = error_response(exc.status, exc.code, exc.message, **exc.details)
-            if exc.status == 408:
-                response.force_close()  # the rest of a stalled body is not worth waiting for
-            return response
+            return gpud_error_response(exc)
 
     return answer
+
+
+class ErrorTableRouter(web.UrlDispatcher):
+    """aiohttp's router, except that every handler added to it answers a GpudError with the status of
+    its kind (ERROR_STATUS), so that no route can forget to.
+
+    Each handler is wrapped once, where it is added, rather than by an aiohttp middleware: a middleware
+    costs every request about 15% of throughput (bench/api.py). aiohttp's add_get adds its HEAD and GET
+    routes itself; every other add_* goes through add_route.
+    """
+
+    def add_route(self, method: str, path: str, handler: Handler, **kwargs: Any) -> web.AbstractRoute:
+        return super().add_route(method, path, answering_gpud_errors(handler), **kwargs)
+
+    def add_get(self, path: str, handler: Handler, **kwargs: Any) -> web.AbstractRoute:
+        return super().add_get(path, answering_gpud_errors(handler), **kwargs)
 
 
 async def no_such_route(request: web.Request) -> web.Response:
@@ -105,11 +139,12 @@ async def off_the_loop(parse: Callable[..., Parsed], *args: Any) -> Parsed:
 
 def _too_large(size: int | None, limit: int = MAX_BODY_BYTES) -> ApiError:
     got = f" (got {size} bytes)" if size is not None else ""
-    return ApiError(413, "body-too-large", f"request bodies are limited to {limit} bytes{got}")
+    return ApiError(ErrorKind.TOO_LARGE, "body-too-large", f"request bodies are limited to {limit} bytes{got}")
 
 
 def _too_deep() -> ApiError:
-    return ApiError(400, "invalid-json", f"the request body nests lists or objects more than {MAX_BODY_DEPTH} deep")
+    return ApiError(ErrorKind.INVALID, "invalid-json",
+                    f"the request body nests lists or objects more than {MAX_BODY_DEPTH} deep")
 
 
 async def read_json_object(request: web.Request, timeout_s: float, fields: dict[str, tuple], *,
@@ -134,13 +169,15 @@ async def _read_body(request: web.Request, timeout_s: float, limit: int) -> byte
     try:
         raw = await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
-        raise ApiError(408, "body-timeout", f"the request body did not arrive within {timeout_s:g} s") from None
+        raise ApiError(ErrorKind.TIMED_OUT, "body-timeout",
+                       f"the request body did not arrive within {timeout_s:g} s") from None
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, limit) from None
     except web.HTTPException as exc:  # a malformed body (bad chunking and the like)
-        raise ApiError(400, "bad-request", f"the request body could not be read: {exc.reason}") from None
+        raise ApiError(ErrorKind.INVALID, "bad-request", f"the request body could not be read: {exc.reason}") from None
     except ConnectionResetError:  # the client went away mid-body: nothing to answer, nothing to trace
-        raise ApiError(400, "body-incomplete", "the client closed the connection before its body arrived") from None
+        raise ApiError(ErrorKind.INVALID, "body-incomplete",
+                       "the client closed the connection before its body arrived") from None
     if len(raw) > limit:  # a chunked body says its size only once read
         raise _too_large(len(raw), limit)
     return raw
@@ -151,16 +188,18 @@ def _json_object(raw: bytes, fields: dict[str, tuple], max_values: int) -> dict:
     body = _parsed_object(raw, max_values)
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise ApiError(400, "unknown-field", f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(fields)}")
+        raise ApiError(ErrorKind.INVALID, "unknown-field",
+                       f"unknown field(s): {', '.join(unknown)}; accepted: {', '.join(fields)}")
     for name, types in fields.items():
         value = body.get(name)
         if value is None:
             if type(None) not in types:
-                raise ApiError(400, "missing-field", f"field '{name}' is required")
+                raise ApiError(ErrorKind.INVALID, "missing-field", f"field '{name}' is required")
             continue
         if isinstance(value, bool) and bool not in types or not isinstance(value, tuple(t for t in types if t)):
             wanted = " or ".join(_JSON_TYPES[t] for t in types if t is not type(None))
-            raise ApiError(400, "invalid-field", f"field '{name}' must be {wanted}, got {json.dumps(value)[:80]}")
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"field '{name}' must be {wanted}, got {json.dumps(value)[:80]}")
     return body
 
 
@@ -170,19 +209,20 @@ def _parsed_object(raw: bytes, max_values: int = MAX_BODY_VALUES) -> dict:
     values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
     if values > max_values:
         why = " (gpud's requests hold a few values)" if max_values == MAX_BODY_VALUES else ""
-        raise ApiError(400, "body-too-complex", f"the request body has {values} brackets and commas; request bodies "
-                                                f"are limited to {max_values}{why}")
+        raise ApiError(ErrorKind.INVALID, "body-too-complex",
+                       f"the request body has {values} brackets and commas; request bodies "
+                       f"are limited to {max_values}{why}")
     try:
         body = json.loads(raw, parse_constant=_not_json, parse_float=_finite) if raw.strip() else None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid-json", f"the request body is not valid JSON: {exc}") from None
+        raise ApiError(ErrorKind.INVALID, "invalid-json", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # json's C parser counts its depth against Python's recursion limit
         raise _too_deep() from None
     # Only a body with that many brackets can nest that deep: others are not walked.
     if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _nesting_exceeds(body, MAX_BODY_DEPTH):
         raise _too_deep()
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid-body", "the request body must be a JSON object")
+        raise ApiError(ErrorKind.INVALID, "invalid-body", "the request body must be a JSON object")
     return body
 
 

@@ -8,9 +8,10 @@ import re
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, json_errors, read_json_object
+from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
 from gpud.encoding import encode
+from gpud.errors import ErrorKind
 from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus, Subscription
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
@@ -44,17 +45,15 @@ class HealthRoutes:
     def _gpu(self, ident: str):
         gpu = self.inventory.current.find_gpu(ident) if self.inventory.current else None
         if gpu is None:
-            raise ApiError(404, "device-not-found", f"no GPU or MIG device '{ident}' on this node")
+            raise ApiError(ErrorKind.NOT_FOUND, "device-not-found", f"no GPU or MIG device '{ident}' on this node")
         return gpu
 
-    @json_errors
     async def gpu(self, request: web.Request) -> web.Response:
         uuid = self._gpu(request.match_info["id"]).uuid
         gpu = next(g for g in self.health.view()["gpus"] if g["uuid"] == uuid)
         return json_response(gpu)
 
     @admin_only
-    @json_errors
     async def clear(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"kind": (str, type(None))}) \
             if request.body_exists else {}
@@ -64,17 +63,17 @@ class HealthRoutes:
         self.health.clear(uuid, body.get("kind"))
         return json_response(self.health.tracker.device(uuid))
 
-    @json_errors
     async def watch(self, request: web.Request) -> web.StreamResponse:
         since = _since(request.query.get("since", ""))
         epoch = request.query.get("epoch")
         if since is not None and epoch == self.bus.epoch and since > self.bus.sequence:
-            raise ApiError(400, "invalid-query", f"query 'since' is {since}, after this run's last event "
-                                                 f"{self.bus.sequence}")
+            raise ApiError(ErrorKind.INVALID, "invalid-query", f"query 'since' is {since}, after this run's last event "
+                                                               f"{self.bus.sequence}")
         types = set(request.query.get("types", ",".join(EVENT_TYPES)).split(","))
         if not types <= set(EVENT_TYPES):
-            raise ApiError(400, "invalid-query", f"unknown event types {sorted(types - set(EVENT_TYPES))}; "
-                                                 f"known: {', '.join(EVENT_TYPES)}")
+            raise ApiError(ErrorKind.INVALID, "invalid-query",
+                           f"unknown event types {sorted(types - set(EVENT_TYPES))}; "
+                           f"known: {', '.join(EVENT_TYPES)}")
         subscription = self.bus.subscribe()  # before the backlog is read, so nothing falls in between
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         try:
@@ -130,8 +129,9 @@ def _since(text: str) -> int | None:
     if not text:
         return None
     if not re.fullmatch(r"[0-9]{1,19}", text) or int(text) > MAX_SEQUENCE:
-        raise ApiError(400, "invalid-query", f"query 'since' must be a sequence number from 0 to {MAX_SEQUENCE}, "
-                                             f"got {text[:40]!r}")
+        raise ApiError(ErrorKind.INVALID, "invalid-query",
+                       f"query 'since' must be a sequence number from 0 to {MAX_SEQUENCE}, "
+                       f"got {text[:40]!r}")
     return int(text)
 
 

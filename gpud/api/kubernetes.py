@@ -10,7 +10,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import json_errors, read_any_json_object
+from gpud.api.errors import read_any_json_object
 from gpud.api.responses import json_response
 from gpud.config import KubernetesConfig
 
@@ -45,7 +45,6 @@ class KubernetesRoutes:
                               "agent_reported_at": self.agent.reported_at})
 
     @admin_only
-    @json_errors
     async def put_agent(self, request: web.Request) -> web.Response:
         self.agent.report(await read_any_json_object(request, self._body_timeout_s, MAX_AGENT_STATUS_BYTES))
         return json_response({"agent": self.agent.status, "agent_reported_at": self.agent.reported_at})

@@ -7,9 +7,10 @@ import asyncio
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, json_errors, off_the_loop, read_json_object
+from gpud.api.errors import ApiError, off_the_loop, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.encoding import encode
+from gpud.errors import ErrorKind, nvml_unavailable
 from gpud.inventory import Inventory, InventoryService
 from gpud.mig.layouts import Layout, LayoutError, LayoutsFile, check_layouts, export_layout, layout_named
 from gpud.mig.model import GpuPlan
@@ -54,13 +55,12 @@ class MigRoutes:
 
     def _inventory(self):
         if self.inventory.current is None:
-            raise ApiError(503, "nvml-unavailable", "no inventory yet: NVML is not available")
+            raise nvml_unavailable("no inventory yet: NVML is not available")
         return self.inventory.current
 
     async def status(self, request: web.Request) -> web.Response:
         return json_response(self.reconciler.view(self.inventory.current))
 
-    @json_errors
     async def layouts(self, request: web.Request) -> web.Response:
         """Planning every layout takes tens of milliseconds, so the answer is computed once per layouts
         file, GPU state and active layout (a refresh that found nothing new keeps it), off the event
@@ -77,14 +77,13 @@ class MigRoutes:
         return encoded_json_response(cached[3])
 
     @admin_only
-    @json_errors
     async def apply(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s,
                                       {"layout": (str,), "config": (str, type(None)),
                                        "force": (bool, type(None)), "dry_run": (bool, type(None))})
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
-            raise ApiError(400, "invalid-query", f"query 'wait' must be true or false, got {wait!r}")
+            raise ApiError(ErrorKind.INVALID, "invalid-query", f"query 'wait' must be true or false, got {wait!r}")
         layout, origin = await self._requested_layout(body["layout"], body.get("config"))
         force = bool(body.get("force"))
         if body.get("dry_run"):
@@ -98,7 +97,7 @@ class MigRoutes:
         if view["state"] == "success":
             return json_response({**view, "plan": plan_view(plans)})
         code = "reset-required" if view["state"] == "reset-required" else "apply-failed"
-        raise ApiError(409, code, view["error"] or f"MIG apply ended in state {view['state']}", mig=view)
+        raise ApiError(ErrorKind.CONFLICT, code, view["error"] or f"MIG apply ended in state {view['state']}", mig=view)
 
     async def _requested_layout(self, name: str, config: str | None) -> tuple[Layout, str]:
         """(the layout, where it is defined): from the mig-parted file sent in `config`, read exactly
@@ -108,16 +107,16 @@ class MigRoutes:
             return layout_named(layouts, name, source), source
         size = len(config.encode("utf-8", "surrogatepass"))
         if size > MAX_INLINE_CONFIG_BYTES:
-            raise ApiError(413, "config-too-large", f"the inline config is {size} bytes; inline configs are limited "
-                                                    f"to {MAX_INLINE_CONFIG_BYTES} bytes (put a larger file in "
-                                                    "mig.layouts_file)", limit=MAX_INLINE_CONFIG_BYTES, size=size)
+            raise ApiError(ErrorKind.TOO_LARGE, "config-too-large",
+                           f"the inline config is {size} bytes; inline configs are limited "
+                           f"to {MAX_INLINE_CONFIG_BYTES} bytes (put a larger file in "
+                           "mig.layouts_file)", limit=MAX_INLINE_CONFIG_BYTES, size=size)
         try:
             layouts, _warnings = await off_the_loop(check_layouts, config, "config")
         except LayoutError as exc:
-            raise ApiError(422, "layout-config-invalid", str(exc)) from None
+            raise ApiError(ErrorKind.REFUSED, "layout-config-invalid", str(exc)) from None
         return layout_named(layouts, name, "the request's config"), "request"
 
-    @json_errors
     async def export(self, request: web.Request) -> web.Response:
         inventory = self._inventory()
         per_gpu = [(g.index, actual_of(g)["mig_enabled"], actual_of(g)["devices"])

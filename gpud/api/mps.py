@@ -5,8 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, json_errors
+from gpud.api.errors import ApiError
 from gpud.api.responses import json_response
+from gpud.errors import ErrorKind
 from gpud.mps.manager import DaemonState, MpsManager, client_env
 
 
@@ -28,31 +29,32 @@ class MpsRoutes:
         daemon = self.manager.daemons.get(name)
         if daemon is None:
             known = ", ".join(self.manager.daemons) or "none (is mps.enabled true?)"
-            raise ApiError(404, "mps-daemon-not-found", f"no MPS daemon '{name}'; daemons: {known}")
+            raise ApiError(ErrorKind.NOT_FOUND, "mps-daemon-not-found", f"no MPS daemon '{name}'; daemons: {known}")
         return daemon
 
-    @json_errors
     async def client_env(self, request: web.Request) -> web.Response:
         daemon = self._daemon(request)
         spec = daemon.spec
         memory = _query_number(request, "memory_mib", int)
         threads = _query_number(request, "threads_percent", float)
         if memory is not None and not 0 < memory <= min(spec.device_memory_mib):
-            raise ApiError(422, "limit-beyond-device", f"memory_mib must be between 1 and {min(spec.device_memory_mib)} "
-                                                       f"(the memory of the daemon's devices), got {memory}")
+            raise ApiError(ErrorKind.REFUSED, "limit-beyond-device",
+                           f"memory_mib must be between 1 and {min(spec.device_memory_mib)} "
+                           f"(the memory of the daemon's devices), got {memory}")
         if threads is not None and not 0 < threads <= 100:
-            raise ApiError(422, "limit-beyond-device", f"threads_percent must be above 0 and at most 100, got {threads:g}")
+            raise ApiError(ErrorKind.REFUSED, "limit-beyond-device",
+                           f"threads_percent must be above 0 and at most 100, got {threads:g}")
         return json_response(client_env(daemon, memory, threads))
 
     @admin_only
-    @json_errors
     async def control(self, request: web.Request) -> web.Response:
         daemon = self._daemon(request)
         action = request.path.rsplit("/", 1)[1]
         await getattr(self.manager, f"{action}_daemon")(daemon.spec.name)
         view = self.manager.daemon_view(daemon)
         if action != "stop" and daemon.state != "running":
-            raise ApiError(502, "mps-start-failed", daemon.last_error or "the MPS daemon did not start", daemon=view)
+            raise ApiError(ErrorKind.TOOL_FAILED, "mps-start-failed",
+                           daemon.last_error or "the MPS daemon did not start", daemon=view)
         return json_response(view)
 
 
@@ -63,4 +65,4 @@ def _query_number(request: web.Request, name: str, kind: type):
     try:
         return kind(raw)
     except ValueError:
-        raise ApiError(400, "invalid-query", f"query '{name}' must be a number, got {raw!r}") from None
+        raise ApiError(ErrorKind.INVALID, "invalid-query", f"query '{name}' must be a number, got {raw!r}") from None

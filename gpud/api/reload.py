@@ -7,8 +7,9 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, json_errors
+from gpud.api.errors import ApiError
 from gpud.api.responses import json_response
+from gpud.errors import ErrorKind
 
 
 class ReloadRoute:
@@ -21,8 +22,8 @@ class ReloadRoute:
         app.router.add_post("/v1/reload", self.post)
 
     @admin_only
-    @json_errors
     async def post(self, request: web.Request) -> web.Response:
         if self._reload is None:
-            raise ApiError(501, "reload-unavailable", "this gpud was started without a config to re-read")
+            raise ApiError(ErrorKind.UNSUPPORTED, "reload-unavailable",
+                           "this gpud was started without a config to re-read")
         return json_response({"reloaded": True, "status": await self._reload()})

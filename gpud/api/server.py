@@ -17,12 +17,13 @@ from aiohttp.web_urldispatcher import MatchInfoError, UrlMappingMatchInfo
 
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.connections import ConnectionLimits
-from gpud.api.errors import (MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, answer_malformed_requests_with_json,
-                              json_errors, no_such_route)
+from gpud.api.errors import (MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, ErrorTableRouter,
+                              answer_malformed_requests_with_json, no_such_route)
 from gpud.api.latency import RequestLatency
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.api.views import RenderedInventory, node_view
 from gpud.encoding import encode
+from gpud.errors import NVML_UNAVAILABLE, ErrorKind, nvml_unavailable
 from gpud.inventory import Inventory, InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.session import NvmlSession, SessionState
@@ -36,8 +37,9 @@ def load_openapi() -> dict:
     return yaml.safe_load(importlib.resources.files("gpud.api").joinpath("openapi.yaml").read_text())
 
 
-class ShallowRouter(web.UrlDispatcher):
-    """aiohttp's router, except that a path deeper than every route goes to the catch-all at once.
+class ShallowRouter(ErrorTableRouter):
+    """gpud's router (every route answers a GpudError by the table), except that a path deeper than
+    every route goes to the catch-all at once.
 
     aiohttp looks a path up under each of its prefixes in turn, a segment shorter each time: work
     quadratic in the number of segments (an unknown 8 KiB path of 4,000 segments cost 45 short ones).
@@ -144,7 +146,7 @@ class Api:
         elif state in (SessionState.READY, SessionState.STARTING):
             status, code, message = "starting", "starting", "gpud is starting: the first inventory is not read yet"
         else:
-            status, code = "unavailable", "nvml-unavailable"
+            status, code = "unavailable", NVML_UNAVAILABLE
             message = self.session.error or f"NVML is {state.value}"
         body = {"status": status, "reason": message, "error": {"code": code, "message": message}}
         return json_response(body, 503)
@@ -154,17 +156,16 @@ class Api:
             return json_response(node_view(None, self.node_base, self.session.driver_version))
         return encoded_json_response(self._node_body)
 
-    @json_errors
     async def gpus(self, request: web.Request) -> web.Response:
         return encoded_json_response(self._require_inventory().gpus_body)
 
-    @json_errors
     async def gpu(self, request: web.Request) -> web.Response:
         ident = request.match_info["id"]
         body = self._require_inventory().gpu_body(ident)
         if body is None:
-            raise ApiError(404, "gpu-not-found", f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
-                                                 "or a PCI bus id)")
+            raise ApiError(ErrorKind.NOT_FOUND, "gpu-not-found",
+                           f"no GPU '{ident}' on this node (give an index, a GPU- UUID "
+                           "or a PCI bus id)")
         return encoded_json_response(body)
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -172,8 +173,9 @@ class Api:
 
     def _require_inventory(self) -> RenderedInventory:
         if self.rendered is None:
-            raise ApiError(503, "nvml-unavailable" if self.session.error else "starting",
-                           self.session.error or "gpud is starting: the first inventory is not read yet")
+            if self.session.error:
+                raise nvml_unavailable(self.session.error)
+            raise ApiError(ErrorKind.UNAVAILABLE, "starting", "gpud is starting: the first inventory is not read yet")
         return self.rendered
 
 

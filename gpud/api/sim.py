@@ -8,8 +8,9 @@ from typing import Any
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.errors import ApiError, error_response, json_errors, read_json_object
+from gpud.api.errors import ApiError, error_response, read_json_object
 from gpud.api.responses import json_response
+from gpud.errors import ErrorKind, nvml_unavailable
 from gpud.inventory import InventoryService
 from gpud.logs import get_logger
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
@@ -32,14 +33,14 @@ class SimRoutes:
             app.router.add_post(f"/v1/sim/{name}", handler)
 
     @admin_only
-    @json_errors
     async def sim_xid(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "xid": (int,),
                                                                      "gi_id": (int, type(None)),
                                                                      "ci_id": (int, type(None)),
                                                                      "nvml_event": (bool, type(None))})
         if not 0 < body["xid"] < 1 << 16:
-            raise ApiError(400, "invalid-field", f"field 'xid' must be between 1 and 65535, got {body['xid']}")
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"field 'xid' must be between 1 and 65535, got {body['xid']}")
         # nvml_event false: the driver logs it to the kernel log only, as an XID NVML's event set missed
         await self._sim_call("sim_inject_xid", body["gpu"], body["xid"], body.get("gi_id"), body.get("ci_id"),
                              nvml_event=body.get("nvml_event") is not False)
@@ -48,7 +49,6 @@ class SimRoutes:
         return json_response({"injected": "xid", **body})
 
     @admin_only
-    @json_errors
     async def sim_gpu_lost(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "how": (str, type(None))})
         how = {"how": body["how"]} if body.get("how") is not None else {}  # else the simulator's default
@@ -58,7 +58,6 @@ class SimRoutes:
         return json_response({"injected": "gpu-lost", **body})
 
     @admin_only
-    @json_errors
     async def sim_gpu_recover(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str)})
         await self._sim_call("sim_recover_gpu", body["gpu"])
@@ -67,7 +66,6 @@ class SimRoutes:
         return json_response({"injected": "gpu-recovered", **body})
 
     @admin_only
-    @json_errors
     async def sim_holders(self, request: web.Request) -> web.Response:
         """Another host process holds the GPU's device node (a monitoring agent, a CUDA app), or
         every such process lets go (release)."""
@@ -88,17 +86,17 @@ class SimRoutes:
                           "holders": [{"pid": pid, "process": process} for pid, process in holders]})
 
     @admin_only
-    @json_errors
     async def sim_processes(self, request: web.Request) -> web.Response:
         """The compute processes of a GPU or MIG device: `pids` (each with the simulator's default
         memory), or `processes`, each {"pid", "used_memory_mib", "sm_percent"} (the last two optional)."""
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "pids": (list, type(None)),
                                                                      "processes": (list, type(None))})
         if (body.get("pids") is None) == (body.get("processes") is None):
-            raise ApiError(400, "invalid-body", "give either 'pids' or 'processes'")
+            raise ApiError(ErrorKind.INVALID, "invalid-body", "give either 'pids' or 'processes'")
         processes = body["pids"] if body.get("pids") is not None else body["processes"]
         if not all(_is_pid(p) for p in body.get("pids") or ()):
-            raise ApiError(400, "invalid-field", "field 'pids' must be a list of process ids (positive integers)")
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           "field 'pids' must be a list of process ids (positive integers)")
         for process in body.get("processes") or ():
             _check_process(process)
         await self._sim_call("sim_set_processes", body["gpu"], processes)
@@ -107,7 +105,6 @@ class SimRoutes:
         return json_response({"injected": "processes", **body})
 
     @admin_only
-    @json_errors
     async def sim_ecc(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self.body_timeout_s, {"gpu": (int, str), "double_bit": (bool,)})
         await self._sim_call("sim_inject_ecc", body["gpu"], body["double_bit"])
@@ -115,7 +112,6 @@ class SimRoutes:
         return json_response({"injected": "ecc", **body})
 
     @admin_only
-    @json_errors
     async def sim_recovery_action(self, request: web.Request) -> web.Response:
         """The driver's recovery action (NVML_GPU_RECOVERY_ACTION_*: 0 none, 1 GPU reset, 2 node reboot, 3 drain
         P2P, 4 drain and reset), as the driver sets it; a driver before R565 has none to set (422)."""
@@ -125,7 +121,6 @@ class SimRoutes:
         return json_response({"injected": "recovery-action", **body})
 
     @admin_only
-    @json_errors
     async def sim_fabric(self, request: web.Request) -> web.Response:
         """The GPU's NVLink fabric as the driver reports it (state, status, health mask); all null: as
         Fabric Manager left it."""
@@ -141,11 +136,11 @@ class SimRoutes:
         try:
             return await self.session.call(lambda nvml: getattr(nvml, method)(*args, **kwargs))
         except SimError as exc:
-            raise ApiError(422, "invalid-target", str(exc)) from None
+            raise ApiError(ErrorKind.REFUSED, "invalid-target", str(exc)) from None
         except NvmlUnavailable as exc:
-            raise ApiError(503, "nvml-unavailable", str(exc)) from None
+            raise nvml_unavailable(str(exc)) from None
         except self.session.nvml.NVMLError as exc:
-            raise ApiError(409, "nvml-error", describe_error(exc)) from None
+            raise ApiError(ErrorKind.CONFLICT, "nvml-error", describe_error(exc)) from None
 
 
 def _is_pid(value: Any) -> bool:
@@ -159,23 +154,26 @@ def _check_process(process: Any) -> None:
     if not isinstance(process, dict) or set(process) - {"pid", "used_memory_mib", "sm_percent"} or \
             not _is_pid(process.get("pid")) or not whole(process.get("used_memory_mib"), 1, 1 << 24) or \
             not whole(process.get("sm_percent"), 0, 100):
-        raise ApiError(400, "invalid-field", "field 'processes' must list objects with 'pid' (a process id), and "
-                                             "optionally 'used_memory_mib' (a positive integer) and 'sm_percent' "
-                                             f"(0 to 100); got {process!r:.200}")
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       "field 'processes' must list objects with 'pid' (a process id), and "
+                       "optionally 'used_memory_mib' (a positive integer) and 'sm_percent' "
+                       f"(0 to 100); got {process!r:.200}")
 
 
 def _check_holder(body: dict) -> None:
     process, pid = body.get("process"), body.get("pid")
     if body.get("release"):
         if process is not None or pid is not None:
-            raise ApiError(400, "invalid-body", "give either release: true, or process and pid")
+            raise ApiError(ErrorKind.INVALID, "invalid-body", "give either release: true, or process and pid")
         return
     if process is None or pid is None:
-        raise ApiError(400, "missing-field", "a holder needs 'process' and 'pid' (or give release: true)")
+        raise ApiError(ErrorKind.INVALID, "missing-field", "a holder needs 'process' and 'pid' (or give release: true)")
     if not 0 < pid < 1 << 22:
-        raise ApiError(400, "invalid-field", f"field 'pid' must be a process id (a positive integer), got {pid}")
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       f"field 'pid' must be a process id (a positive integer), got {pid}")
     if not process.strip() or not process.isprintable() or len(process) > 64:
-        raise ApiError(400, "invalid-field", "field 'process' must be a program name (1 to 64 printable characters)")
+        raise ApiError(ErrorKind.INVALID, "invalid-field",
+                       "field 'process' must be a program name (1 to 64 printable characters)")
 
 
 def register_not_simulated(app: web.Application) -> None:

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError, nvml_unavailable
 from gpud.health.diag import DiagRun, find_dcgmi, run_diag
 from gpud.health.diag_verdicts import diag_problems
 from gpud.health.service import HealthService
@@ -30,15 +30,16 @@ class ActiveCheck:
         self._running = asyncio.Lock()
 
     async def run(self, level: int, force: bool) -> dict:
-        """The run's document; GpudError when it cannot start (409 busy GPUs or a run in progress, 503
-        without NVML). A run that failed to complete is a document too, with its error."""
+        """The run's document; GpudError when it cannot start (a conflict: busy GPUs or a run in
+        progress; unavailable without NVML). A run that failed to complete is a document too, with its error."""
         if self._running.locked():
-            raise GpudError(409, "check-in-progress", "a check is running already: wait for it (gpud check --last "
-                                                      "shows it when it is done)")
+            raise GpudError(ErrorKind.CONFLICT, "check-in-progress",
+                            "a check is running already: wait for it (gpud check --last "
+                            "shows it when it is done)")
         async with self._running:
             inventory = self.health.inventory.current
             if inventory is None:
-                raise GpudError(503, "nvml-unavailable", self.health.session.error or "no inventory yet")
+                raise nvml_unavailable(self.health.session.error or "no inventory yet")
             gpus = [gpu for gpu in inventory.gpus if not gpu.lost]
             busy = {}
             for gpu in gpus:
@@ -47,9 +48,10 @@ class ActiveCheck:
                     busy[gpu.index] = list(pids)
             if busy and not force:
                 said = "; ".join(f"GPU {index}: PIDs {', '.join(map(str, pids))}" for index, pids in busy.items())
-                raise GpudError(409, "gpus-busy", f"compute processes run on the GPUs ({said}): DCGM's diagnostic "
-                                                  "would fail them and slow them down. Run it when they are done, "
-                                                  "or with force (gpud check --force)", busy=busy)
+                raise GpudError(ErrorKind.CONFLICT, "gpus-busy",
+                                f"compute processes run on the GPUs ({said}): DCGM's diagnostic "
+                                "would fail them and slow them down. Run it when they are done, "
+                                "or with force (gpud check --force)", busy=busy)
             dcgmi = find_dcgmi(self.health.settings.dcgmi)
             log.info("check_started", level=level, gpus=[gpu.index for gpu in gpus], dcgmi=dcgmi, forced=bool(busy))
             run = await run_diag(dcgmi, level, [gpu.index for gpu in gpus], timeout_s=self.health.settings.check_timeout_s)

@@ -83,7 +83,7 @@ class DesiredStore:
         return self.chosen
 
     def save(self, desired: Desired) -> None:
-        """Saves desired, the layout chosen now, with the one it replaces. Raises GpudError (507 when
+        """Saves desired, the layout chosen now, with the one it replaces. Raises GpudError (disk-full when
         the disk is full) having changed nothing."""
         previous = self.chosen.document() if self.chosen.gpus is not None else None
         try:

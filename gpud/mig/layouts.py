@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.logs import get_logger
 from gpud.mig import capabilities
 from gpud.mig.model import MigCapabilities
@@ -232,7 +232,7 @@ class LayoutsFile:
             self._read = (version, *self._parse(version))
         version, source, layouts, warnings = self._read
         if isinstance(layouts, LayoutError):
-            raise LayoutUnavailable(422, "layouts-file-invalid", str(layouts))
+            raise LayoutUnavailable(ErrorKind.REFUSED, "layouts-file-invalid", str(layouts))
         return version, source, layouts, warnings
 
     def _parse(self, version: tuple[int, int, int] | None) -> tuple[str, dict[str, Layout] | LayoutError, list[str]]:
@@ -251,7 +251,8 @@ class LayoutsFile:
 def layout_named(layouts: dict[str, Layout], name: str, source: str) -> Layout:
     """The layout `name`, or the API's not-found answer naming where it was looked for."""
     if name not in layouts:
-        raise LayoutUnavailable(404, "layout-not-found", f"no layout '{name}' in {source}; known: {', '.join(layouts)}")
+        raise LayoutUnavailable(ErrorKind.NOT_FOUND, "layout-not-found",
+                                f"no layout '{name}' in {source}; known: {', '.join(layouts)}")
     return layouts[name]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.gpu_reset import GpuResetter, ResetBlocked
 from gpud.inventory import Inventory
 from gpud.mig.desired import GpuDesired
@@ -28,9 +28,9 @@ def plan_layout(layout: Layout, inventory: Inventory, force: bool = False) -> tu
     try:
         desired = resolve_layout(layout, inventory)
     except LayoutError as exc:
-        raise ApplyRefused(422, "layout-invalid", str(exc)) from None
+        raise ApplyRefused(ErrorKind.REFUSED, "layout-invalid", str(exc)) from None
     if not desired:  # applying it would change nothing, yet say it succeeded: surely not what was meant
-        raise ApplyRefused(422, "layout-matches-no-gpu",
+        raise ApplyRefused(ErrorKind.REFUSED, "layout-matches-no-gpu",
                            f"layout '{layout.name}' {layout.no_match_reason(node_gpus(inventory))}")
     plans = {}
     for gpu in inventory.gpus:
@@ -38,14 +38,15 @@ def plan_layout(layout: Layout, inventory: Inventory, force: bool = False) -> tu
         if wanted is None or in_sync(gpu, wanted):
             continue
         if gpu.lost:
-            raise ApplyRefused(409, "gpu-lost", f"GPU {gpu.index} ({gpu.uuid}) is lost; it cannot be changed")
+            raise ApplyRefused(ErrorKind.CONFLICT, "gpu-lost",
+                               f"GPU {gpu.index} ({gpu.uuid}) is lost; it cannot be changed")
         state = mig_state_of(gpu)
         if not wanted.mig_enabled or not state.mode_enabled:
             state = replace(state, mode_enabled=True, instances=())  # mode changes clear the GPU
         try:
             plans[gpu.uuid] = plan_gpu(state, wanted.devices)
         except PlanError as exc:
-            raise ApplyRefused(422, "layout-does-not-fit", f"layout '{layout.name}': {exc}",
+            raise ApplyRefused(ErrorKind.REFUSED, "layout-does-not-fit", f"layout '{layout.name}': {exc}",
                                gpu=gpu.index) from None
     if not force:
         _refuse_busy_instances(inventory, desired, plans)
@@ -65,8 +66,9 @@ def _refuse_busy_instances(inventory: Inventory, desired: dict, plans: dict) -> 
     if busy:
         where = "; ".join(f"GPU {b['gpu']} instance {b['uuid']} (GI {b['gi_id']}, CI {b['ci_id']}) runs PIDs "
                           f"{', '.join(map(str, b['pids']))}" for b in busy)
-        raise ApplyRefused(409, "instances-in-use", f"refusing to destroy MIG devices with running processes: "
-                                                    f"{where}; stop them or apply with force", busy=busy)
+        raise ApplyRefused(ErrorKind.CONFLICT, "instances-in-use",
+                           f"refusing to destroy MIG devices with running processes: "
+                           f"{where}; stop them or apply with force", busy=busy)
 
 
 async def refuse_busy_gpus(session: NvmlSession, layout: Layout, inventory: Inventory,
@@ -82,9 +84,10 @@ async def refuse_busy_gpus(session: NvmlSession, layout: Layout, inventory: Inve
                 busy.append({"gpu": gpu.index, "uuid": gpu.uuid, "pids": list(pids)})
     if busy:
         where = "; ".join(f"GPU {b['gpu']} ({b['uuid']}) runs PIDs {', '.join(map(str, b['pids']))}" for b in busy)
-        raise ApplyRefused(409, "gpu-in-use", f"layout '{layout.name}' changes the MIG mode of GPUs with running "
-                                              f"processes: {where}. Nothing was changed; stop them or apply "
-                                              "with force", busy=busy)
+        raise ApplyRefused(ErrorKind.CONFLICT, "gpu-in-use",
+                           f"layout '{layout.name}' changes the MIG mode of GPUs with running "
+                           f"processes: {where}. Nothing was changed; stop them or apply "
+                           "with force", busy=busy)
 
 
 async def refuse_blocked_reset(resetter: GpuResetter, layout: Layout, inventory: Inventory,
@@ -97,8 +100,9 @@ async def refuse_blocked_reset(resetter: GpuResetter, layout: Layout, inventory:
     group, blockers = await resetter.preflight(needing, inventory, force=force)
     if blockers:
         refused = ResetBlocked(blockers, tuple(g.index for g in group), tuple(needing))
-        raise ApplyRefused(409, "reset-blocked", f"layout '{layout.name}' changes the MIG mode of Ampere GPUs, "
-                                                 f"which may take a GPU reset, and {refused}. Nothing was "
-                                                 "changed; free the GPU and apply again, or set "
-                                                 "mig.allow_gpu_reset: false to leave the reset to you",
+        raise ApplyRefused(ErrorKind.CONFLICT, "reset-blocked",
+                           f"layout '{layout.name}' changes the MIG mode of Ampere GPUs, "
+                           f"which may take a GPU reset, and {refused}. Nothing was "
+                           "changed; free the GPU and apply again, or set "
+                           "mig.allow_gpu_reset: false to leave the reset to you",
                            blockers=[b.as_dict() for b in blockers], reset_gpus=list(refused.group))

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Iterator
 
-from gpud.errors import GpudError
+from gpud.errors import GpudError, nvml_unavailable
 from gpud.gpu_reset import GpuHook, GpuResetter
 from gpud.inventory import Inventory, InventoryService
 from gpud.lifecycle import Component, Tasks
@@ -28,7 +28,7 @@ from gpud.mig.hooks import MigHooks
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import Layout, LayoutsFile
 from gpud.mig.model import GpuPlan
-from gpud.mig.preflight import ApplyRefused, plan_layout, refuse_blocked_reset, refuse_busy_gpus
+from gpud.mig.preflight import plan_layout, refuse_blocked_reset, refuse_busy_gpus
 from gpud.mig.status import ApplyState, ApplyStatus, GpuApplyState, GpuProgress
 from gpud.mig.sync import in_sync
 from gpud.mig.view import in_sync_family, mig_view
@@ -104,7 +104,7 @@ class MigReconciler(Component):
         try:
             inventory = await self.inventory.refresh("mig apply requested")
             if inventory is None:
-                raise ApplyRefused(503, "nvml-unavailable", self.session.error or "no inventory yet")
+                raise nvml_unavailable(self.session.error or "no inventory yet")
             desired, plans = plan_layout(layout, inventory, force)
             if self._allow_reset:  # else the mode change is left pending for the operator: state reset-required
                 await refuse_blocked_reset(self.resetter, layout, inventory, desired, force)

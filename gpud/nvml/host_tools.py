@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud import host
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Gpu
 
 # `nvidia-smi -r` on an 8-GPU node takes seconds; one that hangs (a wedged GPU) must not hold the
@@ -30,8 +31,16 @@ RESET_TIMEOUT_S = 120.0
 END_GRACE_S = 10.0
 
 
-class ResetFailed(RuntimeError):
-    """The reset was attempted and refused or failed; the message carries what the tool said."""
+class ResetFailed(GpudError):
+    """The reset was attempted and refused or failed: str() is what the tool said."""
+
+    def __init__(self, said: str):
+        super().__init__(ErrorKind.CONFLICT, "reset-failed",
+                         f"{said}; gpud's NVML session is back, the GPUs are as the driver left them")
+        self.said = said
+
+    def __str__(self) -> str:
+        return self.said
 
 
 class HostTools:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory
 from gpud.logs import get_logger
 from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
@@ -215,10 +215,11 @@ class SharingConfigs:
         """Makes `name` (None: the default) the choice: checked, read and persisted before anything else
         changes. Refusals are GpudErrors and change nothing."""
         if self.configs_dir is None:
-            raise GpudError(409, "sharing-configs-dir-unset", "sharing.configs_dir is not set: there are no named "
-                                                              "configs to choose from; sharing.file is in force")
+            raise GpudError(ErrorKind.CONFLICT, "sharing-configs-dir-unset",
+                            "sharing.configs_dir is not set: there are no named "
+                            "configs to choose from; sharing.file is in force")
         if reason is not None and len(reason) > MAX_REASON_LENGTH:
-            raise GpudError(422, "sharing-config-reason-too-long",
+            raise GpudError(ErrorKind.REFUSED, "sharing-config-reason-too-long",
                             f"a reason has at most {MAX_REASON_LENGTH} characters, got {len(reason)}")
         names = self.names()
         choice = Choice(name, reason, time.time())
@@ -227,17 +228,18 @@ class SharingConfigs:
         else:
             problem = config_name_problem(name)
             if problem:
-                raise GpudError(422, "sharing-config-name-invalid", problem)
+                raise GpudError(ErrorKind.REFUSED, "sharing-config-name-invalid", problem)
             # an entry that is no config (a link out of the directory, a directory) is read, and refused
             if name not in names and not os.path.lexists(self.configs_dir / name):
-                raise GpudError(404, "sharing-config-not-found", f"no config {name!r} in {self.configs_dir}; "
+                raise GpudError(ErrorKind.NOT_FOUND, "sharing-config-not-found",
+                                f"no config {name!r} in {self.configs_dir}; "
                                 f"available: {', '.join(names) or 'none'}", available=names)
             target = Candidate(name, self.configs_dir / name, "")
         try:
             self._read(target)  # checked before it is persisted: an invalid file changes nothing
             write_json_atomic(self._choice_path, choice.document())
         except SharingConfigError as exc:
-            raise GpudError(422, "sharing-config-invalid", str(exc)) from None
+            raise GpudError(ErrorKind.REFUSED, "sharing-config-invalid", str(exc)) from None
         except OSError as exc:
             raise write_failed(self._choice_path, exc, "the sharing config choice") from None
         previous, self.choice = self.choice, choice

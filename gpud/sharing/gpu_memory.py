@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from gpud.config import GpuMemoryConfig
 from gpud.dcgm_labels import gpu_labels, instance_labels
-from gpud.errors import GpudError
+from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory
 from gpud.lifecycle import Component
 from gpud.mps.manager import daemon_name
@@ -21,14 +21,18 @@ from gpud.samples import Family
 from gpud.sharing.resources import Device, device_healthy
 
 STRATEGY = "gpu-memory"
-# A report's bounds: a node's units are a few thousand at 1 GiB units (8 GPUs of 141 GiB: 1128);
-# these leave room for small units while keeping a hostile report's cost bounded.
-MAX_REPORTED_IDS = 100_000
-MAX_REPORTED_PODS = 10_000
-MAX_NAME_LENGTH = 253  # Kubernetes' longest namespace, pod or container name is a DNS subdomain
-MAX_ID_LENGTH = 512
 MAX_PROBLEMS_LISTED = 100
 MAX_UNKNOWN_LISTED = 100
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The unit IDs the kubelet allocated to one container, as the device plugin reports them."""
+
+    namespace: str
+    pod: str
+    container: str
+    device_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -120,28 +124,21 @@ class GpuMemory(Component):
 
     # -- allocations ---------------------------------------------------------------------------
 
-    def report(self, body: dict) -> dict:
-        """Takes PUT /v1/allocations' body (its top-level types checked by the API): what the device
-        plugin read from the kubelet's PodResources API. GpudError 400 names what is wrong."""
+    def check_reporter(self, resource: str) -> None:
+        """Refuses a report of the allocations of `resource` (PUT /v1/allocations) that this node does not
+        take: gpu_memory is not enabled, or advertised under another name. Asked before the report's
+        pods are read."""
         if not self.config.enabled:
-            raise GpudError(409, "gpu-memory-disabled", "gpu_memory is not enabled on this node (gpud.yaml "
-                                                        "gpu_memory.enabled)")
-        if body["resource"] != self.config.resource:
-            raise GpudError(409, "wrong-resource", f"this node advertises GPU memory as "
-                            f"{self.config.resource!r}, not {body['resource'][:80]!r}")
-        read_at = body["read_at"]
-        if not 0 <= read_at < 1e11:
-            raise GpudError(400, "invalid-field", "field 'read_at' must be a Unix time in seconds")
-        pods = body["pods"]
-        if len(pods) > MAX_REPORTED_PODS:
-            raise GpudError(400, "too-many-pods", f"at most {MAX_REPORTED_PODS} pods in a report, got {len(pods)}")
-        holders, ids = [], 0
-        for position, pod in enumerate(pods):
-            holders.append(_holder(pod, position))
-            ids += len(holders[-1]["device_ids"])
-            if ids > MAX_REPORTED_IDS:
-                raise GpudError(400, "too-many-ids", f"at most {MAX_REPORTED_IDS} device IDs in a report")
-        report = {"read_at": float(read_at), "pods": holders}
+            raise GpudError(ErrorKind.CONFLICT, "gpu-memory-disabled",
+                            "gpu_memory is not enabled on this node (gpud.yaml gpu_memory.enabled)")
+        if resource != self.config.resource:
+            raise GpudError(ErrorKind.CONFLICT, "wrong-resource", f"this node advertises GPU memory as "
+                            f"{self.config.resource!r}, not {resource[:80]!r}")
+
+    def report(self, read_at: float, allocations: list[Allocation]) -> dict:
+        """What the device plugin read from the kubelet's PodResources API at read_at (a Unix time), from
+        a reporter check_reporter took: the allocations in force from now on; returns their view."""
+        report = {"read_at": read_at, "pods": allocations}
         changed = self._report is None or {**self._report, "reported_at": None} != {**report, "reported_at": None}
         self._report = {**report, "reported_at": time.time()}
         document = self.view()
@@ -158,9 +155,9 @@ class GpuMemory(Component):
         held: dict[str, dict[tuple, int]] = {}  # device UUID -> (namespace, pod, container) -> units
         unknown: list[str] = []
         pods = set()
-        for holder in (self._report or {}).get("pods", []):
-            who = (holder["namespace"], holder["pod"], holder["container"])
-            for id_ in holder["device_ids"]:
+        for allocation in (self._report or {}).get("pods", []):
+            who = (allocation.namespace, allocation.pod, allocation.container)
+            for id_ in allocation.device_ids:
                 covered = by_id.get(id_)
                 if covered is None:
                     unknown.append(id_)
@@ -211,22 +208,3 @@ class GpuMemory(Component):
             allocated.add(labels, view[device.uuid]["allocated_mib"] << 20)
         yield allocatable
         yield allocated
-
-
-def _holder(pod: Any, position: int) -> dict:
-    where = f"pods[{position}]"
-    if not isinstance(pod, dict):
-        raise GpudError(400, "invalid-field", f"{where} must be an object")
-    unknown = sorted(set(pod) - {"namespace", "pod", "container", "device_ids"})
-    if unknown:
-        raise GpudError(400, "unknown-field", f"{where}: unknown field(s) {', '.join(unknown)[:200]}")
-    for key in ("namespace", "pod", "container"):
-        value = pod.get(key)
-        if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_LENGTH:
-            raise GpudError(400, "invalid-field", f"{where}.{key} must be a string of 1 to {MAX_NAME_LENGTH} "
-                                                  "characters")
-    ids = pod.get("device_ids")
-    if not isinstance(ids, list) or not all(isinstance(id_, str) and 0 < len(id_) <= MAX_ID_LENGTH for id_ in ids):
-        raise GpudError(400, "invalid-field", f"{where}.device_ids must be a list of strings of 1 to "
-                                              f"{MAX_ID_LENGTH} characters")
-    return {"namespace": pod["namespace"], "pod": pod["pod"], "container": pod["container"], "device_ids": ids}
