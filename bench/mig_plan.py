@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 import pynvml  # noqa: E402
 
-from gpud.mig.model import (  # noqa: E402
+from gpud.mig.planner import plan_gpu, plan_restore  # noqa: E402
+from gpud.model.mig import (  # noqa: E402
     ComputeInstanceState,
     GiTarget,
     GpuInstanceState,
@@ -35,7 +36,6 @@ from gpud.mig.model import (  # noqa: E402
     GpuPlan,
     MigCapabilities,
 )
-from gpud.mig.planner import plan_gpu, plan_restore  # noqa: E402
 from gpud.nvml.reader import NodeReader  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 

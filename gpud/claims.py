@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpud.errors import ErrorKind, GpudError
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_failed, write_json_atomic
 from gpud.inventory import Inventory, InventoryService
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
 from gpud.mps.manager import daemon_name
-from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
 
 log = get_logger("claims")
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from gpud.nvml.driver import driver_branch
+from gpud.base.yamlfile import compose_yaml, read_yaml_text
+from gpud.model.driver import driver_branch
 from gpud.sharing.config import check_config_name, check_extended_resource_name
-from gpud.yamlfile import compose_yaml, read_yaml_text
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
 SYSTEM_RUNTIME_DIR = Path("/run/gpud")

@@ -29,19 +29,21 @@ from gpud.api.serving import ApiServing, SocketClaim
 from gpud.api.sharing import AllocationRoutes, SharingRoutes
 from gpud.api.sim import SimRoutes, register_not_simulated
 from gpud.api.slurm import SlurmRoutes
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.host import boot_id
+from gpud.base.lifecycle import Lifecycle
+from gpud.base.logs import configure_log_level, get_logger
+from gpud.base.safefs import StateDirectory
+from gpud.base.systemd import Notifier, SystemdStatus, inherited_socket
 from gpud.cdi.writer import CdiSpecRemoved, CdiWriter
 from gpud.claims import ClaimRegistry
 from gpud.config import Config, ConfigError
-from gpud.errors import ErrorKind, GpudError
 from gpud.events import EventBus, EventType
 from gpud.gpu_reset import GpuResetter
 from gpud.health.active_check import ActiveCheck
 from gpud.health.catalog import load_catalog
 from gpud.health.service import HealthService, HostPaths
-from gpud.host import boot_id
 from gpud.inventory import InventoryService
-from gpud.lifecycle import Lifecycle
-from gpud.logs import configure_log_level, get_logger
 from gpud.mig.desired import DesiredStore
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
@@ -58,7 +60,6 @@ from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC
 from gpud.processes.monitor import ProcessMonitor
 from gpud.python_libraries import describe as describe_python
-from gpud.safefs import StateDirectory
 from gpud.sharing.config import SharingConfigError
 from gpud.sharing.configs import SharingConfigs
 from gpud.sharing.control import SharingControl
@@ -66,7 +67,6 @@ from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.service import SharingView, read_sharing_file
 from gpud.sharing.timeslice import claim_time_slice
 from gpud.slurm.writer import GresWriter
-from gpud.systemd import Notifier, SystemdStatus, inherited_socket
 
 log = get_logger("daemon")
 

@@ -22,10 +22,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from gpud.encoding import encode
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
-from gpud.persist import CorruptFile, read_json, write_json_atomic
+from gpud.base.encoding import encode
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("events")
 

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpud.errors import ErrorKind, GpudError, nvml_unavailable
+from gpud.base.errors import ErrorKind, GpudError, nvml_unavailable
+from gpud.base.logs import get_logger
 from gpud.inventory import Gpu, Inventory, InventoryService
-from gpud.logs import get_logger
 from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.host_tools import HostTools, ResetFailed, SimHostTools
 from gpud.nvml.reset import compute_pids, read_topology

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import write_json_atomic
 from gpud.events import EventBus, EventType
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
-from gpud.mig.model import GpuInstanceState, MigCapabilities, Placement
-from gpud.persist import write_json_atomic
+from gpud.model.mig import GpuInstanceState, MigCapabilities, Placement
 
 log = get_logger("inventory")
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.safefs import KeptFile, UnsafePath
 from gpud.events import CLOSED, EventBus
 from gpud.inventory import InventoryService
-from gpud.lifecycle import Component, Tasks
-from gpud.safefs import KeptFile, UnsafePath
 
 WATCHED_EVENTS = frozenset({"inventory", "mig", "mps", "sharing"})
 DEBOUNCE_S = 0.15  # changes arrive in bursts (a MIG apply: mig, inventory, sharing, mps): one write

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
-from gpud.errors import ErrorKind, GpudError
+from gpud.base.errors import ErrorKind, GpudError
 
 
 class Operation(str, Enum):

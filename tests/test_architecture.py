@@ -141,7 +141,7 @@ def test_only_the_lifecycle_starts_the_daemons_background_work():
 def test_constructing_a_daemon_touches_nothing(short_tmp):
     """Constructors keep what they are given: no file, directory, socket, lock or task until start()."""
     from gpud.daemon import Daemon
-    from gpud.lifecycle import Component
+    from gpud.base.lifecycle import Component
 
     config = Config().with_overrides(**{"api.socket": str(short_tmp / "run" / "g.sock"), "simulate": "dgx-a100",
                                         "sim_state": str(short_tmp / "sim" / "sim.json"),
@@ -276,7 +276,7 @@ def test_no_file_of_the_package_cites_a_path_on_a_working_machine():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if any(marker in line for marker in MACHINE_PATHS)}
     assert found == {}
-# one error table (issue 41 item 4): a domain error carries a kind (gpud/errors.py ErrorKind), never an
+# one error table (issue 41 item 4): a domain error carries a kind (gpud/base/errors.py ErrorKind), never an
 # HTTP status; gpud/api/errors.py's ERROR_STATUS alone says which status answers each kind, and it
 # answers on every route, with no decorator for a route to forget.
 
@@ -320,7 +320,7 @@ def test_errors_carry_a_kind_never_an_http_status():
                         for arg in call.args[:1] + [k.value for k in call.keywords if k.arg == "kind"]
                         for n in ast.walk(arg))]
     assert offenders == []
-    from gpud.errors import ErrorKind, GpudError
+    from gpud.base.errors import ErrorKind, GpudError
     assert not hasattr(GpudError(ErrorKind.INVALID, "a", "b"), "status")
 
 
@@ -330,7 +330,7 @@ def test_only_the_api_names_http_statuses():
     for path, tree in _trees().items():
         if path.is_relative_to(PACKAGE / "api"):
             continue
-        imports_errors = any(isinstance(n, ast.ImportFrom) and n.module == "gpud.errors" for n in ast.walk(tree))
+        imports_errors = any(isinstance(n, ast.ImportFrom) and n.module == "gpud.base.errors" for n in ast.walk(tree))
         if imports_errors or path == PACKAGE / "errors.py":
             offenders += [_where(path, n) for n in ast.walk(tree)
                           if isinstance(n, ast.Constant) and type(n.value) is int and 400 <= n.value <= 599]
@@ -339,7 +339,7 @@ def test_only_the_api_names_http_statuses():
 
 def test_the_kind_table_is_the_only_place_mapping_kinds():
     from gpud.api.errors import ERROR_STATUS
-    from gpud.errors import ErrorKind
+    from gpud.base.errors import ErrorKind
     assert set(ERROR_STATUS) == set(ErrorKind)
     assert len(set(ERROR_STATUS.values())) == len(ERROR_STATUS)  # two kinds of one status would be one kind
     table = PACKAGE / "api" / "errors.py"
@@ -379,7 +379,7 @@ async def test_a_gpud_error_is_answered_with_its_kinds_status_on_any_route():
 
     from gpud.api.errors import ERROR_STATUS
     from gpud.api.server import Api
-    from gpud.errors import ErrorKind, GpudError
+    from gpud.base.errors import ErrorKind, GpudError
 
     class Inventory:
         error = None

@@ -21,7 +21,7 @@ from helpers import REPO
 from gpud.api.auth import ADMIN_POLICY, AdminPolicy
 from gpud.api.check import CheckRoutes
 from gpud.api.errors import ErrorTableRouter
-from gpud.errors import ErrorKind, GpudError
+from gpud.base.errors import ErrorKind, GpudError
 from gpud.health import diag
 from gpud.health.active_check import DiagStore
 from gpud.health.diag import DiagRun, DiagTest, find_dcgmi, run_diag

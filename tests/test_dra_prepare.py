@@ -209,7 +209,7 @@ def test_opaque_configs_decode_as_strictly_as_nvidias():
 # -- a kill at each step ---------------------------------------------------------------------------
 # Prepare writes: the record (preparing), the spec, the record (prepared); Unprepare: the spec removed,
 # the record removed. A kill leaves the files as they were after the last whole write (each is atomic:
-# gpud/persist.py), so these are every state a kill can leave; each converges when the plugin starts again.
+# gpud/base/persist.py), so these are every state a kill can leave; each converges when the plugin starts again.
 
 def _kill_states(preparer, ref, document, view, short_tmp):
     """(name, make the files as a kill at that point leaves them)."""

@@ -8,7 +8,7 @@ from gpud.health.catalog import CatalogError, XidCatalog, XidInfo, load_catalog,
 from gpud.health.states import Health
 from gpud.health.tracker import HealthTracker
 from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo
-from gpud.mig.model import Placement
+from gpud.model.mig import Placement
 
 HOT = ("degraded", "inspect-hardware", "at the slowdown limit")
 CATALOG = XidCatalog()

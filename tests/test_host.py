@@ -1,4 +1,4 @@
-"""gpud.host against real processes: who holds a device open, what would block a GPU reset."""
+"""gpud.base.host against real processes: who holds a device open, what would block a GPU reset."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, Lines
 
-from gpud.host import Holder, device_holders, loaded_modules, reset_blockers
+from gpud.base.host import Holder, device_holders, loaded_modules, reset_blockers
 
 CAPTURE = REPO / "tests/fixtures/hardware/h100-sxm5-580.159.04/capture.log"
 
@@ -137,7 +137,7 @@ def test_processes_starting_and_exiting_during_scans_never_break_them(hold, tmp_
 def test_another_users_processes_are_skipped_silently_by_a_non_root_scan(hold, tmp_path):
     held = hold("nvidia6")
     tmp_path.chmod(0o755)
-    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from gpud.host import device_holders; "
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from gpud.base.host import device_holders; "
               f"print(device_holders([{str(held.path)!r}]))")
     result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
                              script], capture_output=True, text=True, timeout=30)

@@ -21,9 +21,9 @@ from helpers import REPO, mig_config, put_layout, start_daemon, stop_daemon
 
 from gpud.api.errors import MAX_BODY_VALUES, REQUEST_ERROR_LOG, REQUEST_ERRORS_LOGGED
 from gpud.api.mig import MAX_INLINE_CONFIG_BYTES
-from gpud.logs import configure_logging
+from gpud.base.logs import configure_logging
+from gpud.base.yamlfile import MAX_NODES, load_yaml
 from gpud.mig import overview
-from gpud.yamlfile import MAX_NODES, load_yaml
 
 # -- config files ------------------------------------------------------------------------------
 

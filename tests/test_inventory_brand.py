@@ -13,8 +13,8 @@ import structlog
 from helpers import mock_nvml_config, run_on_mock_nvml, sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
+from gpud.base.logs import configure_log_level
 from gpud.inventory import _identities, _load_known
-from gpud.logs import configure_log_level
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.models import catalog

@@ -8,7 +8,7 @@ import aiohttp
 from aiohttp import web
 
 from gpud.api.metrics import MetricsRoute
-from gpud.samples import Family
+from gpud.base.samples import Family
 
 
 class Working:

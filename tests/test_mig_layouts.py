@@ -18,7 +18,7 @@ from gpud.mig.layouts import (
     load_layouts,
     parse_layouts,
 )
-from gpud.mig.profile_names import MigProfileName
+from gpud.model.mig_profile_names import MigProfileName
 
 PEER_CONFIGS = Path("/work/shared/peer-configs/mig-parted")
 SHIPPED_FILE = Path(__file__).parents[1] / "etc/gpud/mig-layouts.yaml"

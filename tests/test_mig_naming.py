@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpud.mig.profile_names import mig_device_name
+from gpud.model.mig_profile_names import mig_device_name
 from gpud.nvml.mig import gi_profile_name, mig_memory_gb
 
 # (device MiB, GI slices, GI memory MiB, published name) from shared/reference/mig-profiles.md §2-§3.

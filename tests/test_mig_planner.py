@@ -18,10 +18,10 @@ import pynvml
 import pytest
 from helpers import REPO
 
-from gpud.mig.capabilities import derive_ci_profiles, shipped_table
-from gpud.mig.model import ComputeInstanceState, GpuInstanceState, GpuMigState, GpuPlan, Placement, PlanError
 from gpud.mig.planner import plan_gpu
-from gpud.mig.profile_names import mig_device_name
+from gpud.model.mig import ComputeInstanceState, GpuInstanceState, GpuMigState, GpuPlan, Placement, PlanError
+from gpud.model.mig_profile_names import mig_device_name
+from gpud.nvml.mig_tables import derive_ci_profiles, shipped_table
 
 
 def _bench():

@@ -1,6 +1,6 @@
 """The MIG tables gpud ships (for drivers that hide the table while MIG is off) against the driver.
 
-gpud/mig/data/mig-profiles.yaml and the simulator's models.yaml are written from the same public
+gpud/nvml/data/mig-profiles.yaml and the simulator's models.yaml are written from the same public
 sources, separately: one is gpud's fallback knowledge, the other the model of what the driver
 answers. Here gpud reads each simulated GPU's table with MIG on, as it would from a real driver,
 and every row it would plan with must be the row it ships, so neither side drifts unnoticed.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.mig.capabilities import shipped_table
+from gpud.nvml.mig_tables import shipped_table
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.models import catalog

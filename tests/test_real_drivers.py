@@ -22,9 +22,9 @@ from helpers import answer_until, mig_config, put_layout, start_daemon, stop_dae
 from openapi_check import assert_matches_openapi
 
 from gpud.inventory import Gpu, MigInfo, _identities, _load_known
-from gpud.mig.capabilities import ReadTables, _shipped, shipped_table
-from gpud.nvml.driver import MINIMUM_BRANCH
+from gpud.model.driver import MINIMUM_BRANCH
 from gpud.nvml.health import EventListener, NvmlEvent, read_readings
+from gpud.nvml.mig_tables import ReadTables, _shipped, shipped_table
 from gpud.nvml.reader import MissingNvmlCall, NodeReader
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, SessionState
 from gpud.nvml.sim import SimulatedNvml

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from helpers import ADMINS, READERS, SYSTEM_PATH, gpud_for_users, mig_config, put_layout, start_daemon, stop_daemon
 
+from gpud.base.safefs import InUse, UnsafePath
 from gpud.client import Client, DaemonUnreachable
 from gpud.config import MigHooksConfig
 from gpud.daemon import Daemon
 from gpud.mps.control import MpsControl, MpsDirectories, MpsError
-from gpud.safefs import InUse, UnsafePath
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as another user")
@@ -348,7 +348,7 @@ async def test_a_state_file_planted_as_a_symlink_is_reported_not_read(short_tmp)
 def test_directories_made_on_the_way_get_their_mode_whatever_the_umask(short_tmp):
     """Under the unit's UMask, directories secure_directory creates on the way (/run/gpud/mps above
     an MPS pipe directory) are still 0755, so an MPS daemon running as mps.user reaches its own."""
-    from gpud.safefs import secure_directory
+    from gpud.base.safefs import secure_directory
 
     previous = os.umask(0o077)
     try:

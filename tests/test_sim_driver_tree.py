@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import need
 
+from gpud.base.ld_cache import read_ld_cache, write_ld_cache
 from gpud.cdi.driver_files import find_driver_files
-from gpud.cdi.ld_cache import read_ld_cache, write_ld_cache
 from gpud.nvml.sim.driver_tree import BINARIES, LIBRARIES, driver_tree_paths, firmware_names, library_dir, write_driver_tree
 
 VERSION = "550.90.07"  # the simulator's default driver

@@ -273,7 +273,7 @@ def bounded(capabilities: list[str], *command: str) -> subprocess.CompletedProce
 # before a reset) and to signal it (reset with force, MPS daemons of mps.user).
 _FIND_AND_SIGNAL = """
 import os, sys
-from gpud.host import device_holders
+from gpud.base.host import device_holders
 pid = int(sys.argv[1])
 print("found" if pid in {h.pid for h in device_holders(["/dev/null"])} else "not found")
 try:

@@ -10,7 +10,7 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
-from gpud.errors import ErrorKind
+from gpud.base.errors import ErrorKind
 from gpud.health.diag import LEVELS
 
 

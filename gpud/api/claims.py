@@ -10,8 +10,8 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
+from gpud.base.errors import ErrorKind
 from gpud.claims import ClaimRegistry, Hold
-from gpud.errors import ErrorKind
 
 UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
 NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain

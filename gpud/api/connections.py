@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gpud.api.auth import AdminPolicy, socket_peer_credentials
 from gpud.api.errors import error_response
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
 
 log = get_logger("api")
 EXCESS_GRACE_S = 1.0  # how long a connection beyond its share has to send its one request

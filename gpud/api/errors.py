@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from gpud.api.responses import json_response
-from gpud.errors import ErrorKind, GpudError
+from gpud.base.errors import ErrorKind, GpudError
 
 MAX_BODY_BYTES = 1 << 20
 # No route takes anything nested deeper than a list in an object; this leaves room and keeps a

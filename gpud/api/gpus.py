@@ -7,7 +7,7 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
-from gpud.errors import ErrorKind, nvml_unavailable
+from gpud.base.errors import ErrorKind, nvml_unavailable
 from gpud.gpu_reset import GpuResetter
 from gpud.inventory import InventoryService
 from gpud.processes.monitor import ProcessMonitor

@@ -10,12 +10,12 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
-from gpud.encoding import encode
-from gpud.errors import ErrorKind
+from gpud.base.encoding import encode
+from gpud.base.errors import ErrorKind
+from gpud.base.logs import get_logger
 from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus, Subscription
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
-from gpud.logs import get_logger
 
 log = get_logger("api")
 

@@ -13,8 +13,8 @@ from typing import Iterator
 
 from aiohttp.abc import AbstractAccessLogger
 
-from gpud.lifecycle import Component, Tasks
-from gpud.samples import HOSTNAME, Family
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.samples import HOSTNAME, Family
 
 SAMPLE_EVERY = 8
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)

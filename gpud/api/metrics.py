@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Protocol
 
 from aiohttp import web
 
-from gpud.logs import get_logger
-from gpud.samples import Family
+from gpud.base.logs import get_logger
+from gpud.base.samples import Family
 
 log = get_logger("metrics")
 MAX_AGE_S = 1.0

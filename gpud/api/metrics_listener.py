@@ -30,9 +30,9 @@ from gpud.api.connections import FairTurns, follow_connections
 from gpud.api.errors import REQUEST_ERROR_LOG, answer_malformed_requests_with_json, error_response
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
 from gpud.config import listen_address
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
 
 log = get_logger("metrics")
 # A Prometheus server keeps one connection open per target; a few servers (an HA pair) and a

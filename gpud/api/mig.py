@@ -9,15 +9,15 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, off_the_loop, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
-from gpud.encoding import encode
-from gpud.errors import ErrorKind, nvml_unavailable
+from gpud.base.encoding import encode
+from gpud.base.errors import ErrorKind, nvml_unavailable
 from gpud.inventory import Inventory, InventoryService
 from gpud.mig.layouts import Layout, LayoutError, LayoutsFile, check_layouts, export_layout, layout_named
-from gpud.mig.model import GpuPlan
 from gpud.mig.overview import layouts_overview
 from gpud.mig.preflight import plan_layout
 from gpud.mig.reconciler import MigReconciler
 from gpud.mig.sync import actual_of, root_needed
+from gpud.model.mig import GpuPlan
 
 # An inline `config` (PUT /v1/mig) is a mig-parted file sent in the request: 64 KiB is nine times the
 # layouts gpud ships, and reads in a fraction of a second (a 1 MiB one took seconds). A larger file

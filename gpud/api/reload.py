@@ -9,7 +9,7 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError
 from gpud.api.responses import json_response
-from gpud.errors import ErrorKind
+from gpud.base.errors import ErrorKind
 
 
 class ReloadRoute:

@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpud.encoding import encode
+from gpud.base.encoding import encode
 
 
 def json_response(document: Any, status: int = 200) -> web.Response:

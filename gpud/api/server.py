@@ -22,12 +22,12 @@ from gpud.api.errors import (MAX_BODY_BYTES, REQUEST_ERROR_LOG, ApiError, ErrorT
 from gpud.api.latency import RequestLatency
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.api.views import RenderedInventory, node_view
-from gpud.encoding import encode
-from gpud.errors import NVML_UNAVAILABLE, ErrorKind, nvml_unavailable
+from gpud.base.encoding import encode
+from gpud.base.errors import NVML_UNAVAILABLE, ErrorKind, nvml_unavailable
+from gpud.base.logs import get_logger
+from gpud.base.safefs import InUse, hold_lock, secure_directory
 from gpud.inventory import Inventory, InventoryService
-from gpud.logs import get_logger
 from gpud.nvml.session import NvmlSession, SessionState
-from gpud.safefs import InUse, hold_lock, secure_directory
 
 log = get_logger("api")
 

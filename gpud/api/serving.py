@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from gpud.api.latency import RequestLatency
 from gpud.api.server import Api, UnixSocketListener
+from gpud.base.lifecycle import Component, Tasks
 from gpud.config import ApiConfig
-from gpud.lifecycle import Component, Tasks
 
 
 class SocketClaim(Component):

@@ -11,7 +11,7 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
-from gpud.errors import ErrorKind
+from gpud.base.errors import ErrorKind
 from gpud.sharing.gpu_memory import Allocation, GpuMemory
 from gpud.sharing.service import SharingView
 

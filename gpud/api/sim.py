@@ -10,9 +10,9 @@ from aiohttp import web
 from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, error_response, read_json_object
 from gpud.api.responses import json_response
-from gpud.errors import ErrorKind, nvml_unavailable
+from gpud.base.errors import ErrorKind, nvml_unavailable
+from gpud.base.logs import get_logger
 from gpud.inventory import InventoryService
-from gpud.logs import get_logger
 from gpud.nvml.session import NvmlSession, NvmlUnavailable, describe_error
 from gpud.nvml.sim import SimError
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from gpud.encoding import encode
+from gpud.base.encoding import encode
 from gpud.inventory import Gpu, Inventory, format_cpulist, normal_bus_id
-from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
+from gpud.model.driver import MINIMUM_BRANCH, driver_problem
 
 
 def gpu_view(gpu: Gpu) -> dict:

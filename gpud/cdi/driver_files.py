@@ -33,8 +33,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.base.ld_cache import read_ld_cache
 from gpud.cdi import hook
-from gpud.cdi.ld_cache import read_ld_cache
 
 BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
             "nvidia-cuda-mps-server", "nvidia-imex", "nvidia-imex-ctl")

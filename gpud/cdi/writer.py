@@ -15,14 +15,14 @@ import json
 from pathlib import Path
 from typing import Callable, Mapping
 
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.safefs import KeptFile
 from gpud.cdi.driver_files import find_driver_files, host_ldconfig
 from gpud.cdi.spec import KIND, SPEC_FILE, build_spec, read_host_devices
 from gpud.events import EventBus
 from gpud.inventory import Inventory, InventoryService
 from gpud.kept_writer import RECHECK_S, KeptFileWriter
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
-from gpud.safefs import KeptFile
 from gpud.sharing.service import SharingView
 
 log = get_logger("cdi")

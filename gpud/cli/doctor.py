@@ -3,7 +3,7 @@
 It opens its own NVML session, reads what gpud relies on, compares that with what nvidia-smi
 prints, and says what would block a GPU reset and which reads need root. It changes nothing:
 NVML queries only (gpud.nvml.doctor_reads), nvidia-smi listing commands only (gpud.nvml.smi),
-and /proc reads (gpud.host).
+and /proc reads (gpud.base.host).
 
 Exit codes: 0 nothing wrong, 1 problems found (one line each, with what to do), 2 cannot run
 (no NVML library, driver not loaded, bad arguments).

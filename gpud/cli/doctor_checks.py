@@ -1,6 +1,6 @@
 """What `gpud doctor` (gpud.cli.doctor) finds on this node, as its report: the driver, each GPU (MIG, reset
 blockers, NVLink, fabric), nvidia-smi's view compared with NVML's, and what needs root. Read-only: NVML
-queries (gpud.nvml.doctor_reads), nvidia-smi listing commands (gpud.nvml.smi), /proc reads (gpud.host)."""
+queries (gpud.nvml.doctor_reads), nvidia-smi listing commands (gpud.nvml.smi), /proc reads (gpud.base.host)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpud.host import Holder, describe_holder, device_holders, module_blockers
+from gpud.base.host import Holder, describe_holder, device_holders, module_blockers
 from gpud.inventory import normal_bus_id
+from gpud.model.driver import MINIMUM_BRANCH, driver_problem
 from gpud.nvml import smi
 from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
-from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
 from gpud.nvml.privileges import ROOT_ONLY
 from gpud.nvml.session import NO_GPU_HINT, describe_error
 

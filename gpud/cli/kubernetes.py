@@ -46,7 +46,7 @@ def add_device_plugin(commands: Any) -> None:
 
 
 def _device_plugin(args: argparse.Namespace) -> int:
-    from gpud.logs import configure_logging
+    from gpud.base.logs import configure_logging
     from gpud.python_libraries import EXIT_NO_LIBRARIES, grpc_missing_message
 
     refuse_json(args)
@@ -99,7 +99,7 @@ def add_k8s_agent(commands: Any) -> None:
 
 def _k8s_agent(args: argparse.Namespace) -> int:
     from gpud.kubernetes.agent import serve
-    from gpud.logs import configure_logging
+    from gpud.base.logs import configure_logging
 
     refuse_json(args)
     if not args.node_name:
@@ -145,7 +145,7 @@ def add_dra_plugin(commands: Any) -> None:
 
 
 def _dra_plugin(args: argparse.Namespace) -> int:
-    from gpud.logs import configure_logging
+    from gpud.base.logs import configure_logging
     from gpud.python_libraries import EXIT_NO_LIBRARIES, grpc_missing_message
 
     refuse_json(args)

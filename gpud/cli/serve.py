@@ -47,7 +47,7 @@ def add_serve(commands: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from gpud import daemon
-    from gpud.logs import configure_logging
+    from gpud.base.logs import configure_logging
 
     refuse_json(args)
     overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,

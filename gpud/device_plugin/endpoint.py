@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 
+from gpud.base.logs import get_logger
 from gpud.device_plugin.allocation import DEFAULT_STRATEGIES, AllocationRefused, DeviceListStrategy, allocate, \
     preferred
 from gpud.device_plugin.api import API_VERSION, HEALTHY, UNHEALTHY, pb, rpc
 from gpud.device_plugin.state import NodeState, Resource
-from gpud.logs import get_logger
 
 log = get_logger("device_plugin")
 

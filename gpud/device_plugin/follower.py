@@ -20,10 +20,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from gpud.base.logs import get_logger
 from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
 from gpud.device_plugin.state import (NodeState, claimed_devices, mps_client, nvlink_peers, resources_from_sharing,
                                       without_claimed)
-from gpud.logs import get_logger
 
 log = get_logger("device_plugin")
 

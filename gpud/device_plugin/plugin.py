@@ -20,14 +20,14 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from gpud.base.logs import get_logger
+from gpud.base.loops import run_until_stopped, stop_on_signals
 from gpud.device_plugin import DEFAULT_KUBELET_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from gpud.device_plugin.allocation import DEFAULT_STRATEGIES, DeviceListStrategy
 from gpud.device_plugin.endpoint import Endpoint
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
 from gpud.device_plugin.podresources import AllocationReporter
 from gpud.device_plugin.state import NodeState
-from gpud.logs import get_logger
-from gpud.loops import run_until_stopped, stop_on_signals
 
 log = get_logger("device_plugin")
 

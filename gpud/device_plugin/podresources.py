@@ -19,9 +19,9 @@ from typing import Any
 
 import grpc
 
+from gpud.base.logs import get_logger
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 from gpud.device_plugin.api import podresources_pb, podresources_rpc
-from gpud.logs import get_logger
 
 log = get_logger("device_plugin")
 

@@ -3,7 +3,7 @@
 The kubelet does not call NodePrepareResources again for a claim it marked prepared, and calls
 NodeUnprepareResources with only the claim's namespace, name and UID (the claim may be gone): what was
 prepared must outlive the plugin (k8s.io/dynamic-resource-allocation kubeletplugin draplugin.go, the
-DRAPlugin interface's documentation). Every change is written whole, atomically (gpud/persist.py), before
+DRAPlugin interface's documentation). Every change is written whole, atomically (gpud/base/persist.py), before
 the step it records is taken or right after it, so that each possible kill leaves one of:
 - a claim `preparing`: its spec may or may not be written; the next Prepare (the kubelet retries one that
   failed or timed out) does it again, an Unprepare removes whatever was written;
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpud.logs import get_logger
-from gpud.persist import CorruptFile, read_json, write_json_atomic
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("dra_plugin")
 

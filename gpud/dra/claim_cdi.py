@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from gpud.persist import write_text_atomic
+from gpud.base.persist import write_text_atomic
 
 CLASS = "claim"
 VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"

@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpud.base.host import boot_id as host_boot_id
+from gpud.base.logs import get_logger
+from gpud.base.loops import run_until_stopped, stop_on_signals
 from gpud.client import Client
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
 from gpud.dra.checkpoint import FILE_NAME, PREPARING, Checkpoint, PreparedClaim, PreparedDevice, load
@@ -27,10 +30,7 @@ from gpud.dra.owner import GpudOwner
 from gpud.dra.prepare import ClaimRef, PoolView, PrepareError, Preparer
 from gpud.dra.server import HealthEntry, HealthService, Sockets
 from gpud.dra.slices import SlicePublisher
-from gpud.host import boot_id as host_boot_id
 from gpud.kubernetes.node_api import KubeError
-from gpud.logs import get_logger
-from gpud.loops import run_until_stopped, stop_on_signals
 
 log = get_logger("dra_plugin")
 

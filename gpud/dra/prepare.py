@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpud.base.logs import get_logger
 from gpud.device_plugin.allocation import HOST_SHM
 from gpud.dra.checkpoint import PREPARED, PREPARING, Checkpoint, PreparedClaim, PreparedDevice
 from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec, spec_path,
@@ -19,7 +20,6 @@ from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_
 from gpud.dra.config import MIG_CONFIG, MPS, ConfigError, DeviceConfig, Sharing, config_for, configs_by_request
 from gpud.dra.devices import MIG_TYPE, DraDevice
 from gpud.dra.owner import GpudOwner, OwnerRefused, mps_limits
-from gpud.logs import get_logger
 
 log = get_logger("dra_plugin")
 

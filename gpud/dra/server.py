@@ -15,11 +15,11 @@ from types import ModuleType
 
 import grpc
 
+from gpud.base.logs import get_logger
 from gpud.dra.api import (PLUGIN_TYPE, SUPPORTED_SERVICES, health_pb, health_rpc, registration_pb, registration_rpc,
                           v1_pb, v1_rpc, v1beta1_pb, v1beta1_rpc)
 from gpud.dra.checkpoint import PreparedClaim
 from gpud.dra.prepare import ClaimRef
-from gpud.logs import get_logger
 
 log = get_logger("dra_plugin")
 

@@ -22,10 +22,10 @@ import copy
 import json
 from collections.abc import Callable
 
+from gpud.base.logs import get_logger
 from gpud.dra.kube import DraApi
 from gpud.kubernetes.agent import Backoff
 from gpud.kubernetes.node_api import KubeError
-from gpud.logs import get_logger
 
 log = get_logger("dra_plugin")
 

@@ -11,13 +11,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from gpud.errors import ErrorKind, GpudError, nvml_unavailable
+from gpud.base.errors import ErrorKind, GpudError, nvml_unavailable
+from gpud.base.logs import get_logger
+from gpud.base.persist import read_json, write_json_atomic
 from gpud.health.diag import DiagRun, find_dcgmi, run_diag
 from gpud.health.diag_verdicts import diag_problems
 from gpud.health.service import HealthService
-from gpud.logs import get_logger
 from gpud.nvml.reset import compute_pids
-from gpud.persist import read_json, write_json_atomic
 
 log = get_logger("health")
 KIND = "diag"  # the health reasons a run leaves, one per GPU it found wrong

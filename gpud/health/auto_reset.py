@@ -8,13 +8,13 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
+from gpud.base.logs import get_logger
 from gpud.config import HealthConfig
 from gpud.events import EventBus
 from gpud.health.driver_actions import RESET_ACTIONS
 from gpud.health.states import Named
 from gpud.health.tracker import HealthTracker
 from gpud.inventory import Gpu, Inventory
-from gpud.logs import get_logger
 
 log = get_logger("health")
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpud.base.yamlfile import at_line, load_yaml
 from gpud.health.states import Action, Named
-from gpud.yamlfile import at_line, load_yaml
 
 
 class Severity(Named):

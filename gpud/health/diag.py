@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
 
 log = get_logger("diag")
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 from gpud.health.kmsg_records import KERNEL_FACILITY, KernelXid, parse_xid, read_record
-from gpud.logs import get_logger
-from gpud.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("kmsg")
 

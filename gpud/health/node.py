@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
 
 log = get_logger("health")
 Problem = tuple[str, str, str] | None

@@ -10,9 +10,9 @@ import asyncio
 from pathlib import Path
 from typing import Any, Awaitable, Callable, NamedTuple
 
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 from gpud.health.reasons import Key, Reason, parse_reasons
-from gpud.logs import get_logger
-from gpud.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("health")
 # How long health changes gather before they are saved: an XID storm costs one write, not one per

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
+from gpud.base.host import boot_id
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile
+from gpud.base.samples import Family
 from gpud.config import HealthConfig
-from gpud.dcgm_labels import gpu_labels
 from gpud.events import EventBus, EventType
 from gpud.health import persistence
 from gpud.health.auto_reset import AutoReset
@@ -30,14 +34,10 @@ from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.states import Health
 from gpud.health.tracker import HealthTracker
 from gpud.health.xid_counter import XidCounter
-from gpud.host import boot_id
 from gpud.inventory import Inventory, InventoryService
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
+from gpud.model.dcgm_labels import gpu_labels
 from gpud.nvml.health import Readings
 from gpud.nvml.session import NvmlSession
-from gpud.persist import CorruptFile
-from gpud.samples import Family
 
 log = get_logger("health")
 

@@ -7,11 +7,11 @@ import time
 from collections import deque
 from typing import Callable
 
+from gpud.base.logs import get_logger
 from gpud.health.catalog import XidCatalog
 from gpud.health.reasons import Change
 from gpud.health.states import Named
 from gpud.health.tracker import HealthTracker
-from gpud.logs import get_logger
 
 log = get_logger("health")
 # dcgm-exporter's window for DCGM_EXP_XID_ERRORS_COUNT (its --xid-count-window-size default, 5 min).

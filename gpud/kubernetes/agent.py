@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpud.base.logs import get_logger
 from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
 from gpud.kubernetes import (CONDITION_TYPE, MIG_CONFIG_LABEL, MIG_STATE_LABEL, SHARING_CONFIG_LABEL, TAINT_EFFECT,
                              TAINT_KEY, TAINT_VALUE)
 from gpud.kubernetes.health import Verdict, unknown, verdict
 from gpud.kubernetes.node_api import KubeError, NodeApi, now_rfc3339
-from gpud.logs import get_logger
 
 log = get_logger("k8s_agent")
 

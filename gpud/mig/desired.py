@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.logs import get_logger
-from gpud.persist import read_json, write_failed, write_json_atomic
+from gpud.base.logs import get_logger
+from gpud.base.persist import read_json, write_failed, write_json_atomic
 
 log = get_logger("mig")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 from gpud.mig.status import ApplyStatus
-from gpud.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("mig")
 HISTORY_KEPT = 20  # the last applies /v1/mig lists (newest first), kept across restarts

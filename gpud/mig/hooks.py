@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
 
 log = get_logger("mig")
 

@@ -25,13 +25,13 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from gpud.errors import ErrorKind, GpudError
-from gpud.logs import get_logger
-from gpud.mig import capabilities
-from gpud.mig.model import MigCapabilities
-from gpud.mig.profile_names import MigProfileName, read_layout_profile
-from gpud.yamlfile import at_line as _at_line
-from gpud.yamlfile import load_yaml, read_yaml_text
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.logs import get_logger
+from gpud.base.yamlfile import at_line as _at_line
+from gpud.base.yamlfile import load_yaml, read_yaml_text
+from gpud.model.mig import MigCapabilities
+from gpud.model.mig_profile_names import MigProfileName, read_layout_profile
+from gpud.nvml import mig_tables
 
 FORMAT_VERSION = "v1"
 _TOP_LEVEL_KEYS = ("version", "mig-configs")
@@ -193,7 +193,7 @@ def _known_pci_ids() -> frozenset[int]:
     for, and those NVIDIA's default mig-parted config (gpud's shipped layouts) names."""
     named = {int(f.partition(":")[0], 16) for layout in default_layouts().values()
              for entry in layout.entries for f in entry.device_filter if _DEVICE_FILTER.fullmatch(f)}
-    return frozenset(named | {pci_id for table in capabilities.shipped_tables() for pci_id in table.pci_device_ids})
+    return frozenset(named | {pci_id for table in mig_tables.shipped_tables() for pci_id in table.pci_device_ids})
 
 
 class LayoutUnavailable(GpudError):
@@ -483,7 +483,7 @@ def _warn_unknown_to_gpud(entry: LayoutEntry, where: _Where) -> None:
     none of them has, and profiles none of the GPUs the entry can apply to offers."""
     if not entry.mig_enabled or not where.model_checks:
         return  # a filter for a GPU without MIG (a display GPU) is legitimate
-    tables = capabilities.shipped_tables()
+    tables = mig_tables.shipped_tables()
     named = [f for f in entry.device_filter if _DEVICE_FILTER.fullmatch(f)]
     for pci_filter in named:
         if int(pci_filter.partition(":")[0], 16) not in _known_pci_ids() and pci_filter.startswith(_NVIDIA_VENDOR, 6):

@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 from itertools import combinations
 from operator import or_
 
-from gpud.mig.model import (
+from gpud.model.mig import (
     CiTarget,
     ComputeInstanceState,
     GiProfile,
@@ -32,7 +32,7 @@ from gpud.mig.model import (
     Placement,
     PlanError,
 )
-from gpud.mig.profile_names import mig_device_name, read_layout_profile
+from gpud.model.mig_profile_names import mig_device_name, read_layout_profile
 
 # The compute instances of one GPU instance, as (compute slices, start) pairs.
 _Content = tuple[tuple[int, int], ...]

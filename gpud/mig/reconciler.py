@@ -16,26 +16,26 @@ import time
 from collections.abc import Callable
 from typing import Iterator
 
-from gpud.errors import GpudError, nvml_unavailable
+from gpud.base.errors import GpudError, nvml_unavailable
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile
+from gpud.base.samples import Family
 from gpud.gpu_reset import GpuHook, GpuResetter
 from gpud.inventory import Inventory, InventoryService
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
 from gpud.mig.apply import ApplyRun, MigApplier
 from gpud.mig.desired import Desired, DesiredStore, GpuDesired
 from gpud.mig.history import ApplyHistory
 from gpud.mig.hooks import MigHooks
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import Layout, LayoutsFile
-from gpud.mig.model import GpuPlan
 from gpud.mig.preflight import plan_layout, refuse_blocked_reset, refuse_busy_gpus
 from gpud.mig.status import ApplyState, ApplyStatus, GpuApplyState, GpuProgress
 from gpud.mig.sync import in_sync
 from gpud.mig.view import in_sync_family, mig_view
+from gpud.model.mig import GpuPlan
 from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.session import NvmlSession
-from gpud.persist import CorruptFile
-from gpud.samples import Family
 
 log = get_logger("mig")
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.safefs import UnsafePath, secure_directory
+from gpud.base.safefs import UnsafePath, secure_directory
 
 
 class MpsError(Exception):

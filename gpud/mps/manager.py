@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_json_atomic
+from gpud.base.samples import HOSTNAME, Family
 from gpud.config import MpsConfig
 from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
 from gpud.nvml.session import NvmlSession
-from gpud.persist import CorruptFile, read_json, write_json_atomic
-from gpud.samples import HOSTNAME, Family
 
 log = get_logger("mps")
 HEALTH_PROBE_EVERY = 10  # liveness checks between two full health probes (get_server_list)

@@ -15,9 +15,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
+from gpud.base.safefs import UnsafePath, secure_directory
 from gpud.mps.control import MpsControl, MpsDirectories, MpsError
-from gpud.safefs import UnsafePath, secure_directory
 
 log = get_logger("mps")
 

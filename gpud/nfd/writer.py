@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.safefs import KeptFile, UnsafePath
 from gpud.config import NfdConfig
 from gpud.events import CLOSED, OVERFLOW, EventBus
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
 from gpud.nfd.labels import HEADER, feature_file
-from gpud.safefs import KeptFile, UnsafePath
 
 log = get_logger("nfd")
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pynvml
 
-from gpud.logs import get_logger
+from gpud.base.logs import get_logger
 from gpud.nvml.reader import is_lost_error, text
 
 log = get_logger("health")

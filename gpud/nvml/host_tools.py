@@ -21,8 +21,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpud import host
-from gpud.errors import ErrorKind, GpudError
+from gpud.base import host
+from gpud.base.errors import ErrorKind, GpudError
 from gpud.inventory import Gpu
 
 # `nvidia-smi -r` on an 8-GPU node takes seconds; one that hangs (a wedged GPU) must not hold the

@@ -11,8 +11,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from gpud.mig.capabilities import derive_ci_profiles
-from gpud.mig.model import (
+from gpud.model.mig import (
     CiProfile,
     ComputeInstanceState,
     GiProfile,
@@ -20,6 +19,7 @@ from gpud.mig.model import (
     MigCapabilities,
     Placement,
 )
+from gpud.nvml.mig_tables import derive_ci_profiles
 
 # GPU-instance profile constants whose instances carry an attribute in their name.
 _PROFILE_SUFFIXES = {

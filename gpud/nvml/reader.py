@@ -20,13 +20,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from gpud.base.logs import get_logger
 from gpud.inventory import Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, sysfs_pci_device, unknown_gpu
-from gpud.logs import get_logger
-from gpud.mig.capabilities import ReadTables, shipped_table, with_true_instance_counts
-from gpud.mig.model import MigCapabilities
-from gpud.mig.profile_names import mig_device_name
+from gpud.model.driver import MINIMUM_BRANCH
+from gpud.model.mig import MigCapabilities
+from gpud.model.mig_profile_names import mig_device_name
 from gpud.nvml import mig
-from gpud.nvml.driver import MINIMUM_BRANCH
+from gpud.nvml.mig_tables import ReadTables, shipped_table, with_true_instance_counts
 
 MIB = 1 << 20
 _ARCHITECTURES = ("kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell")

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
-from gpud.lifecycle import Component
-from gpud.logs import get_logger
-from gpud.nvml.driver import MINIMUM_BRANCH, driver_problem
+from gpud.base.lifecycle import Component
+from gpud.base.logs import get_logger
+from gpud.model.driver import MINIMUM_BRANCH, driver_problem
 
 T = TypeVar("T")
 log = get_logger("nvml")

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpud.dcgm_labels import gpu_labels, instance_labels
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
+from gpud.base.samples import Family
 from gpud.inventory import Gpu, Inventory, InventoryService
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
+from gpud.model.dcgm_labels import gpu_labels, instance_labels
 from gpud.nvml.processes import DeviceProcesses, read_processes
 from gpud.nvml.session import NvmlSession
 from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC, HostProcess, describe
-from gpud.samples import Family
 
 log = get_logger("processes")
 # SM samples are asked for over this window at least, so a refresh never misses the driver's last one.

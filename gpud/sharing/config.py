@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gpud.yamlfile import at_line, load_yaml, read_yaml_text
+from gpud.base.yamlfile import at_line, load_yaml, read_yaml_text
 
 FORMAT_VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com/"

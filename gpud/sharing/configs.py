@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gpud.errors import ErrorKind, GpudError
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile, read_json, write_failed, write_json_atomic
+from gpud.base.safefs import UnsafePath
 from gpud.inventory import Inventory
-from gpud.logs import get_logger
-from gpud.persist import CorruptFile, read_json, write_failed, write_json_atomic
-from gpud.safefs import UnsafePath
 from gpud.sharing.config import SharingConfig, SharingConfigError, config_name_problem
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import read_sharing_file

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+from gpud.base.lifecycle import Component, Tasks
 from gpud.config import SharingFileConfig
 from gpud.inventory import InventoryService
-from gpud.lifecycle import Component, Tasks
 from gpud.sharing.configs import POLL_INTERVAL_S, SharingConfigs
 from gpud.sharing.service import SharingView
 

@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.lifecycle import Component
+from gpud.base.samples import Family
 from gpud.config import GpuMemoryConfig
-from gpud.dcgm_labels import gpu_labels, instance_labels
-from gpud.errors import ErrorKind, GpudError
 from gpud.inventory import Inventory
-from gpud.lifecycle import Component
+from gpud.model.dcgm_labels import gpu_labels, instance_labels
 from gpud.mps.manager import daemon_name
-from gpud.samples import Family
 from gpud.sharing.resources import Device, device_healthy
 
 STRATEGY = "gpu-memory"

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from gpud.inventory import Gpu, Inventory, MigDevice
-from gpud.mig.profile_names import MigProfileName
+from gpud.model.mig_profile_names import MigProfileName
 from gpud.sharing.config import ReplicatedResources, SharedResource, SharingConfig
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from gpud.encoding import encode
+from gpud.base.encoding import encode
+from gpud.base.logs import get_logger
 from gpud.events import EventBus, EventType
 from gpud.inventory import Inventory, InventoryService
-from gpud.logs import get_logger
 from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
 from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.resources import SharingError, compute_sharing

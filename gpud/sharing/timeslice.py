@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+from gpud.base.logs import get_logger
 from gpud.inventory import Inventory
-from gpud.logs import get_logger
 
 log = get_logger("sharing")
 # nvidia-smi compute-policy --set-timeslice takes these numbers.

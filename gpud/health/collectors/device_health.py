@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from gpud.dcgm_labels import instance_labels
+from gpud.base.samples import Family
 from gpud.health.collectors import LabelledGpus
 from gpud.health.states import HEALTH_RANK, Health
 from gpud.health.tracker import HealthTracker
-from gpud.samples import Family
+from gpud.model.dcgm_labels import instance_labels
 
 
 def collect(gpus: LabelledGpus, tracker: HealthTracker) -> Iterator[Family]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from gpud.dcgm_labels import instance_labels
+from gpud.base.samples import Family
 from gpud.health.collectors import LabelledGpus, add_known
 from gpud.health.dcgm_fields import GPU_READINGS, MIG_READINGS, instance_devices
 from gpud.health.sources.gpu_checks import GpuChecks
-from gpud.samples import Family
+from gpud.model.dcgm_labels import instance_labels
 
 
 def collect(gpus: LabelledGpus, checks: GpuChecks) -> Iterator[Family]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+from gpud.base.samples import Family
 from gpud.health.infiniband import IbPort
-from gpud.samples import Family
 
 # node_exporter's infiniband collector, names and types as in prometheus/node_exporter
 # collector/infiniband_linux.go (commit af65f85cb3c563988e47f7053800826c6d683a89), with the counter files

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from gpud.base.samples import Family
 from gpud.health.collectors import infiniband
 from gpud.health.sources.node_checks import NodeChecks
 from gpud.health.states import HEALTH_RANK
 from gpud.health.tracker import HealthTracker
 from gpud.health.xid_counter import XidCounter
-from gpud.samples import Family
 
 
 def collect(tracker: HealthTracker, xids: XidCounter, checks: NodeChecks) -> Iterator[Family]:

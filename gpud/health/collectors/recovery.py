@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from gpud.base.samples import Family
 from gpud.health.auto_reset import AutoReset
 from gpud.health.collectors import LabelledGpus, add_known
 from gpud.health.driver_actions import DRIVER_ACTIONS
 from gpud.health.tracker import HealthTracker
 from gpud.nvml.health import Readings
-from gpud.samples import Family
 
 _CODES = {name: code for code, name in DRIVER_ACTIONS.items()}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from gpud.base.samples import Family
 from gpud.health.collectors import LabelledGpus
 from gpud.health.xid_counter import XID_WINDOW_MS, XidCounter
-from gpud.samples import Family
 
 NO_XID = "No Error"  # dcgm-exporter's err_msg for err_code 0 (internal/pkg/collector/xid_errors.go)
 

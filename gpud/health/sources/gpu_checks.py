@@ -7,6 +7,8 @@ import asyncio
 from pathlib import Path
 from typing import Callable
 
+from gpud.base.logs import get_logger
+from gpud.base.persist import CorruptFile
 from gpud.health import persistence
 from gpud.health.checks import check_readings
 from gpud.health.dcgm_fields import instance_devices
@@ -15,10 +17,8 @@ from gpud.health.reasons import Change
 from gpud.health.states import Action, Health
 from gpud.health.tracker import HealthTracker
 from gpud.inventory import Inventory, InventoryService
-from gpud.logs import get_logger
 from gpud.nvml.health import FbMemory, Readings, read_mig_memory, read_readings
 from gpud.nvml.session import NvmlSession
-from gpud.persist import CorruptFile
 
 log = get_logger("health")
 

@@ -7,12 +7,12 @@ import asyncio
 from collections import deque
 from pathlib import Path
 
+from gpud.base.logs import get_logger
 from gpud.health.kmsg import KernelLogFollower
 from gpud.health.kmsg_records import KernelXid
 from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.xid_counter import XidCounter, XidSource
 from gpud.inventory import InventoryService, normal_bus_id
-from gpud.logs import get_logger
 
 log = get_logger("health")
 # On a GPU in MIG mode a kernel-log XID waits this long for NVML's report of it, which names the MIG

@@ -7,12 +7,12 @@ import asyncio
 import time
 from typing import Callable
 
+from gpud.base.logs import get_logger
 from gpud.health.reasons import Change
 from gpud.health.states import Action, Health
 from gpud.health.tracker import HealthTracker
 from gpud.health.xid_counter import XidCounter, XidSource
 from gpud.inventory import InventoryService
-from gpud.logs import get_logger
 from gpud.nvml.health import EventListener, NvmlEvent
 from gpud.nvml.session import NvmlSession
 

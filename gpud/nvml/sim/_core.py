@@ -25,7 +25,7 @@ from pynvml import (
     NVMLError,
 )
 
-from gpud.persist import write_json_atomic
+from gpud.base.persist import write_json_atomic
 
 from .drivers import parse_driver
 from .errors import SimError

@@ -30,7 +30,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from gpud.cdi.ld_cache import write_ld_cache
+from gpud.base.ld_cache import write_ld_cache
 
 from .drivers import parse_driver
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpud.lifecycle import Component, Tasks
+from gpud.base.lifecycle import Component, Tasks
 from gpud.nvml.sim.device_nodes import write_device_nodes
 from gpud.nvml.sim.driver_tree import write_driver_tree
 from gpud.nvml.sim.mig_minors import write_mig_minors

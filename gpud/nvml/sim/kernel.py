@@ -26,7 +26,7 @@ import re
 import time
 from pathlib import Path
 
-from gpud.persist import write_text_atomic
+from gpud.base.persist import write_text_atomic
 
 KERN_ERR = 3  # facility kernel (0) << 3 | LOG_ERR (3)
 KMSG_MAX_BYTES = 1 << 20

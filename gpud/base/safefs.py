@@ -16,7 +16,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from gpud.lifecycle import Component, Tasks
+from gpud.base.lifecycle import Component, Tasks
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Coroutine, Iterable
 
-from gpud.logs import get_logger
-from gpud.samples import Family
+from gpud.base.logs import get_logger
+from gpud.base.samples import Family
 
 log = get_logger("lifecycle")
 

@@ -13,8 +13,8 @@ import socket
 import time
 from typing import Callable
 
-from gpud.lifecycle import Component, Tasks
-from gpud.logs import get_logger
+from gpud.base.lifecycle import Component, Tasks
+from gpud.base.logs import get_logger
 
 log = get_logger("systemd")
 _INHERITED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")

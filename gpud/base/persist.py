@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from gpud.errors import ErrorKind, GpudError
-from gpud.logs import get_logger
+from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.logs import get_logger
 
 log = get_logger("persist")
 T = TypeVar("T")

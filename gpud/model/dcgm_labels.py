@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
+from gpud.base.samples import HOSTNAME
 from gpud.inventory import Gpu, MigDevice
-from gpud.samples import HOSTNAME
 
 
 def gpu_labels(gpu: Gpu, driver_version: str) -> dict[str, str]:

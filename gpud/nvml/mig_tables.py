@@ -18,10 +18,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpud.logs import get_logger
-from gpud.mig.model import CiProfile, GiProfile, MigCapabilities, Placement
-from gpud.persist import write_json_atomic
-from gpud.yamlfile import load_yaml
+from gpud.base.logs import get_logger
+from gpud.base.persist import write_json_atomic
+from gpud.base.yamlfile import load_yaml
+from gpud.model.mig import CiProfile, GiProfile, MigCapabilities, Placement
 
 log = get_logger("mig")
 
@@ -73,8 +73,8 @@ class ShippedTable:
 @functools.cache
 def _shipped() -> tuple[dict[int, int], dict[int, int], dict[str, ShippedTable]]:
     """(GI profile constants by name, CI constants by slice count, tables by model)."""
-    source = f"gpud/mig/data/{_DATA}"
-    text = (importlib.resources.files("gpud.mig") / "data" / _DATA).read_text()
+    source = f"gpud/nvml/data/{_DATA}"
+    text = (importlib.resources.files("gpud.nvml") / "data" / _DATA).read_text()
     document = load_yaml(text, lambda reason, line: ValueError(f"{source}: line {line}: {reason}"))
     gi_constants = document["nvml_constants"]["gpu_instance"]
     ci_by_name = document["nvml_constants"]["compute_instance"]
