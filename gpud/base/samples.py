@@ -3,11 +3,7 @@ out in Prometheus's text format (gpud/api/metrics.py)."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
-
-# The hostname label dcgm-exporter puts on its samples: dashboards written for it filter on it.
-HOSTNAME = socket.gethostname()
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,13 @@ them: dashboards written for the exporter join and filter on these exact names a
 from __future__ import annotations
 
 import math
+import socket
 
-from gpud.base.samples import HOSTNAME
 from gpud.inventory import Gpu, MigDevice
+
+# The hostname label dcgm-exporter puts on its samples, and gpud on its own series: dashboards written for
+# the exporter filter on it.
+HOSTNAME = socket.gethostname()
 
 
 def gpu_labels(gpu: Gpu, driver_version: str) -> dict[str, str]:

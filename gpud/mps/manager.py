@@ -15,7 +15,9 @@ from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 from gpud.base.samples import HOSTNAME, Family
 from gpud.config import MpsConfig
-from gpud.inventory import Gpu, Inventory, InventoryService, MigDevice
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Gpu, Inventory
+from gpud.model.mps import daemon_name
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
 from gpud.nvml.session import NvmlSession
@@ -71,11 +73,6 @@ def client_env(daemon: DaemonState, memory_mib: int | None = None, threads_perce
     return {"daemon": spec.name, "state": daemon.state, "env": env,
             "mounts": [{"source": pipe, "target": pipe, "read_only": False}],
             "host_ipc": True}  # MPS clients and the server share memory through /dev/shm
-
-
-def daemon_name(gpu: Gpu, mig: MigDevice | None = None) -> str:
-    """The name of the daemon serving a whole GPU or one MIG device (its pipe directory's name)."""
-    return f"gpu{gpu.index}-gi{mig.gi_id}-ci{mig.ci_id}" if mig else f"gpu{gpu.index}"
 
 
 def desired_specs(config: MpsConfig, inventory: Inventory, replicas: dict[str, int] | None = None,

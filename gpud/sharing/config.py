@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpud.base.yamlfile import at_line, load_yaml, read_yaml_text
+from gpud.model.names import is_dns_subdomain
 
 FORMAT_VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com/"
@@ -32,9 +33,6 @@ _TOP_LEVEL_KEYS = ("version", "flags", "resources", "sharing", "imex")
 _REPLICATED_KEYS = ("renameByDefault", "failRequestsGreaterThanOne", "resources")
 _SHARED_RESOURCE_KEYS = ("name", "rename", "devices", "replicas")
 
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
-_MAX_DNS_SUBDOMAIN_LENGTH = 253
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 _GPU_INDEX = re.compile(r"[0-9]+")
 _MIG_INDEX = re.compile(r"([0-9]+):([0-9]+)")
@@ -42,63 +40,6 @@ _DEVICE_UUID = re.compile(rf"GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]+/[0-9
 # Go's time.ParseDuration syntax ("60s", "1h30m", "1.5m"), which the plugin uses for durations.
 _GO_DURATION = re.compile(r"[-+]?(0|(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+)")
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
-
-
-# A ConfigMap key (Kubernetes' IsConfigMapKey): what the kubelet makes a file of.
-_CONFIG_NAME = re.compile(r"[-._a-zA-Z0-9]+")
-MAX_CONFIG_NAME_LENGTH = 253
-
-
-def config_name_problem(name: str) -> str | None:
-    """Why `name` cannot name a config in the directory, or None when it can."""
-    if not name:
-        return "a config name must not be empty"
-    if len(name) > MAX_CONFIG_NAME_LENGTH:
-        return f"a config name has at most {MAX_CONFIG_NAME_LENGTH} characters, got {len(name)}"
-    if not _CONFIG_NAME.fullmatch(name):
-        return f"a config name is a ConfigMap key (letters, digits, '-', '_', '.'), got {name[:80]!r}"
-    if name.startswith(".."):  # '..' itself, and the kubelet's own '..data' and '..<timestamp>' entries
-        return f"{name[:80]!r} is not a config name: names starting with '..' are the ConfigMap's own entries"
-    if name == ".":
-        return "'.' is not a config name"
-    return None
-
-
-def check_config_name(name: str) -> str:
-    """The name, or ValueError saying why it cannot name a config (for sharing.default_config)."""
-    problem = config_name_problem(name)
-    if problem:
-        raise ValueError(problem)
-    return name
-
-
-# Kubernetes' IsQualifiedName (k8s.io/apimachinery pkg/util/validation): the name after the prefix.
-_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-_MAX_QUALIFIED_NAME_LENGTH = 63
-
-
-def check_extended_resource_name(name: str) -> str:
-    """The name, or ValueError saying why Kubernetes refuses it as an extended resource name
-    (k8s.io/kubernetes pkg/apis/core/helper IsExtendedResourceName): <domain>/<name>, not in the
-    kubernetes.io domain (IsNativeResource), not starting with "requests.", and a qualified name
-    once "requests." goes before it, as resource quotas name it."""
-    if "/" not in name:
-        raise ValueError(f"{name[:80]!r} has no domain: an extended resource is named <domain>/<name>, "
-                         "such as nvidia.com/gpu-memory")
-    if "kubernetes.io/" in name:
-        raise ValueError(f"{name[:80]!r} is in the kubernetes.io domain, which is Kubernetes' own")
-    if name.startswith("requests."):
-        raise ValueError(f"{name[:80]!r} starts with 'requests.', which resource quotas put before names")
-    prefix, short = f"requests.{name}".split("/", 1)
-    if "/" in short:
-        raise ValueError(f"{name[:80]!r} has more than one '/'")
-    if len(prefix) > _MAX_DNS_SUBDOMAIN_LENGTH or not _DNS_SUBDOMAIN.fullmatch(prefix):
-        raise ValueError(f"the domain of {name[:80]!r} is not a lower-case DNS subdomain of at most "
-                         f"{_MAX_DNS_SUBDOMAIN_LENGTH - len('requests.')} characters")
-    if len(short) > _MAX_QUALIFIED_NAME_LENGTH or not _QUALIFIED_NAME.fullmatch(short):
-        raise ValueError(f"the name of {name[:80]!r} is not 1-63 letters, digits, '-', '_' or '.' "
-                         "between letters or digits")
-    return name
 
 
 class SharingConfigError(ValueError):
@@ -441,7 +382,7 @@ def _resource_name(value: Any, path: str) -> str:
     if len(full) > MAX_RESOURCE_NAME_LENGTH:
         _fail(path, f"fully-qualified resource name must be {MAX_RESOURCE_NAME_LENGTH} characters or less: {full}")
     name = full[len(RESOURCE_PREFIX):]
-    if len(name) > _MAX_DNS_SUBDOMAIN_LENGTH or not _DNS_SUBDOMAIN.fullmatch(name):
+    if not is_dns_subdomain(name):
         _fail(path, f"incorrect format for resource name {full!r}: the part after '/' must be a DNS subdomain "
                     "(lowercase letters, digits, '-' and '.', starting and ending with a letter or digit)")
     return full
