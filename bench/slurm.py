@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from gpud.base.logs import configure_logging  # noqa: E402
 from gpud.cdi.spec import CONTROL_NODES, HostDevices, build_spec, parse_mig_minors  # noqa: E402
 from gpud.client import ApiFailure, Client, DaemonUnreachable  # noqa: E402
-from gpud.inventory import Inventory  # noqa: E402
+from gpud.model.inventory import Inventory  # noqa: E402
 from gpud.nvml.reader import NodeReader  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 from gpud.nvml.sim.mig_minors import mig_minors_text  # noqa: E402

@@ -21,8 +21,9 @@ from gpud.base.errors import ErrorKind, GpudError
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_failed, write_json_atomic
-from gpud.inventory import Inventory, InventoryService
-from gpud.mps.manager import daemon_name
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Inventory
+from gpud.model.mps import daemon_name
 
 log = get_logger("claims")
 

@@ -20,7 +20,7 @@ import yaml
 
 from gpud.base.yamlfile import compose_yaml, read_yaml_text
 from gpud.model.driver import driver_branch
-from gpud.sharing.config import check_config_name, check_extended_resource_name
+from gpud.model.names import check_config_name, check_extended_resource_name
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
 SYSTEM_RUNTIME_DIR = Path("/run/gpud")

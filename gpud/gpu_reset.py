@@ -20,7 +20,8 @@ from typing import Any
 
 from gpud.base.errors import ErrorKind, GpudError, nvml_unavailable
 from gpud.base.logs import get_logger
-from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Gpu, Inventory
 from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.host_tools import HostTools, ResetFailed, SimHostTools
 from gpud.nvml.reset import compute_pids, read_topology

@@ -7,7 +7,7 @@ import pytest
 from gpud.health.catalog import CatalogError, XidCatalog, XidInfo, load_catalog, parse_catalog, shipped_table
 from gpud.health.states import Health
 from gpud.health.tracker import HealthTracker
-from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo
+from gpud.model.inventory import Gpu, Inventory, MigDevice, MigInfo
 from gpud.model.mig import Placement
 
 HOT = ("degraded", "inspect-hardware", "at the slowdown limit")

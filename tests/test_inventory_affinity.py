@@ -17,7 +17,7 @@ import pytest
 from helpers import mock_nvml_config, run_on_mock_nvml, sim_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
-from gpud.inventory import format_cpulist
+from gpud.model.inventory import format_cpulist
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.sim import SimulatedNvml
 from gpud.nvml.sim.presets import DGX_A100_NUMA_NODES

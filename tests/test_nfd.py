@@ -23,7 +23,7 @@ from gpud.cli.parser import build_parser
 from gpud.config import SYSTEM_RUNTIME_DIR, ConfigError, MigHooksConfig, parse_config
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
 from gpud.events import EventBus
-from gpud.inventory import Inventory
+from gpud.model.inventory import Inventory
 from gpud.nfd.labels import (GPU_HEALTH, HEADER, MIG_CONFIG_STATE, NFD_MAX_FILE_BYTES, feature_file, machine_type,
                              node_labels)
 from gpud.nfd.writer import NfdWriter

@@ -25,7 +25,7 @@ from helpers import (IN_CI, MOCK_NVML_CONFIGS, REPO, SHARED, GpudProcess, mig_se
 from test_nfd import dmi_sysfs, nfd_labels, parse_feature_text
 from test_sharing import gpu, node
 
-from gpud.inventory import normal_bus_id
+from gpud.model.inventory import normal_bus_id
 from gpud.nfd.labels import OWN_LABELS, gfd_node_labels, gpu_mode
 from gpud.nvml.sim.presets import PRESETS
 from gpud.sharing.resources import compute_sharing

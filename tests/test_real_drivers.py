@@ -21,8 +21,9 @@ import pytest
 from helpers import answer_until, mig_config, put_layout, start_daemon, stop_daemon, until, until_async
 from openapi_check import assert_matches_openapi
 
-from gpud.inventory import Gpu, MigInfo, _identities, _load_known
+from gpud.inventory import _identities, _load_known
 from gpud.model.driver import MINIMUM_BRANCH
+from gpud.model.inventory import Gpu, MigInfo
 from gpud.nvml.health import EventListener, NvmlEvent, read_readings
 from gpud.nvml.mig_tables import ReadTables, _shipped, shipped_table
 from gpud.nvml.reader import MissingNvmlCall, NodeReader

@@ -25,7 +25,7 @@ from helpers import Lines, curl_as, mig_config, put_layout, start_daemon, stop_d
 from openapi_check import assert_matches_openapi
 
 from gpud.daemon import Daemon
-from gpud.inventory import Gpu, MigInfo
+from gpud.model.inventory import Gpu, MigInfo
 from gpud.nvml.host_tools import HostTools, ResetFailed
 from gpud.nvml.reset import NvlinkTopology
 

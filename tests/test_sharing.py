@@ -8,7 +8,7 @@ import textwrap
 import pytest
 from openapi_check import assert_matches_openapi
 
-from gpud.inventory import Gpu, Inventory, MigDevice, MigInfo
+from gpud.model.inventory import Gpu, Inventory, MigDevice, MigInfo
 from gpud.model.mig import Placement
 from gpud.sharing.config import SharedResource, SharingConfig, SharingConfigError, load_sharing, parse_sharing
 from gpud.sharing.resources import compute_sharing, mps_replicas

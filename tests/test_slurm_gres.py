@@ -22,8 +22,8 @@ from helpers import (cli, mig_config, mig_settled, put_layout, sharing_config, s
 from openapi_check import assert_matches_openapi
 
 from gpud.cdi.spec import parse_mig_minors
-from gpud.inventory import Inventory, MigInfo, format_cpulist
 from gpud.kept_writer import RECHECK_S
+from gpud.model.inventory import Inventory, MigInfo, format_cpulist
 from gpud.slurm.cores import CoreIndex, read_core_indexes
 from gpud.slurm.gres import HEADER, build_gres
 
@@ -201,7 +201,7 @@ async def test_mps_sharing_is_100_per_gpu(short_tmp):
 
 
 def test_a_gpu_without_a_minor_number_or_with_an_error_is_left_out(short_tmp):
-    from gpud.inventory import unknown_gpu
+    from gpud.model.inventory import unknown_gpu
 
     gpus = (unknown_gpu(0, name="NVIDIA A100-SXM4-40GB"),
             dataclasses.replace(unknown_gpu(1, minor_number=1), error="NVML: unknown error"))

@@ -14,7 +14,8 @@ from typing import Iterator
 from aiohttp.abc import AbstractAccessLogger
 
 from gpud.base.lifecycle import Component, Tasks
-from gpud.base.samples import HOSTNAME, Family
+from gpud.base.samples import Family
+from gpud.model.dcgm_labels import HOSTNAME
 
 SAMPLE_EVERY = 8
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)

@@ -11,12 +11,13 @@ from gpud.api.errors import ApiError, off_the_loop, read_json_object
 from gpud.api.responses import encoded_json_response, json_response
 from gpud.base.encoding import encode
 from gpud.base.errors import ErrorKind, nvml_unavailable
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.mig.layouts import Layout, LayoutError, LayoutsFile, check_layouts, export_layout, layout_named
 from gpud.mig.overview import layouts_overview
 from gpud.mig.preflight import plan_layout
 from gpud.mig.reconciler import MigReconciler
 from gpud.mig.sync import actual_of, root_needed
+from gpud.model.inventory import Inventory
 from gpud.model.mig import GpuPlan
 
 # An inline `config` (PUT /v1/mig) is a mig-parted file sent in the request: 64 KiB is nine times the

@@ -26,7 +26,8 @@ from gpud.base.encoding import encode
 from gpud.base.errors import NVML_UNAVAILABLE, ErrorKind, nvml_unavailable
 from gpud.base.logs import get_logger
 from gpud.base.safefs import InUse, hold_lock, secure_directory
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Inventory
 from gpud.nvml.session import NvmlSession, SessionState
 
 log = get_logger("api")

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from gpud.base.encoding import encode
-from gpud.inventory import Gpu, Inventory, format_cpulist, normal_bus_id
 from gpud.model.driver import MINIMUM_BRANCH, driver_problem
+from gpud.model.inventory import Gpu, Inventory, format_cpulist, normal_bus_id
 
 
 def gpu_view(gpu: Gpu) -> dict:

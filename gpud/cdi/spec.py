@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping, NamedTuple
 
 from gpud.cdi.version import minimum_version
-from gpud.inventory import Gpu, Inventory, MigDevice
+from gpud.model.inventory import Gpu, Inventory, MigDevice
 
 KIND = "gpud/gpu"
 SPEC_FILE = "gpud-gpu.json"  # <vendor>-<class>.json, as NVIDIA's device plugin names its specs

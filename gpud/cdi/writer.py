@@ -21,8 +21,9 @@ from gpud.base.safefs import KeptFile
 from gpud.cdi.driver_files import find_driver_files, host_ldconfig
 from gpud.cdi.spec import KIND, SPEC_FILE, build_spec, read_host_devices
 from gpud.events import EventBus
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.kept_writer import RECHECK_S, KeptFileWriter
+from gpud.model.inventory import Inventory
 from gpud.sharing.service import SharingView
 
 log = get_logger("cdi")

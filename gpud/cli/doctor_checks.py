@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from gpud.base.host import Holder, describe_holder, device_holders, module_blockers
-from gpud.inventory import normal_bus_id
 from gpud.model.driver import MINIMUM_BRANCH, driver_problem
+from gpud.model.inventory import normal_bus_id
 from gpud.nvml import smi
 from gpud.nvml.doctor_reads import GiProfile, GpuReading, NodeReading, read_node
 from gpud.nvml.privileges import ROOT_ONLY

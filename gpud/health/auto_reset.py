@@ -14,7 +14,7 @@ from gpud.events import EventBus
 from gpud.health.driver_actions import RESET_ACTIONS
 from gpud.health.states import Named
 from gpud.health.tracker import HealthTracker
-from gpud.inventory import Gpu, Inventory
+from gpud.model.inventory import Gpu, Inventory
 
 log = get_logger("health")
 

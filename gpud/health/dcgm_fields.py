@@ -3,7 +3,7 @@ counters, etc/default-counters.csv; docs/metrics.md), and which devices it says 
 
 from __future__ import annotations
 
-from gpud.inventory import Gpu, MigDevice
+from gpud.model.inventory import Gpu, MigDevice
 from gpud.nvml.health import FbMemory
 
 # (metric, help, type, reading attribute)

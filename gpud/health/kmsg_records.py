@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpud.inventory import normal_bus_id
+from gpud.model.inventory import normal_bus_id
 
 KERNEL_FACILITY = 0  # LOG_KERN: what the kernel and its modules write; userspace never gets it
 MAX_XID = 1000  # a number above this is no XID the driver documents: a parse gone wrong

@@ -34,8 +34,9 @@ from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.states import Health
 from gpud.health.tracker import HealthTracker
 from gpud.health.xid_counter import XidCounter
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.model.dcgm_labels import gpu_labels
+from gpud.model.inventory import Inventory
 from gpud.nvml.health import Readings
 from gpud.nvml.session import NvmlSession
 

@@ -23,7 +23,7 @@ from gpud.health.catalog import Severity, XidInfo
 from gpud.health.driver_actions import REBOOT_ACTIONS, driver_action_reason
 from gpud.health.reasons import Change, Key, Reason, TrackedDevice, suggested_action, worst
 from gpud.health.states import Action, Clears, Health
-from gpud.inventory import Gpu, Inventory
+from gpud.model.inventory import Gpu, Inventory
 
 LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
 # Reasons others re-derive after a restart, so they are not persisted: the inventory says again which

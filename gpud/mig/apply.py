@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 
 from gpud.base.logs import get_logger
 from gpud.gpu_reset import GpuHook, GpuResetter, ResetBlocked, ResetBusy
-from gpud.inventory import Gpu, Inventory, InventoryService, MigInfo
+from gpud.inventory import InventoryService
 from gpud.mig.desired import GpuDesired
 from gpud.mig.instances import MigInstances
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.mig.status import ApplyStatus, GpuApplyState, GpuProgress, ModeOutcome
 from gpud.mig.sync import all_cis, mig_state_of, mode_change_needs_reset, resets_to_change_mode
+from gpud.model.inventory import Gpu, Inventory, MigInfo
 from gpud.model.mig import GpuPlan
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import ResetFailed

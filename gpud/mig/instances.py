@@ -8,11 +8,11 @@ import asyncio
 from collections.abc import Collection
 
 from gpud.base.logs import get_logger
-from gpud.inventory import Gpu, Inventory
 from gpud.mig.desired import DesiredStore
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.mig.status import GpuProgress
 from gpud.mig.sync import mig_state_of
+from gpud.model.inventory import Gpu, Inventory
 from gpud.model.mig import GpuPlan
 from gpud.nvml import mig as nvml_mig
 from gpud.nvml.host_tools import HostTools, SimHostTools

@@ -4,10 +4,10 @@ node's GPUs warn of."""
 
 from __future__ import annotations
 
-from gpud.inventory import Inventory
 from gpud.mig.layouts import Layout, NodeGpu, offers
 from gpud.mig.preflight import ApplyRefused, plan_layout
 from gpud.mig.sync import node_gpus, root_needed
+from gpud.model.inventory import Inventory
 
 
 def layouts_overview(source: str, layouts: dict[str, Layout], file_warnings: list[str], inventory: Inventory,

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 from gpud.base.errors import ErrorKind, GpudError
 from gpud.gpu_reset import GpuResetter, ResetBlocked
-from gpud.inventory import Inventory
 from gpud.mig.desired import GpuDesired
 from gpud.mig.layouts import Layout, LayoutError
 from gpud.mig.planner import plan_gpu
 from gpud.mig.sync import (changes_mode, doomed_compute_instances, in_sync, mig_state_of, mode_change_needs_reset,
                            node_gpus, resolve_layout)
+from gpud.model.inventory import Inventory
 from gpud.model.mig import GpuPlan, PlanError
 from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession

@@ -22,7 +22,7 @@ from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile
 from gpud.base.samples import Family
 from gpud.gpu_reset import GpuHook, GpuResetter
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.mig.apply import ApplyRun, MigApplier
 from gpud.mig.desired import Desired, DesiredStore, GpuDesired
 from gpud.mig.history import ApplyHistory
@@ -33,6 +33,7 @@ from gpud.mig.preflight import plan_layout, refuse_blocked_reset, refuse_busy_gp
 from gpud.mig.status import ApplyState, ApplyStatus, GpuApplyState, GpuProgress
 from gpud.mig.sync import in_sync
 from gpud.mig.view import in_sync_family, mig_view
+from gpud.model.inventory import Inventory
 from gpud.model.mig import GpuPlan
 from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.session import NvmlSession

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gpud.inventory import Gpu, Inventory
 from gpud.mig.desired import GpuDesired
 from gpud.mig.layouts import Layout, LayoutEntry, NodeGpu
+from gpud.model.inventory import Gpu, Inventory
 from gpud.model.mig import GpuInstanceState, GpuMigState, GpuPlan
 from gpud.nvml.privileges import not_root_because, running_as_root
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from gpud.base.samples import HOSTNAME, Family
-from gpud.inventory import Inventory
+from gpud.base.samples import Family
 from gpud.mig.desired import GpuDesired
 from gpud.mig.status import ApplyState, ApplyStatus
 from gpud.mig.sync import actual_of, in_sync
+from gpud.model.dcgm_labels import HOSTNAME
+from gpud.model.inventory import Inventory
 
 
 def mig_view(inventory: Inventory | None, desired: dict[str, GpuDesired], status: ApplyStatus, *,

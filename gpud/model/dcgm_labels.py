@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import socket
 
-from gpud.inventory import Gpu, MigDevice
+from gpud.model.inventory import Gpu, MigDevice
 
 # The hostname label dcgm-exporter puts on its samples, and gpud on its own series: dashboards written for
 # the exporter filter on it.

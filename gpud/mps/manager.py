@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterator
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_json_atomic
-from gpud.base.samples import HOSTNAME, Family
+from gpud.base.samples import Family
 from gpud.config import MpsConfig
 from gpud.inventory import InventoryService
+from gpud.model.dcgm_labels import HOSTNAME
 from gpud.model.inventory import Gpu, Inventory
 from gpud.model.mps import daemon_name
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive

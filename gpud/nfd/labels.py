@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
-from gpud.inventory import Gpu, Inventory, sysfs_pci_device
+from gpud.model.inventory import Gpu, Inventory, sysfs_pci_device
 from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpud.base import host
 from gpud.base.errors import ErrorKind, GpudError
-from gpud.inventory import Gpu
+from gpud.model.inventory import Gpu
 
 # `nvidia-smi -r` on an 8-GPU node takes seconds; one that hangs (a wedged GPU) must not hold the
 # reset, and with it gpud's NVML session, for ever.

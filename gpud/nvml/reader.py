@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpud.base.logs import get_logger
-from gpud.inventory import Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, sysfs_pci_device, unknown_gpu
 from gpud.model.driver import MINIMUM_BRANCH
+from gpud.model.inventory import (Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, sysfs_pci_device,
+                                  unknown_gpu)
 from gpud.model.mig import MigCapabilities
 from gpud.model.mig_profile_names import mig_device_name
 from gpud.nvml import mig

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpud.inventory import normal_bus_id
+from gpud.model.inventory import normal_bus_id
 from gpud.nvml.reader import active_nvlinks
 
 

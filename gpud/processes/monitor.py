@@ -13,8 +13,9 @@ from typing import Any, Iterator
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.samples import Family
-from gpud.inventory import Gpu, Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.model.dcgm_labels import gpu_labels, instance_labels
+from gpud.model.inventory import Gpu, Inventory
 from gpud.nvml.processes import DeviceProcesses, read_processes
 from gpud.nvml.session import NvmlSession
 from gpud.processes.cgroup import CGROUPFS

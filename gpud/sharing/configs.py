@@ -19,8 +19,9 @@ from gpud.base.errors import ErrorKind, GpudError
 from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_failed, write_json_atomic
 from gpud.base.safefs import UnsafePath
-from gpud.inventory import Inventory
-from gpud.sharing.config import SharingConfig, SharingConfigError, config_name_problem
+from gpud.model.inventory import Inventory
+from gpud.model.names import config_name_problem
+from gpud.sharing.config import SharingConfig, SharingConfigError
 from gpud.sharing.resources import mps_replicas
 from gpud.sharing.service import read_sharing_file
 

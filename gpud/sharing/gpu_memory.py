@@ -15,9 +15,9 @@ from gpud.base.errors import ErrorKind, GpudError
 from gpud.base.lifecycle import Component
 from gpud.base.samples import Family
 from gpud.config import GpuMemoryConfig
-from gpud.inventory import Inventory
 from gpud.model.dcgm_labels import gpu_labels, instance_labels
-from gpud.mps.manager import daemon_name
+from gpud.model.inventory import Inventory
+from gpud.model.mps import daemon_name
 from gpud.sharing.resources import Device, device_healthy
 
 STRATEGY = "gpu-memory"

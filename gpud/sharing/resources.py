@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpud.inventory import Gpu, Inventory, MigDevice
+from gpud.model.inventory import Gpu, Inventory, MigDevice
 from gpud.model.mig_profile_names import MigProfileName
 from gpud.sharing.config import ReplicatedResources, SharedResource, SharingConfig
 

@@ -9,7 +9,8 @@ from typing import Callable
 from gpud.base.encoding import encode
 from gpud.base.logs import get_logger
 from gpud.events import EventBus, EventType
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Inventory
 from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
 from gpud.sharing.gpu_memory import GpuMemory
 from gpud.sharing.resources import SharingError, compute_sharing

@@ -6,7 +6,7 @@ import asyncio
 import shutil
 
 from gpud.base.logs import get_logger
-from gpud.inventory import Inventory
+from gpud.model.inventory import Inventory
 
 log = get_logger("sharing")
 # nvidia-smi compute-policy --set-timeslice takes these numbers.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpud.inventory import format_cpulist
+from gpud.model.inventory import format_cpulist
 
 
 def read_core_indexes(sysfs: Path) -> dict[int, int]:

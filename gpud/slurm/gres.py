@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from gpud.inventory import UNKNOWN, Gpu, Inventory, normal_bus_id
+from gpud.model.inventory import UNKNOWN, Gpu, Inventory, normal_bus_id
 
 HEADER = ("# Slurm gres.conf, written by gpud from its inventory, MIG layout and sharing: edits are overwritten.\n"
           "# Regenerate it with `gpud slurm gres` (GET /v1/slurm/gres); the Gres= of this node's line in\n"

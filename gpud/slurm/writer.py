@@ -16,8 +16,9 @@ from gpud.base.logs import get_logger
 from gpud.base.safefs import KeptFile
 from gpud.cdi.spec import parse_mig_minors
 from gpud.events import EventBus
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
 from gpud.kept_writer import KeptFileWriter
+from gpud.model.inventory import Inventory
 from gpud.sharing.service import SharingView
 from gpud.slurm.cores import CoreIndex
 from gpud.slurm.gres import Gres, build_gres

@@ -4,7 +4,7 @@ module's collect() yields its families, for the GPUs as dcgm-exporter labels the
 from __future__ import annotations
 
 from gpud.base.samples import Family
-from gpud.inventory import Gpu
+from gpud.model.inventory import Gpu
 
 LabelledGpus = list[tuple[Gpu, dict[str, str]]]  # each GPU with dcgm-exporter's labels of it
 

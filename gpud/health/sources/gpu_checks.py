@@ -16,7 +16,8 @@ from gpud.health.driver_actions import driver_action_name
 from gpud.health.reasons import Change
 from gpud.health.states import Action, Health
 from gpud.health.tracker import HealthTracker
-from gpud.inventory import Inventory, InventoryService
+from gpud.inventory import InventoryService
+from gpud.model.inventory import Inventory
 from gpud.nvml.health import FbMemory, Readings, read_mig_memory, read_readings
 from gpud.nvml.session import NvmlSession
 

@@ -12,7 +12,8 @@ from gpud.health.kmsg import KernelLogFollower
 from gpud.health.kmsg_records import KernelXid
 from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.xid_counter import XidCounter, XidSource
-from gpud.inventory import InventoryService, normal_bus_id
+from gpud.inventory import InventoryService
+from gpud.model.inventory import normal_bus_id
 
 log = get_logger("health")
 # On a GPU in MIG mode a kernel-log XID waits this long for NVML's report of it, which names the MIG
