@@ -401,3 +401,86 @@ async def test_a_gpud_error_is_answered_with_its_kinds_status_on_any_route():
                 assert response.status == ERROR_STATUS[kind], (kind, method)
                 assert await response.json() == {"error": {"code": "refused-here", "message": "a sentence",
                                                            "detail": 1}}
+
+
+
+
+# layers
+# gpud from the bottom up: a module imports modules of its own layer and of the layers below it, never above
+# (issue 41: "lower layers import upward"). A module of no layer here is at the top: the daemon, the CLI
+# and the doctor wire or run everything. The bottom is two packages that import nothing of gpud but
+# themselves, as mig-parted's pkg/types (github.com/NVIDIA/mig-parted): gpud/model/, the vocabulary every
+# layer shares, and gpud/base/, the utilities that know nothing of GPUs.
+LAYERS = (
+    ("bottom", ("gpud.base", "gpud.model")),
+    ("config", ("gpud.config",)),
+    # the node's state: NVML's reads (and the simulated node), the snapshot, the events that tell of a
+    # change, files kept in step with the snapshot, gpud's socket read by its clients, and the one lock
+    # every change of the GPUs takes
+    ("node", ("gpud.nvml", "gpud.inventory", "gpud.events", "gpud.kept_writer", "gpud.client",
+              "gpud.node_operations")),
+    # one concern of the node each, and the socket's client processes
+    ("services", ("gpud.gpu_reset", "gpud.processes", "gpud.health", "gpud.sharing", "gpud.claims",
+                  "gpud.device_plugin", "gpud.kubernetes", "gpud.dra")),
+    # what changes the node (MIG layouts, MPS daemons) and what is written for others (CDI, NFD, Slurm),
+    # from the services' views: what the sharing config advertises, the resetter
+    ("operations", ("gpud.mig", "gpud.mps", "gpud.cdi", "gpud.nfd", "gpud.slurm")),
+    ("api", ("gpud.api",)),
+)
+TOP = len(LAYERS)
+
+# The only imports of a module above its layer (importer, imported): each says why.
+UPWARD_ALLOWED = {
+    # `gpud slurm health` is a CLI command (slurmd's HealthCheckProgram and prolog) that lives with the rest
+    # of gpud's Slurm knowledge: it exits with the CLI's exit codes.
+    ("gpud.slurm.health", "gpud.cli.output"),
+}
+
+
+def _layer(module: str) -> int:
+    if module == "gpud":  # the package itself holds only __version__
+        return 0
+    return next((rank for rank, (_, packages) in enumerate(LAYERS) if any(_in(module, p) for p in packages)), TOP)
+
+
+def _gpud_imports(graph: dict[str, set[str]], name: str) -> set[str]:
+    """The modules of gpud a module imports (`from gpud.x import Name` counts as gpud.x)."""
+    found = set()
+    for imported in graph[name]:
+        while imported and imported not in graph:
+            imported = imported.rpartition(".")[0]
+        if imported and imported != name:
+            found.add(imported)
+    return found
+
+
+def test_every_layer_names_modules_that_exist():
+    graph = _modules()
+    missing = [p for _, packages in LAYERS for p in packages if not any(_in(m, p) for m in graph)]
+    assert missing == []
+    assert {importer for importer, _ in UPWARD_ALLOWED} <= set(graph)
+
+
+@pytest.mark.parametrize("package", ["gpud.base", "gpud.model"])
+def test_the_bottom_imports_nothing_of_gpud_but_itself(package):
+    """The model and the base utilities are what every other part builds on: they import the standard
+    library and third-party packages only, so nothing above can pull them into a cycle."""
+    graph = _modules()
+    offenders = {name: sorted(m for m in _gpud_imports(graph, name) if not _in(m, package))
+                 for name in graph if _in(name, package)}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_config_depends_on_nothing_above_the_bottom():
+    graph = _modules()
+    assert sorted(m for m in _gpud_imports(graph, "gpud.config") if _layer(m) != 0) == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = _modules()
+    upward = {(name, imported) for name in graph for imported in _gpud_imports(graph, name)
+              if _layer(imported) > _layer(name)}
+    described = sorted(f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0] if _layer(b) < TOP else 'top'})"
+                       for a, b in upward - UPWARD_ALLOWED)
+    assert described == []
+    assert UPWARD_ALLOWED <= upward, "an allowed upward import that is gone: take it off the list"
