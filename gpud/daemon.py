@@ -48,7 +48,7 @@ from gpud.mig.desired import DesiredStore
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import DaemonRunState, MpsManager
 from gpud.nfd.labels import machine_type, node_labels
 from gpud.nfd.writer import NfdWriter
 from gpud.node_operations import NodeOperations
@@ -283,7 +283,7 @@ class Daemon:
             parts.append(f"MIG {mig['layout']} " + ("in sync" if mig["in_sync"] else mig["state"]))
         if self.mig.problem:
             parts.append(f"MIG desired state lost: {self.mig.problem}")
-        running = sum(d.state == "running" for d in self.mps.daemons.values())
+        running = sum(d.state is DaemonRunState.RUNNING for d in self.mps.daemons.values())
         if self.mps.daemons:
             parts.append(f"{running}/{len(self.mps.daemons)} MPS daemons")
         parts.append(self.health.view()["status"])

@@ -18,20 +18,20 @@ import asyncio
 import collections
 import secrets
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from gpud.base.encoding import encode
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
+from gpud.model.named import Named
 from gpud.base.persist import CorruptFile, read_json, write_json_atomic
 
 log = get_logger("events")
 
 
 
-class EventType(str, Enum):
+class EventType(Named):
     """What changed; the watch stream's `type` (its value)."""
 
     HEALTH = "health"

@@ -8,7 +8,7 @@ from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError
 from gpud.api.responses import json_response
 from gpud.base.errors import ErrorKind
-from gpud.mps.manager import DaemonState, MpsManager, client_env
+from gpud.mps.manager import DaemonRunState, DaemonState, MpsManager, client_env
 
 
 class MpsRoutes:
@@ -52,7 +52,7 @@ class MpsRoutes:
         action = request.path.rsplit("/", 1)[1]
         await getattr(self.manager, f"{action}_daemon")(daemon.spec.name)
         view = self.manager.daemon_view(daemon)
-        if action != "stop" and daemon.state != "running":
+        if action != "stop" and daemon.state is not DaemonRunState.RUNNING:
             raise ApiError(ErrorKind.TOOL_FAILED, "mps-start-failed",
                            daemon.last_error or "the MPS daemon did not start", daemon=view)
         return json_response(view)

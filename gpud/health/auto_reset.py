@@ -12,7 +12,7 @@ from gpud.base.logs import get_logger
 from gpud.config import HealthConfig
 from gpud.events import EventBus
 from gpud.health.driver_actions import RESET_ACTIONS
-from gpud.health.states import Named
+from gpud.model.named import Named
 from gpud.health.tracker import HealthTracker
 from gpud.model.inventory import Gpu, Inventory
 

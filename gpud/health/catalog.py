@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpud.base.yamlfile import at_line, load_yaml
-from gpud.health.states import Action, Named
+from gpud.health.states import Action
+from gpud.model.named import Named
 
 
 class Severity(Named):

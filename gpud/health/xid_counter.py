@@ -10,7 +10,7 @@ from typing import Callable
 from gpud.base.logs import get_logger
 from gpud.health.catalog import XidCatalog
 from gpud.health.reasons import Change
-from gpud.health.states import Named
+from gpud.model.named import Named
 from gpud.health.tracker import HealthTracker
 
 log = get_logger("health")

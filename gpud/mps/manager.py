@@ -19,6 +19,7 @@ from gpud.inventory import InventoryService
 from gpud.model.dcgm_labels import HOSTNAME
 from gpud.model.inventory import Gpu, Inventory
 from gpud.model.mps import daemon_name
+from gpud.model.named import Named
 from gpud.mps.control import MpsBinaryMissing, MpsControl, MpsDirectories, MpsError, process_alive
 from gpud.nvml import device as nvml_device
 from gpud.nvml.session import NvmlSession
@@ -41,11 +42,18 @@ class DaemonSpec:
     pinned_mib: tuple[int | None, ...]
 
 
+class DaemonRunState(Named):
+    RUNNING = "running"
+    STARTING = "starting"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
 @dataclass
 class DaemonState:
     spec: DaemonSpec
     control: MpsControl
-    state: str = "stopped"  # running | starting | stopped | failed
+    state: DaemonRunState = DaemonRunState.STOPPED
     pid: int | None = None
     restarts: int = 0
     started_at: float | None = None
@@ -205,7 +213,7 @@ class MpsManager(Component):
         pid = daemon.control.find_pid()
         if pid is None or not await daemon.control.answers():
             return False
-        daemon.pid, daemon.state, daemon.started_at = pid, "running", _process_start_time(pid)
+        daemon.pid, daemon.state, daemon.started_at = pid, DaemonRunState.RUNNING, _process_start_time(pid)
         daemon.last_error = None
         log.info("mps_daemon_adopted", daemon=daemon.spec.name, pid=pid, devices=list(daemon.spec.devices))
         await self._apply_limits(daemon)
@@ -213,7 +221,7 @@ class MpsManager(Component):
 
     async def _start(self, daemon: DaemonState) -> None:
         spec = daemon.spec
-        daemon.state, daemon.paused = "starting", False
+        daemon.state, daemon.paused = DaemonRunState.STARTING, False
         try:
             await self._set_compute_mode(spec, "exclusive_process")
             daemon.pid = await daemon.control.start()
@@ -226,7 +234,7 @@ class MpsManager(Component):
             self._failed(daemon, str(exc) or type(exc).__name__)
             return
         self.error = None
-        daemon.state, daemon.started_at, daemon.last_error = "running", time.time(), None
+        daemon.state, daemon.started_at, daemon.last_error = DaemonRunState.RUNNING, time.time(), None
         daemon.backoff_s = 1.0
         log.info("mps_daemon_started", daemon=spec.name, pid=daemon.pid, devices=list(spec.devices),
                  pipe=str(daemon.control.directories.pipe), restarts=daemon.restarts)
@@ -239,7 +247,7 @@ class MpsManager(Component):
             await self.inventory.refresh(f"compute mode {mode} for MPS daemon {spec.name}")
 
     def _failed(self, daemon: DaemonState, error: str) -> None:
-        daemon.state, daemon.last_error, daemon.pid = "failed", error, None
+        daemon.state, daemon.last_error, daemon.pid = DaemonRunState.FAILED, error, None
         daemon.next_attempt = time.monotonic() + daemon.backoff_s
         log.error("mps_daemon_failed", daemon=daemon.spec.name, error=error, retry_in_s=daemon.backoff_s)
         daemon.backoff_s = min(daemon.backoff_s * 2, MAX_BACKOFF_S)
@@ -253,7 +261,7 @@ class MpsManager(Component):
     async def _update(self, daemon: DaemonState, spec: DaemonSpec) -> None:
         if (daemon.spec.devices, daemon.spec.gpu_indices) == (spec.devices, spec.gpu_indices):
             daemon.spec = spec
-            if daemon.state == "running":
+            if daemon.state is DaemonRunState.RUNNING:
                 await self._apply_limits(daemon)  # live: clients started from now on get the new limits
                 log.info("mps_limits_updated", daemon=spec.name, active_thread_percentage=spec.active_thread_percentage,
                          pinned_mib=list(spec.pinned_mib))
@@ -270,7 +278,7 @@ class MpsManager(Component):
         except Exception as exc:
             daemon.last_error = f"stopping: {exc}"
             log.error("mps_daemon_stop_failed", daemon=daemon.spec.name, error=str(exc))
-        daemon.state, daemon.pid, daemon.server_pids = "stopped", None, []
+        daemon.state, daemon.pid, daemon.server_pids = DaemonRunState.STOPPED, None, []
         log.info("mps_daemon_stopped", daemon=daemon.spec.name, why=why)
         self._notify("mps", self.daemon_view(daemon))
 
@@ -285,10 +293,10 @@ class MpsManager(Component):
                     await self._check(daemon, full=self._checks % HEALTH_PROBE_EVERY == 0)
 
     async def _check(self, daemon: DaemonState, full: bool) -> None:
-        if daemon.paused or daemon.state == "stopped":
+        if daemon.paused or daemon.state is DaemonRunState.STOPPED:
             return
         try:
-            if daemon.state == "failed":
+            if daemon.state is DaemonRunState.FAILED:
                 if time.monotonic() >= daemon.next_attempt and not await self._adopt(daemon):
                     self._count_restart(daemon)
                     await self._start(daemon)
@@ -337,7 +345,7 @@ class MpsManager(Component):
     async def start_daemon(self, name: str) -> None:
         async with self._lock:
             daemon = self.daemons[name]
-            if daemon.state != "running":
+            if daemon.state is not DaemonRunState.RUNNING:
                 await self._start(daemon)
 
     async def restart_daemon(self, name: str) -> None:
@@ -351,7 +359,7 @@ class MpsManager(Component):
         """Stops the daemons on a GPU whose MIG layout is about to change."""
         async with self._lock:
             for name, daemon in list(self.daemons.items()):
-                if gpu_uuid in daemon.spec.parent_uuids and daemon.state in ("running", "starting", "failed"):
+                if gpu_uuid in daemon.spec.parent_uuids and daemon.state is not DaemonRunState.STOPPED:
                     await self._stop(daemon, "MIG layout of its GPU changes")
                     del self.daemons[name]
 
@@ -379,7 +387,7 @@ class MpsManager(Component):
     def failures(self) -> dict[str, str]:
         """Device UUID -> why its MPS daemon is down, for the health of those devices."""
         return {device: f"MPS daemon {d.spec.name} failed: {d.last_error}" for d in self.daemons.values()
-                if d.state == "failed" and not d.paused for device in d.spec.devices}
+                if d.state is DaemonRunState.FAILED and not d.paused for device in d.spec.devices}
 
     def collect(self) -> Iterator[Family]:
         """Whether each daemon runs and how often it restarted, for /metrics."""
@@ -387,7 +395,7 @@ class MpsManager(Component):
         restarts = Family("gpud_mps_daemon_restarts_total", "Restarts of the MPS control daemon.", "counter")
         for daemon in self.daemons.values():
             labels = {"daemon": daemon.spec.name, "hostname": HOSTNAME}
-            up.add(labels, 1 if daemon.state == "running" else 0)
+            up.add(labels, 1 if daemon.state is DaemonRunState.RUNNING else 0)
             restarts.add(labels, daemon.restarts)
         yield up
         yield restarts
