@@ -10,12 +10,12 @@ them may own it.
 from __future__ import annotations
 
 import time
-from enum import Enum
 
 from gpud.base.errors import ErrorKind, GpudError
+from gpud.model.named import Named
 
 
-class Operation(str, Enum):
+class Operation(Named):
     APPLY = "apply"  # a MIG layout chosen through the API or mig.default_layout
     RECONCILE = "reconcile"  # the persisted MIG layout converged on at start
     RESET = "reset"  # a GPU reset asked through the API or by health.auto_reset

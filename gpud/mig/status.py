@@ -4,10 +4,11 @@ every JSON answer and the watch stream (/v1/mig, NFD's nvidia.com/mig.config.sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+
+from gpud.model.named import Named
 
 
-class ApplyState(str, Enum):
+class ApplyState(Named):
     SUCCESS = "success"
     PENDING = "pending"  # chosen, not converged yet (or gpud has not begun converging at start)
     APPLYING = "applying"
@@ -15,7 +16,7 @@ class ApplyState(str, Enum):
     RESET_REQUIRED = "reset-required"  # a MIG mode change waits for a GPU reset or a reboot
 
 
-class GpuApplyState(str, Enum):
+class GpuApplyState(Named):
     PENDING = "pending"
     APPLYING = "applying"
     DONE = "done"
@@ -24,7 +25,7 @@ class GpuApplyState(str, Enum):
     RESET_REQUIRED = "reset-required"
 
 
-class ModeOutcome(str, Enum):
+class ModeOutcome(Named):
     """What requesting a MIG mode did (gpud.nvml.mig.set_mig_mode), or that the reset it waits for
     would be refused."""
     ACTIVE = "active"
