@@ -163,5 +163,5 @@ def test_house_benchmark_compares_two_trees():
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1]
             in (["before"], ["after"], ["bare"])}
-    assert set(rows) == {"before", "after", "bare"} and len(rows["after"]) == 5
+    assert set(rows) == {"before", "after", "bare"} and len(rows["after"]) == 6
     assert "after/before: GET /v1/gpus (each ÷ bare)" in result.stdout
