@@ -31,7 +31,7 @@ from gpud.api.sim import SimRoutes, register_not_simulated
 from gpud.api.slurm import SlurmRoutes
 from gpud.base.errors import ErrorKind, GpudError
 from gpud.base.host import boot_id
-from gpud.base.lifecycle import Lifecycle
+from gpud.base.lifecycle import Component, Lifecycle
 from gpud.base.logs import configure_log_level, get_logger
 from gpud.base.safefs import StateDirectory
 from gpud.base.systemd import Notifier, SystemdStatus, inherited_socket
@@ -169,9 +169,7 @@ class Daemon:
                                      config.cpu_topology_sysfs, self.inventory, self.sharing, self.bus,
                                      reconfigure=slurm.reconfigure, scontrol=slurm.scontrol,
                                      reconfigure_timeout_s=slurm.reconfigure_timeout_s)
-        collectors = (self.health, self.processes, self.mig, self.mps, self.gpu_memory, self.latency)
-        self.metrics = MetricsRoute({collector.name: collector for collector in collectors},
-                                    changes=self._metrics_changes)
+        self.metrics = MetricsRoute(self._collectors, changes=self._metrics_changes)
         self.metrics_listener = MetricsListener(self.metrics, self.latency, idle_timeout_s=config.api.idle_timeout_s,
                                                 shutdown_timeout_s=config.api.shutdown_timeout_s,
                                                 with_processes=config.metrics.listen_process_series,
@@ -237,6 +235,11 @@ class Daemon:
         """What /healthz reports as degraded: persisted state gpud could not use, NVML events not arriving,
         files not kept current, a background task that stopped."""
         return self.lifecycle.problems()
+
+    def _collectors(self) -> dict[str, Component]:
+        """/metrics' collectors: every component with samples, in the list's order (the text's)."""
+        return {component.name: component for component in self.lifecycle.components
+                if type(component).collect is not Component.collect}
 
     def _metrics_changes(self) -> tuple:
         """What makes a cached /metrics render stale before its max age."""

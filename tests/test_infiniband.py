@@ -274,7 +274,7 @@ def rendered(ports: list[IbPort]) -> str:
     class Collector:
         def collect(self):
             return families(ports)
-    return MetricsRoute({"infiniband": Collector()}).render()
+    return MetricsRoute(lambda: {"infiniband": Collector()}).render()
 
 
 def samples(ports: list[IbPort]) -> dict[tuple[str, str, str], float]:

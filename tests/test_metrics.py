@@ -29,7 +29,7 @@ class Failing:
 
 
 def test_a_failing_collector_leaves_its_samples_out_and_is_counted():
-    route = MetricsRoute({"mps": Failing(), "mig": Working()})
+    route = MetricsRoute(lambda: {"mps": Failing(), "mig": Working()})
     text = route.render()
     assert 'gpud_mig_in_sync{hostname="node-1"} 1\n' in text  # the others still answer
     assert "gpud_mps_daemon_up" not in text
@@ -39,7 +39,7 @@ def test_a_failing_collector_leaves_its_samples_out_and_is_counted():
 
 
 def test_the_text_format():
-    text = MetricsRoute({"mig": Working()}).render()
+    text = MetricsRoute(lambda: {"mig": Working()}).render()
     assert text.startswith("# HELP gpud_mig_in_sync 1 when every GPU has the desired MIG layout.\n"
                            "# TYPE gpud_mig_in_sync gauge\n"
                            'gpud_mig_in_sync{hostname="node-1"} 1\n')
@@ -64,7 +64,7 @@ class Counting:
 # once; a change the daemon reports, or the max age, makes the next request render again.
 async def test_concurrent_scrapes_share_one_render_until_the_data_changes(short_tmp):
     collector, generation = Counting(), [0]
-    route = MetricsRoute({"mig": collector}, changes=lambda: generation[0], max_age_s=3600)
+    route = MetricsRoute(lambda: {"mig": collector}, changes=lambda: generation[0], max_age_s=3600)
     app = web.Application()
     route.register(app)
     runner = web.AppRunner(app)

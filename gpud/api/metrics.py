@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from aiohttp import web
 
@@ -35,10 +35,10 @@ class Collector(Protocol):
 
 
 class MetricsRoute:
-    def __init__(self, collectors: dict[str, Collector], changes: Callable[[], object] = lambda: None,
+    def __init__(self, collectors: Callable[[], Mapping[str, Collector]], changes: Callable[[], object] = lambda: None,
                  max_age_s: float = MAX_AGE_S):
         self.collectors = collectors  # name (the label of its errors) -> collector, in the order written
-        self.errors = dict.fromkeys(collectors, 0)
+        self.errors: dict[str, int] = {}
         self.changes = changes  # a value that differs whenever the collectors' data may have changed
         self.max_age_s = max_age_s
         self.renders = 0  # how many times the collectors were read (the cache's misses)
@@ -69,11 +69,12 @@ class MetricsRoute:
     def render(self, with_processes: bool = True) -> str:
         self.renders += 1
         lines: list[str] = []
-        for name, collector in self.collectors.items():
+        collectors = self.collectors()
+        for name, collector in collectors.items():
             try:
                 families = list(collector.collect())
             except Exception as exc:  # a bug or a state mid-change: the other collectors still answer
-                self.errors[name] += 1
+                self.errors[name] = self.errors.get(name, 0) + 1
                 log.error("metrics_collector_failed", collector=name, error=f"{type(exc).__name__}: {exc}")
                 continue
             for family in families:
@@ -81,8 +82,8 @@ class MetricsRoute:
         errors = Family("gpud_collector_errors_total",
                         "Renders of /metrics (each shared by the scrapes while it is fresh) that left a "
                         "collector's samples out: it failed.", "counter")
-        for name, count in self.errors.items():
-            errors.add({"collector": name}, count)
+        for name in collectors:
+            errors.add({"collector": name}, self.errors.get(name, 0))
         _write(lines, errors, with_processes)
         return "\n".join(lines) + "\n"
 
