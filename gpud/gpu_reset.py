@@ -61,13 +61,6 @@ class ResetBlocked(GpudError):
         return self.refusal
 
 
-class ResetBusy(GpudError):
-    """Another reset is running."""
-
-    def __init__(self, message: str):
-        super().__init__(ErrorKind.CONFLICT, "reset-in-progress", message)
-
-
 @dataclass
 class ResetOutcome:
     requested: tuple[int, ...]
@@ -100,7 +93,6 @@ class GpuResetter:
         self._health_reasons = health_reasons  # device UUID -> its health reasons now
         self._on_gpu_reset = on_gpu_reset  # health clears what a reset clears
         self._restore = restore  # the MIG instances a reset destroyed come back (gpud.mig.instances)
-        self._resetting = False  # a reset runs: a second one started inside it (by a restore) is ResetBusy
 
     async def group(self, targets: Collection[int], inventory: Inventory) -> tuple[tuple[Gpu, ...], bool]:
         """The targets and the NVLink peers that must be reset with them, in index order, and
@@ -155,15 +147,6 @@ class GpuResetter:
         restore runs after the reset, before gpud's MPS daemons start again (MIG instances come
         back there). ResetFailed when the reset tool refused or failed; NVML is back either way.
         """
-        if self._resetting:
-            raise ResetBusy("another GPU reset is in progress")
-        self._resetting = True
-        try:
-            return await self._reset(targets, why, force, restore)
-        finally:
-            self._resetting = False
-
-    async def _reset(self, targets: Collection[int], why: str, force: bool, restore: Restore | None) -> ResetOutcome:
         inventory = await self.inventory.refresh("gpu reset requested")
         if inventory is None:
             raise NvmlUnavailable(self.session.error or "no inventory yet: NVML is not available")

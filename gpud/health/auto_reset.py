@@ -11,17 +11,18 @@ from typing import Awaitable, Callable
 from gpud.base.logs import get_logger
 from gpud.config import HealthConfig
 from gpud.events import EventBus
+from gpud.gpu_reset import ResetBlocked
 from gpud.health.driver_actions import RESET_ACTIONS
-from gpud.model.named import Named
 from gpud.health.tracker import HealthTracker
 from gpud.model.inventory import Gpu, Inventory
+from gpud.model.named import Named
 
 log = get_logger("health")
 
 
 class AutoResetResult(Named):
     DONE = "done"
-    REFUSED = "refused"  # something holds the GPU (ResetBlocked) or a reset is under way (ResetBusy)
+    REFUSED = "refused"  # something holds the GPU (ResetBlocked)
     FAILED = "failed"
     RATE_LIMITED = "rate-limited"
 
@@ -69,9 +70,9 @@ class AutoReset:
                     why="health.auto_reset: the driver asks for a GPU reset")
         try:
             await self.reset_gpu(gpu.index, f"the driver asks for a GPU reset ({action}): health.auto_reset")
-        except Exception as exc:  # ResetBlocked (held, processes), ResetBusy, ResetFailed, NVML down
-            blocked = type(exc).__name__ in ("ResetBlocked", "ResetBusy")
-            self._said(gpu, AutoResetResult.REFUSED if blocked else AutoResetResult.FAILED, str(exc))
+        except Exception as exc:  # ResetBlocked (held, processes), OperationInProgress, ResetFailed, NVML down
+            result = AutoResetResult.REFUSED if isinstance(exc, ResetBlocked) else AutoResetResult.FAILED
+            self._said(gpu, result, str(exc))
             return
         self._said(gpu, AutoResetResult.DONE, "the GPU was reset")
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gpud.base.logs import get_logger
-from gpud.gpu_reset import GpuHook, GpuResetter, ResetBlocked, ResetBusy
+from gpud.gpu_reset import GpuHook, GpuResetter, ResetBlocked
 from gpud.inventory import InventoryService
 from gpud.mig.desired import GpuDesired
 from gpud.mig.instances import MigInstances
@@ -161,7 +161,7 @@ class MigApplier:
             for gpu in gpus:
                 _mark_reset_required(run.status.gpus[gpu.uuid], self._bound(run, gpu), gpu, ModeOutcome.BLOCKED,
                                      str(exc))
-        except (ResetFailed, ResetBusy, NvmlUnavailable) as exc:
+        except (ResetFailed, NvmlUnavailable) as exc:
             for gpu in gpus:  # their new mode is pending: taken back, with the instances they had
                 progress = run.status.gpus[gpu.uuid]
                 progress.state, progress.error = GpuApplyState.FAILED, f"GPU reset failed: {exc}"
