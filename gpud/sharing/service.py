@@ -3,6 +3,7 @@ inventory, health or config, and the time-slice length applied to the GPUs."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Callable
 
@@ -51,10 +52,19 @@ class SharingView:
         self._bus = bus
         self._inventory = inventory
         self.body = encode(self._empty())  # the document, encoded once per change for GET /v1/sharing
+        self._health_changed_due = False
         inventory.subscribe(self.update)
         bus.listen(EventType.HEALTH, self._health_changed)  # an unhealthy device's replicas are served unhealthy
 
     def _health_changed(self, _event: dict) -> None:
+        """Health publishes a batch of changes in one go (an XID on a GPU and its MIG devices): the document
+        is recomputed once, after the batch, and its event follows the batch's."""
+        if not self._health_changed_due:
+            self._health_changed_due = True
+            asyncio.get_running_loop().call_soon(self._after_health_changes)
+
+    def _after_health_changes(self) -> None:
+        self._health_changed_due = False
         self.update(self._inventory.current, reason="health")
 
     def _empty(self) -> dict:
