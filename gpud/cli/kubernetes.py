@@ -97,14 +97,18 @@ def add_k8s_agent(commands: Any) -> None:
     local_command(agent, _k8s_agent)
 
 
+def _need_node_name(args: argparse.Namespace) -> None:
+    if not args.node_name:
+        args.parser.error("--node-name: which Node is this one? (or set $NODE_NAME, as the DaemonSet does from "
+                          "spec.nodeName)")
+
+
 def _k8s_agent(args: argparse.Namespace) -> int:
     from gpud.kubernetes.agent import serve
     from gpud.base.logs import configure_logging
 
     refuse_json(args)
-    if not args.node_name:
-        args.parser.error("--node-name: which Node is this one? (or set $NODE_NAME, as the DaemonSet does from "
-                          "spec.nodeName)")
+    _need_node_name(args)
     configure_logging(args.log_level, args.log_format)
     return asyncio.run(serve(args.kubeconfig, args.node_name, args.socket))
 
@@ -149,9 +153,7 @@ def _dra_plugin(args: argparse.Namespace) -> int:
     from gpud.python_libraries import EXIT_NO_LIBRARIES, grpc_missing_message
 
     refuse_json(args)
-    if not args.node_name:
-        args.parser.error("--node-name: which Node is this one? (or set $NODE_NAME, as the DaemonSet does from "
-                          "spec.nodeName)")
+    _need_node_name(args)
     if not args.kubelet_dir.is_dir():
         args.parser.error(f"--kubelet-dir: no directory {args.kubelet_dir}: run on a node whose kubelet runs, or give "
                           "the kubelet's --root-dir")
