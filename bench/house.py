@@ -37,6 +37,7 @@ from gpud.nvml.sim.scenarios import fill_with_gpu_instances  # noqa: E402
 BEFORE = "53f1c3e"  # main before issue 41 (the house, second round)
 CONNECTIONS = 16
 SETTLE_S = 5.0
+GIT_TIMEOUT_S = 120  # a checkout of the whole tree
 
 
 def cpu_seconds(pid: int) -> float:
@@ -72,7 +73,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gh", dir="/tmp"))  # short: socket paths hold 108 bytes
     before_tree = workdir / "tree"  # REV checked out
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(before_tree), args.before],
-                   check=True)
+                   check=True, timeout=GIT_TIMEOUT_S)
     sim = SimulatedNvml("dgx-a100", workdir / "sim.json")
     sim.nvmlInit()
     mig_devices = fill_with_gpu_instances(sim, sim.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
@@ -116,7 +117,8 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before_tree)], check=False)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before_tree)], check=False,
+                       timeout=GIT_TIMEOUT_S)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
