@@ -1,7 +1,9 @@
 """gpud as the node's one owner of its GPUs, seen from the DRA plugin: a prepared claim's devices are held
 in gpud (PUT /v1/claims/{uid}), so the device plugin refuses them to its pods, and released at Unprepare;
 devices the device plugin handed out (the kubelet's PodResources API) are refused to a claim; a claim
-that shares through MPS is made a client of gpud's supervised MPS daemon of each device, with its limits.
+that shares through MPS is made a client of gpud's supervised MPS daemon of each device, with its limits; a
+claim for a dynamic MIG placement has gpud make that MIG device (PUT /v1/mig/dynamic/{uid}) and destroy it at
+Unprepare; a share of a GPU's memory is held with its consumed capacity, counted in gpud's one ledger.
 Blocking calls (gpud's standard-library client): the plugin makes them off its event loop."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gpud.dra.config import Sharing
 
 MPS_START_WAIT_S = 10.0  # a daemon gpud starts for the claim answers within a second or two
 LIST_TIMEOUT_S = 5.0
+CDI_WAIT_S = 5.0  # gpud rewrites its spec as soon as it has read the new MIG device
 _QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 _FACTORS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
             "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
@@ -60,11 +63,40 @@ class GpudOwner:
         self.pod_resources_socket = pod_resources_socket
 
     def hold(self, uid: str, namespace: str, name: str, driver: str, devices: Iterable[str],
-             sharing: Sharing | None) -> None:
+             sharing: Sharing | None, capacity: dict[str, dict] | None = None) -> None:
+        """capacity: device UUID -> {"memory_mib", "compute_percent"} of a share (consumed capacity)."""
         body = {"namespace": namespace, "name": name, "driver": driver, "devices": list(devices),
                 "sharing": None if sharing is None else {"strategy": sharing.strategy, **(
                     {"interval": sharing.interval} if sharing.interval else {})}}
+        if capacity:
+            body["capacity"] = capacity
         self._call("PUT", f"/v1/claims/{uid}", body, "hold the devices in gpud")
+
+    def make_mig_devices(self, uid: str, placements: list[dict]) -> list[dict]:
+        """gpud makes the claim's MIG devices at exactly these placements ({"gpu", "gi_profile_id",
+        "placement_start"} each), or answers those it made for the claim already; each with its "uuid"."""
+        return self._call("PUT", f"/v1/mig/dynamic/{uid}", {"devices": placements},
+                          "make the claim's MIG devices")["devices"]
+
+    def destroy_mig_devices(self, uid: str) -> list[str]:
+        """gpud destroys the MIG devices it made for the claim (none: nothing to do)."""
+        return self._call("DELETE", f"/v1/mig/dynamic/{uid}", None, "destroy the claim's MIG devices")["destroyed"]
+
+    def node_cdi_spec(self, uuids: Iterable[str]) -> dict:
+        """gpud's CDI node spec once it has a device for each of uuids (a MIG device gpud just made is added
+        as its inventory is read again)."""
+        wanted = set(uuids)
+        deadline = time.monotonic() + CDI_WAIT_S
+        while True:
+            status, cdi = self.client.request("GET", "/v1/cdi", ok_statuses=(404, 503))
+            spec = cdi.get("spec") if status == 200 and cdi.get("enabled") else None
+            missing = wanted - {d.get("name") for d in (spec or {}).get("devices") or []}
+            if spec is not None and not missing:
+                return spec
+            if time.monotonic() > deadline:
+                raise OwnerRefused(f"gpud's CDI spec has no device for {', '.join(sorted(missing)) or 'anything'} "
+                                   f"after {CDI_WAIT_S:g} s (GET /v1/cdi says why)")
+            time.sleep(0.05)  # a poll of gpud while it writes its spec
 
     def release(self, uid: str) -> None:
         self._call("DELETE", f"/v1/claims/{uid}", None, "release the devices in gpud")
