@@ -5,6 +5,7 @@ claims hold memory, the policies and ledger GET /v1/claims publishes, and all of
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 
@@ -13,6 +14,9 @@ from helpers import mig_config, start_daemon, stop_daemon
 from openapi_check import assert_matches_openapi
 
 from gpud.config import ConfigError, DraConfig, ShareComputePolicy, ShareMemoryPolicy, parse_config
+from gpud.device_plugin.allocation import AllocationRefused, allocate
+from gpud.device_plugin.state import (NodeState, claimed_devices, counted_shares, resources_from_sharing,
+                                      without_claimed)
 
 RESOURCE = "nvidia.com/gpu-memory"
 UNIT_MIB = 1024
@@ -229,6 +233,35 @@ async def test_shares_without_gpu_memory_count_the_claims_alone(short_tmp):
         await stop_daemon(node)
 
 
+async def test_the_device_plugin_serves_a_shared_gpus_units_as_gpud_withdraws_them(short_tmp):
+    """A GPU a share holds is the claims' for every resource of the device plugin but gpu_memory's: there,
+    only the units gpud withdrew for the claims' memory are not handed out."""
+    node = await start_daemon(shares_config(short_tmp))
+    try:
+        shared = await ledger(node, 0)
+        assert (await put(node, str(uuid.uuid4()), share(shared["uuid"], shared["offered_mib"] - 3 * UNIT_MIB)))[0] == 200
+        _, sharing = await node.get("/v1/sharing")
+        _, gpus = await node.get("/v1/gpus")
+        _, claims = await node.get("/v1/claims")
+    finally:
+        await stop_daemon(node)
+    claimed, counted = claimed_devices(claims), counted_shares(claims)
+    assert counted == {shared["uuid"]}
+    resources = without_claimed(resources_from_sharing(sharing, gpus), claimed, counted)
+    state = NodeState(resources, claimed=claimed, counted=counted)
+    whole = resources["nvidia.com/gpu"]
+    assert [d.healthy for d in whole.devices] == [d.device != shared["uuid"] for d in whole.devices]
+    with pytest.raises(AllocationRefused, match="held by DRA claim ns/c"):
+        allocate(state, whole, [shared["uuid"]])
+    memory = [d for d in resources[RESOURCE].devices if d.device == shared["uuid"]]
+    assert [d.healthy for d in memory] == [True] * 3 + [False] * (len(memory) - 3)
+    with pytest.raises(AllocationRefused, match="unhealthy"):
+        allocate(state, resources[RESOURCE], [memory[3].id])
+    with pytest.raises(AllocationRefused) as refused:  # the units left get as far as the CDI spec (none written here)
+        allocate(state, resources[RESOURCE], [d.id for d in memory[:3]])
+    assert "CDI spec" in str(refused.value)
+
+
 # -- what is refused -------------------------------------------------------------------------------
 
 async def test_bad_capacities_are_refused_naming_the_field(short_tmp):
@@ -303,5 +336,22 @@ async def test_shares_and_the_ledger_are_kept_across_a_gpud_restart(short_tmp):
         assert status == 409 and "ns/a (20000 MiB)" in refused["error"]["message"]
         assert (await delete(node, claims[0]))[0] == 200
         assert (await ledger(node, 1))["free_mib"] == before["free_mib"] + 20_000
+    finally:
+        await stop_daemon(node)
+
+
+async def test_a_shared_gpus_mps_daemon_runs_without_default_limits(short_tmp):
+    """Each claim brings its limits (its capacity), as gpu_memory's pods do; other GPUs keep mps' defaults."""
+    config = shares_config(short_tmp, gpu_memory=False).with_overrides(**{
+        "mps.enabled": True, "mps.pinned_memory_limit_mib": 1000, "mps.active_thread_percentage": 50.0})
+    node = await start_daemon(config)
+    try:
+        for _ in range(500):  # the daemons are brought up one after another, after the first inventory
+            _, mps = await node.get("/v1/mps")
+            if len(mps["daemons"]) == 4:
+                break
+            await asyncio.sleep(0.02)
+        limits = {d["name"]: (d["active_thread_percentage"], d["pinned_memory_limit_mib"]) for d in mps["daemons"]}
+        assert limits == {"gpu0": (None, [None]), "gpu1": (None, [None]), "gpu2": (50.0, [1000]), "gpu3": (50.0, [1000])}
     finally:
         await stop_daemon(node)
