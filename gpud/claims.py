@@ -277,7 +277,11 @@ class ClaimRegistry(Component):
                                 f"GPU {shared[uuid].index} ({uuid}) is shared with counted memory (gpud.yaml "
                                 "dra.shared_gpus): a claim holds it with capacity (memory and compute)", device=uuid)
         claimed = self.claimed_memory()
+        previous = self.holds.get(hold.uid)
         for uuid, share in hold.capacity.items():
+            held = previous.capacity.get(uuid) if previous is not None else None
+            if held is not None and share.memory_mib <= held.memory_mib:
+                continue  # held already: a Prepare asked again is answered as before, even on an overcommitted GPU
             others = tuple(claim for claim in claimed.get(uuid, ()) if claim.uid != hold.uid)
             ledger = self._ledger(shared[uuid], others)
             if share.memory_mib > ledger.free_mib:

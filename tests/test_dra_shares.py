@@ -206,6 +206,9 @@ async def test_the_device_plugins_units_and_the_claims_never_overcommit_in_eithe
         device = next(d for d in allocations["devices"] if d["device"] == gpu1["uuid"])
         assert device["claims_mib"] == gpu1["offered_mib"] - 4 * UNIT_MIB and device["allocated_units"] == 5
         assert (await ledger(node, 1))["free_mib"] == -UNIT_MIB
+        # the claim's Prepare asked again is answered as before; only more memory is refused
+        assert (await put(node, other, share(gpu1["uuid"], gpu1["offered_mib"] - 4 * UNIT_MIB, name="o")))[0] == 200
+        assert (await put(node, other, share(gpu1["uuid"], gpu1["offered_mib"] - 3 * UNIT_MIB, name="o")))[0] == 409
         async with node.http.get("http://localhost/metrics") as response:
             metrics = await response.text()
         assert 'path="dra"' in metrics and "gpud_gpu_memory_promised_bytes" in metrics

@@ -100,6 +100,7 @@ def _capacity(capacity: dict, devices: list[str]) -> dict[str, Share]:
             raise ApiError(ErrorKind.INVALID, "invalid-field",
                            f"{where}.memory_mib must be an integer from 1 to {MAX_MEMORY_MIB}")
         if type(compute) is not int or not 1 <= compute <= 100:
-            raise ApiError(ErrorKind.INVALID, "invalid-field", f"{where}.compute_percent must be an integer from 1 to 100")
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"{where}.compute_percent must be an integer from 1 to 100")
         shares[uuid] = Share(memory, compute)
     return shares

@@ -159,8 +159,11 @@ class GpuMemory(Component):
     def promised(self, device: Device, claims: Iterable[ClaimedMemory]) -> PromisedMemory:
         """The ledger of `device` were these the DRA claims' memory on it: with the units the device
         plugin's pods hold there, as last reported."""
+        return self._promised(device, claims, self._held()[0].get(device.uuid, {}))
+
+    def _promised(self, device: Device, claims: Iterable[ClaimedMemory], owners: dict[tuple, int]) -> PromisedMemory:
         pods: dict[tuple[str, str], int] = {}
-        for (namespace, pod, _), units in self._held()[0].get(device.uuid, {}).items():
+        for (namespace, pod, _), units in owners.items():
             pods[namespace, pod] = pods.get((namespace, pod), 0) + units * self.config.unit_mib
         return PromisedMemory(device.uuid, offered_mib(device), tuple(claims),
                               tuple((namespace, pod, mib) for (namespace, pod), mib in sorted(pods.items())))
@@ -256,7 +259,8 @@ class GpuMemory(Component):
         problems += [f"{d['device']}: {d['allocated_units']} units allocated of {d['allocatable_units']}"
                      for d in devices if d["allocated_units"] > d["allocatable_units"]]
         problems += [f"{ledger.device}: overcommitted by {-ledger.free_mib} MiB: it offers {ledger.offered_mib} MiB, "
-                     f"promised to {ledger.holders()}" for ledger in self.ledgers() if ledger.free_mib < 0]
+                     f"promised to {ledger.holders()}"
+                     for ledger in self.ledgers() if ledger.free_mib < 0 and ledger.claims]
         if unknown:
             problems.append(f"{len(unknown)} reported device IDs are no unit of {self.config.resource} on this node")
         return {"resource": self.config.resource, "enabled": self.config.enabled, "unit_mib": unit,
@@ -282,8 +286,8 @@ class GpuMemory(Component):
     def ledgers(self) -> list[PromisedMemory]:
         """The ledger of every device that DRA claims or the device plugin's pods hold memory of."""
         held = self._held()[0]
-        return [self.promised(device, self._claimed.get(uuid, ())) for uuid, device in self._devices.items()
-                if uuid in held or self._claimed.get(uuid)]
+        return [self._promised(device, self._claimed.get(uuid, ()), held.get(uuid, {}))
+                for uuid, device in self._devices.items() if uuid in held or self._claimed.get(uuid)]
 
     # -- metrics -------------------------------------------------------------------------------
 
