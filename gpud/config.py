@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,60 @@ class GpuMemoryConfig:
     proportional_threads: bool = False
 
 
+# A Kubernetes quantity (k8s.io/apimachinery pkg/api/resource quantity.go): a decimal number and a binary
+# (Ki..Ei) or decimal (m, k..E) suffix or a decimal exponent (e3, E6).
+_QUANTITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")
+_QUANTITY_FACTORS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+                     "m": Fraction(1, 1000), "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15,
+                     "E": 10 ** 18}
+
+
+def memory_quantity_mib(text: str) -> int:
+    """A memory quantity such as 10Gi in whole MiB, or ValueError: MPS pins device memory in MiB (NVIDIA's
+    dra-driver-nvidia-gpu cmd/gpu-kubelet-plugin/sharing.go, limit.Megabyte), so a share's memory is too."""
+    match = _QUANTITY.fullmatch(text.strip()) if len(text) <= 64 else None
+    if not match:
+        raise ValueError(f"not a Kubernetes quantity such as 512Mi or 10Gi: {text[:80]!r}")
+    suffix = match.group(2)
+    factor = Fraction(10) ** int(suffix[1:]) if suffix and suffix[0] in "eE" else _QUANTITY_FACTORS[suffix]
+    size = Fraction(match.group(1)) * factor
+    if size <= 0 or size % (1 << 20):
+        raise ValueError(f"{text.strip()!r} is not a positive whole number of MiB (1Mi, 512Mi, 10Gi)")
+    return int(size) >> 20
+
+
+@dataclass(frozen=True)
+class ShareMemoryPolicy:
+    # The request policy of a shared GPU's `memory` capacity (KEP-5075's requestPolicy: a claim that
+    # asks for none gets `default`; one that asks for less than `min` gets `min`, rounded up to a
+    # `step`). Kubernetes quantities, whole MiB. default unset: the GPU's whole offered memory (NVIDIA's
+    # dra-driver-nvidia-gpu consumable_shares.go, option "memory"); it must be a multiple of step.
+    default: str | None = field(default=None, metadata={"check": memory_quantity_mib})
+    min: str = field(default="1Mi", metadata={"check": memory_quantity_mib})
+    step: str = field(default="1Mi", metadata={"check": memory_quantity_mib})
+
+
+@dataclass(frozen=True)
+class ShareComputePolicy:
+    # The request policy of a shared GPU's `compute` capacity: the percent of its SMs a claim's MPS
+    # clients may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); default a multiple of step, at least min.
+    default: int = field(default=100, metadata=_bounded(1, 100))
+    min: int = field(default=1, metadata=_bounded(1, 100))
+    step: int = field(default=1, metadata=_bounded(1, 100))
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    # Settings of gpud's side of `gpud dra-plugin` (Kubernetes DRA).
+    # GPUs shared by DRA claims with counted memory (KEP-5075 consumable capacity): published with
+    # allowMultipleAllocations, each claim holding the memory and compute its allocation consumed,
+    # enforced as its MPS client limits, counted in one ledger with gpu_memory's units. "all": every
+    # GPU not in MIG mode; or a list of GPU indices and UUIDs (a GPU in MIG mode is not shared).
+    shared_gpus: tuple[str | int, ...] = field(default=(), metadata={"or_word": "all"})
+    share_memory: ShareMemoryPolicy = ShareMemoryPolicy()
+    share_compute: ShareComputePolicy = ShareComputePolicy()
+
+
 @dataclass(frozen=True)
 class SharingFileConfig:
     # Time-slicing and MPS replicas in the k8s-device-plugin config format. A missing file: no sharing.
@@ -325,6 +380,7 @@ class Config:
     mps: MpsConfig = MpsConfig()
     sharing: SharingFileConfig = SharingFileConfig()
     gpu_memory: GpuMemoryConfig = GpuMemoryConfig()
+    dra: DraConfig = DraConfig()
     health: HealthConfig = HealthConfig()
     host: HostConfig = HostConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -560,6 +616,7 @@ def _check_consistency(config: Config, source: str) -> Config:
     if not config.gpu_memory.devices:
         raise ConfigError(source, "gpu_memory.devices", "names no device: give `all` or a list of GPU indices, "
                                                         "GPU UUIDs and MIG device UUIDs")
+    _check_share_policies(config.dra, source)
     if config.api.admin_reserved_connections >= config.api.max_connections:
         raise ConfigError(source, "api.admin_reserved_connections", "must be less than api.max_connections")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
@@ -569,6 +626,21 @@ def _check_consistency(config: Config, source: str) -> Config:
     if config.sim_driver is not None and driver_branch(config.sim_driver) is None:
         raise ConfigError(source, "sim_driver", f"not a driver version such as 535.183.01; got {config.sim_driver!r}")
     return config
+
+
+def _check_share_policies(dra: DraConfig, source: str) -> None:
+    """A request policy the API server takes (k8s.io/api resource/v1 types.go CapacityRequestPolicyRange:
+    default at least min, and a multiple of step)."""
+    memory, compute = dra.share_memory, dra.share_compute
+    policies = [("dra.share_memory", memory_quantity_mib(memory.min), memory_quantity_mib(memory.step),
+                 None if memory.default is None else memory_quantity_mib(memory.default), "MiB"),
+                ("dra.share_compute", compute.min, compute.step, compute.default, "percent")]
+    for key, low, step, default, unit in policies:
+        if default is not None and default < low:
+            raise ConfigError(source, f"{key}.default", f"{default} {unit} is less than {key}.min ({low} {unit})")
+        if default is not None and default % step:
+            raise ConfigError(source, f"{key}.default", f"{default} {unit} is not a multiple of {key}.step "
+                                                        f"({step} {unit})")
 
 
 def _convert_list(item_hint: Any, value: Any, dotted: str, source: str, line: int | None) -> tuple:

@@ -113,7 +113,8 @@ class Daemon:
                               notify=self.bus.publish, restarts_path=config.state_path / "mps-restarts.json")
         self.claims = ClaimRegistry(config.state_path / "dra-claims.json", self.inventory,
                                     partial(boot_id, config.procfs_path), notify=self.bus.publish,
-                                    converge_mps=self.mps.converge, set_time_slice=claim_time_slice)
+                                    converge_mps=self.mps.converge, set_time_slice=claim_time_slice,
+                                    gpu_memory=self.gpu_memory, dra=config.dra)
         self.mps.add_per_client(self.claims.mps_devices)
 
     def _health_and_mig(self, config: Config) -> None:
@@ -127,7 +128,8 @@ class Daemon:
                                     state_path=config.state_path / "health.json",
                                     kernel_log_before_nvml=not self.session.simulated)
         self.sharing = SharingView(self.inventory, self.bus, Path(config.sharing.file),
-                                   unhealthy=self.health.unhealthy_devices, gpu_memory=self.gpu_memory)
+                                   unhealthy=self.health.unhealthy_devices, gpu_memory=self.gpu_memory,
+                                   claimed_memory=self.claims.claimed_memory)
         self.sharing_control = SharingControl(self.sharing_configs, self.sharing, self.inventory, self.mps.converge)
         self.active_check = ActiveCheck(self.health, config.state_path / "check-last.json")
         around_gpu_change = (self.mps.before_mig_change, self.mps.after_mig_change)

@@ -11,11 +11,12 @@ from gpud.api.auth import admin_only
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
 from gpud.base.errors import ErrorKind
-from gpud.claims import ClaimRegistry, Hold
+from gpud.claims import ClaimRegistry, Hold, Share
 
 UID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{0,62}")
 NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a namespace or claim name: a DNS subdomain
 MAX_DEVICES = 64  # a claim's devices on one node: more than any node has
+MAX_MEMORY_MIB = 1 << 30  # a share's memory: a PiB, more than any GPU has
 STRATEGIES = ("TimeSlicing", "MPS")
 INTERVALS = ("Default", "Short", "Medium", "Long")  # NVIDIA's TimeSliceInterval, gpud's time-slice names lowered
 
@@ -37,7 +38,7 @@ class ClaimRoutes:
     async def put(self, request: web.Request) -> web.Response:
         body = await read_json_object(request, self._body_timeout_s, {
             "namespace": (str,), "name": (str,), "driver": (str,), "devices": (list,),
-            "sharing": (dict, type(None))})
+            "sharing": (dict, type(None)), "capacity": (dict, type(None))})
         return json_response(await self.registry.hold(_wanted(_uid(request), body)))
 
     @admin_only
@@ -75,4 +76,31 @@ def _wanted(uid: str, body: dict) -> Hold:
     if interval is not None and (strategy != "TimeSlicing" or interval not in INTERVALS):
         raise ApiError(ErrorKind.INVALID, "invalid-field",
                        f"sharing.interval is TimeSlicing's: one of {', '.join(INTERVALS)}")
-    return Hold(uid, body["namespace"], body["name"], body["driver"], tuple(devices), strategy, interval)
+    capacity = _capacity(body.get("capacity") or {}, devices)
+    if capacity and strategy != "MPS":
+        raise ApiError(ErrorKind.INVALID, "capacity-needs-mps", "a claim with capacity shares its GPUs through MPS "
+                       "(its memory and compute are its MPS client limits): sharing.strategy must be MPS")
+    return Hold(uid, body["namespace"], body["name"], body["driver"], tuple(devices), strategy, interval,
+                capacity=capacity)
+
+
+def _capacity(capacity: dict, devices: list[str]) -> dict[str, Share]:
+    """PUT /v1/claims/{uid}'s `capacity`: device UUID -> what the claim consumed of it (the allocation's
+    consumedCapacity: memory in MiB, compute in percent of the GPU's SMs)."""
+    shares = {}
+    for uuid, share in capacity.items():
+        where = f"capacity[{uuid[:80]!r}]"
+        if uuid not in devices:
+            raise ApiError(ErrorKind.INVALID, "invalid-field", f"{where}: not one of the claim's devices")
+        if not isinstance(share, dict) or set(share) != {"memory_mib", "compute_percent"}:
+            raise ApiError(ErrorKind.INVALID, "invalid-field", f"{where} takes 'memory_mib' and 'compute_percent', "
+                                                               "both and only")
+        memory, compute = share["memory_mib"], share["compute_percent"]
+        if type(memory) is not int or not 1 <= memory <= MAX_MEMORY_MIB:
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"{where}.memory_mib must be an integer from 1 to {MAX_MEMORY_MIB}")
+        if type(compute) is not int or not 1 <= compute <= 100:
+            raise ApiError(ErrorKind.INVALID, "invalid-field",
+                           f"{where}.compute_percent must be an integer from 1 to 100")
+        shares[uuid] = Share(memory, compute)
+    return shares

@@ -127,7 +127,7 @@ def _refuse_claimed(state: NodeState, resource: Resource, ids: list[str]) -> Non
     """One owner for both paths: a device a DRA claim holds (gpud's /v1/claims) is not handed out here too."""
     for device_id in ids:
         device = resource.device(device_id)
-        holder = device is not None and (state.claimed.get(device.device) or state.claimed.get(device.gpu))
+        holder = device is not None and state.holder(resource, device)
         if holder:
             raise AllocationRefused(f"{resource.name}: device {device_id} is held by {holder} (Kubernetes DRA)")
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from gpud.base.logs import get_logger
 from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
-from gpud.device_plugin.state import (NodeState, claimed_devices, mps_client, nvlink_peers, resources_from_sharing,
-                                      without_claimed)
+from gpud.device_plugin.state import (NodeState, claimed_devices, counted_shares, mps_client, nvlink_peers,
+                                      resources_from_sharing, without_claimed)
 
 log = get_logger("device_plugin")
 
@@ -98,7 +98,8 @@ class GpudFollower:
         gpus = self.client.get("/v1/gpus")
         status, claims = self.client.request("GET", "/v1/claims", ok_statuses=(404,))  # 404: a gpud without DRA holds
         claimed = claimed_devices(claims) if status == 200 else {}
-        resources = without_claimed(resources_from_sharing(sharing, gpus), claimed)
+        counted = counted_shares(claims) if status == 200 else frozenset()
+        resources = without_claimed(resources_from_sharing(sharing, gpus), claimed, counted)
         status, cdi = self.client.request("GET", "/v1/cdi", ok_statuses=(404, 503))  # 404: a gpud without CDI
         written = status == 200 and cdi["enabled"] and cdi["written_at"] is not None
         cdi_kind, cdi_names = (cdi["kind"], frozenset(cdi["devices"])) if written else (None, frozenset())
@@ -107,7 +108,8 @@ class GpudFollower:
             for daemon in self.client.get("/v1/mps")["daemons"]:
                 client = mps_client(self.client.get(f"/v1/mps/{urllib.parse.quote(daemon['name'])}/client-env"))
                 mps_clients.update({uuid: client for uuid in daemon["devices"]})
-        return NodeState(resources, cdi_kind, cdi_names, mps_clients, sharing.get("error"), nvlink_peers(gpus), claimed)
+        return NodeState(resources, cdi_kind, cdi_names, mps_clients, sharing.get("error"), nvlink_peers(gpus), claimed,
+                         counted)
 
     async def _fence_loop(self) -> None:
         """Reports every device Unhealthy once gpud has been unreachable past the grace period."""

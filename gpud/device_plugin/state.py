@@ -64,6 +64,11 @@ class NodeState:
     nvlink_peers: dict[int, frozenset[int]] = field(default_factory=dict)  # GPU index -> its NVLink peers
     # GPU or MIG UUID -> the DRA claim that holds it (GET /v1/claims): never handed out here as well
     claimed: dict[str, str] = field(default_factory=dict)
+    # GPUs DRA claims hold only as shares with counted memory: gpud withdraws their gpu-memory units itself
+    counted: frozenset[str] = frozenset()
+
+    def holder(self, resource: Resource, device: PluginDevice) -> str | None:
+        return claim_holding(self.claimed, self.counted, resource, device)
 
     def device_count(self) -> int:
         return sum(len(r.devices) for r in self.resources.values())
@@ -96,12 +101,31 @@ def claimed_devices(claims: dict[str, Any]) -> dict[str, str]:
             for claim in claims.get("claims") or [] for device in claim.get("devices") or []}
 
 
-def without_claimed(resources: dict[str, Resource], claimed: dict[str, str]) -> dict[str, Resource]:
+def counted_shares(claims: dict[str, Any]) -> frozenset[str]:
+    """GPUs DRA claims hold only as shares with counted memory (a claim's `capacity`), from a GET /v1/claims
+    answer: their gpu-memory units are not the claims' (gpud's ledger serves those the claims' memory
+    covers Unhealthy), every other device of theirs is."""
+    held = {device["uuid"] for claim in claims.get("claims") or [] for device in claim.get("devices") or []}
+    uncounted = {device["uuid"] for claim in claims.get("claims") or [] for device in claim.get("devices") or []
+                 if device["uuid"] not in (claim.get("capacity") or {})}
+    return frozenset(held - uncounted)
+
+
+def claim_holding(claimed: dict[str, str], counted: frozenset[str], resource: Resource,
+                  device: PluginDevice) -> str | None:
+    """The DRA claim holding a device of a resource (or its GPU), in words; None: the device is free here."""
+    if resource.strategy == "gpu-memory" and (device.device in counted or device.gpu in counted):
+        return None
+    return claimed.get(device.device) or claimed.get(device.gpu)
+
+
+def without_claimed(resources: dict[str, Resource], claimed: dict[str, str],
+                    counted: frozenset[str] = frozenset()) -> dict[str, Resource]:
     """The resources with every device a DRA claim holds (or whose GPU one holds) Unhealthy: the kubelet then
     schedules no pod of the device plugin onto it."""
     if not claimed:
         return resources
-    return {name: replace(r, devices=tuple(replace(d, healthy=False) if d.device in claimed or d.gpu in claimed else d
+    return {name: replace(r, devices=tuple(replace(d, healthy=False) if claim_holding(claimed, counted, r, d) else d
                                            for d in r.devices)) for name, r in resources.items()}
 
 

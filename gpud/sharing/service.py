@@ -4,6 +4,7 @@ inventory, health or config, and the time-slice length applied to the GPUs."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -13,7 +14,7 @@ from gpud.events import EventBus, EventType
 from gpud.inventory import InventoryService
 from gpud.model.inventory import Inventory
 from gpud.sharing.config import SharingConfig, SharingConfigError, check_sharing_file
-from gpud.sharing.gpu_memory import GpuMemory
+from gpud.sharing.gpu_memory import ClaimedMemory, GpuMemory
 from gpud.sharing.resources import SharingError, compute_sharing
 from gpud.sharing.timeslice import apply_time_slice
 
@@ -41,7 +42,8 @@ class SharingView:
     """Recomputes the sharing document whenever the inventory or the sharing config changes."""
 
     def __init__(self, inventory: InventoryService, bus: EventBus, source: Path, *,
-                 unhealthy: Callable[[], set[str]] = set, gpu_memory: GpuMemory | None = None):
+                 unhealthy: Callable[[], set[str]] = set, gpu_memory: GpuMemory | None = None,
+                 claimed_memory: Callable[[], Mapping[str, tuple[ClaimedMemory, ...]]] = dict):
         self.config: SharingConfig | None = None  # SharingControl sets the one in force
         self.gpu_memory = gpu_memory  # gpud.yaml's gpu_memory: one more resource, beside the sharing config's
         self.source = source
@@ -49,12 +51,16 @@ class SharingView:
         self.document: dict | None = None
         self.time_slice: dict | None = None  # what applying sharing.timeSlicing.interval did
         self._unhealthy = unhealthy  # device UUIDs health calls unhealthy
+        self._claimed_memory = claimed_memory  # device UUID -> the memory DRA claims hold on it (gpu_memory's ledger)
         self._bus = bus
         self._inventory = inventory
         self.body = encode(self._empty())  # the document, encoded once per change for GET /v1/sharing
         self._health_changed_due = False
         inventory.subscribe(self.update)
         bus.listen(EventType.HEALTH, self._health_changed)  # an unhealthy device's replicas are served unhealthy
+        # gpu_memory's units withdrawn for the memory DRA claims hold follow the claims and the pods' units
+        bus.listen(EventType.CLAIMS, lambda _event: self._holds_changed("claims"))
+        bus.listen(EventType.ALLOCATIONS, lambda _event: self._holds_changed("allocations"))
 
     def _health_changed(self, _event: dict) -> None:
         """Health publishes a batch of changes in one go (an XID on a GPU and its MIG devices): the document
@@ -66,6 +72,10 @@ class SharingView:
     def _after_health_changes(self) -> None:
         self._health_changed_due = False
         self.update(self._inventory.current, reason="health")
+
+    def _holds_changed(self, reason: str) -> None:
+        if self.gpu_memory:
+            self.update(self._inventory.current, reason=reason)
 
     def _empty(self) -> dict:
         return {"source": str(self.source), "mig_strategy": None, "strategy": "none", "resources": [], "labels": {},
@@ -108,7 +118,7 @@ class SharingView:
         """gpu_memory's resource, label and warnings, whatever the sharing config says (it advertises
         devices of its own: memory units), unless the sharing config advertises the same name."""
         gpu_memory = self.gpu_memory
-        gpu_memory.update(inventory)
+        gpu_memory.update(inventory, self._claimed_memory())
         resource = gpu_memory.resource(frozenset(self._unhealthy()))
         if resource is None:
             return
