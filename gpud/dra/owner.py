@@ -79,8 +79,14 @@ class GpudOwner:
                           "make the claim's MIG devices")["devices"]
 
     def destroy_mig_devices(self, uid: str) -> list[str]:
-        """gpud destroys the MIG devices it made for the claim (none: nothing to do)."""
-        return self._call("DELETE", f"/v1/mig/dynamic/{uid}", None, "destroy the claim's MIG devices")["destroyed"]
+        """gpud destroys the MIG devices it made for the claim (none: nothing to do); their UUIDs."""
+        try:
+            status, answer = self.client.request("DELETE", f"/v1/mig/dynamic/{uid}", ok_statuses=(404,))
+        except ApiFailure as exc:
+            raise OwnerRefused(f"gpud refused to destroy the claim's MIG devices: {exc}") from None
+        except DaemonUnreachable as exc:
+            raise OwnerRefused(f"could not destroy the claim's MIG devices: gpud is unreachable ({exc})") from None
+        return [] if status == 404 else answer["destroyed"]  # 404: a gpud without dynamic MIG made none
 
     def node_cdi_spec(self, uuids: Iterable[str]) -> dict:
         """gpud's CDI node spec once it has a device for each of uuids (a MIG device gpud just made is added

@@ -18,7 +18,8 @@ from gpud.dra.checkpoint import PREPARED, PREPARING, Checkpoint, PreparedClaim, 
 from gpud.dra.claim_cdi import (CLAIM_UID, ClaimSpecError, cdi_device_id, claim_spec, remove_claim_spec, spec_path,
                                 write_claim_spec)
 from gpud.dra.config import MIG_CONFIG, MPS, ConfigError, DeviceConfig, Sharing, config_for, configs_by_request
-from gpud.dra.devices import MIG_TYPE, DraDevice
+from gpud.dra.devices import MIG_TYPE, PARTITION, SHARE, DraDevice
+from gpud.dra.dynamic_claims import AllocationRefused, consumed, placements, refuse_overcommitted_counters
 from gpud.dra.owner import GpudOwner, OwnerRefused, mps_limits
 
 log = get_logger("dra_plugin")
@@ -35,6 +36,7 @@ class PoolView:
 
     devices: dict[str, DraDevice] = field(default_factory=dict)
     node_spec: dict | None = None
+    counter_sets: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> counter -> value
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,11 @@ class Preparer:
             config = config_for(str(result.get("request", "")), configs)
             self._check_config(ref, device, config)
             chosen.append((result, device, config))
-        sharing = _claim_sharing(ref, [config for _, _, config in chosen])
+        capacity = self._consumed(ref, chosen)
+        sharing = Sharing(MPS, mps={}) if capacity else _claim_sharing(ref, [config for _, _, config in chosen])
         self._refuse_held(ref, [device for _, device, _ in chosen], sharing is not None, results)
         self._refuse_device_plugin_held(ref, [device for _, device, _ in chosen])
+        self._refuse_overcommitted(ref, [device for _, device, _ in chosen], view)
         devices = tuple(PreparedDevice(
             request_names=(str(result["request"]).split("/", 1)[0],), pool=self.pool, device=device.name,
             uuid=device.uuid, gpu_uuid=device.gpu_uuid,
@@ -101,7 +105,8 @@ class Preparer:
         record = PreparedClaim(ref.uid, ref.namespace, ref.name, PREPARING, devices, sharing is not None)
         self.checkpoint.put(record)  # before anything else: a kill from now on leaves a claim Unprepare cleans up
         try:
-            path = self._prepare_recorded(ref, record, sharing, view)
+            record, path = self._prepare_recorded(ref, record, sharing, capacity,
+                                                  [device for _, device, _ in chosen], view)
         except (PrepareError, OwnerRefused, ClaimSpecError, OSError) as exc:
             self._roll_back(ref)
             if isinstance(exc, OSError):
@@ -113,20 +118,41 @@ class Preparer:
                  sharing=sharing.strategy if sharing else None)
         return record
 
-    def _prepare_recorded(self, ref: ClaimRef, record: PreparedClaim, sharing: Sharing | None, view: PoolView) -> Path:
-        """The claim's devices held in gpud, its MPS clients made, its spec written."""
-        if view.node_spec is None:
+    def _prepare_recorded(self, ref: ClaimRef, record: PreparedClaim, sharing: Sharing | None,
+                          capacity: dict[str, dict], chosen: list[DraDevice],
+                          view: PoolView) -> tuple[PreparedClaim, Path]:
+        """The claim's dynamic MIG devices made, its devices held in gpud, its MPS clients made, its spec
+        written; the record with the UUIDs of the MIG devices made."""
+        node_spec = view.node_spec
+        if node_spec is None:
             raise PrepareError("gpud has written no CDI spec yet (GET /v1/cdi: cdi.enabled, its error)")
+        made = self._make_mig_devices(ref, chosen)
+        if made:
+            record = replace(record, devices=tuple(replace(d, uuid=made.get(d.device, d.uuid)) for d in record.devices))
+            self.checkpoint.put(record)  # the UUIDs gpud gave: what the hold and the spec name
+            assert self.owner is not None  # _check_config refused dynamic MIG without gpud
+            node_spec = self.owner.node_cdi_spec(made.values())
         uuids = [d.uuid for d in record.devices]
         if self.owner is not None:
-            self.owner.hold(ref.uid, ref.namespace, ref.name, self.driver, uuids, sharing)
+            self.owner.hold(ref.uid, ref.namespace, ref.name, self.driver, uuids, sharing, capacity)
         extra: dict[str, dict] = {}
         if sharing is not None and sharing.strategy == MPS:
             assert self.owner is not None  # _check_config refused MPS without gpud
-            for uuid, (threads, memory) in mps_limits(sharing, uuids).items():
+            limits = {uuid: (float(c["compute_percent"]), c["memory_mib"]) for uuid, c in capacity.items()} or \
+                mps_limits(sharing, uuids)
+            for uuid, (threads, memory) in limits.items():
                 extra[uuid] = _mps_edits(self.owner.mps_client(ref.uid, uuid, threads, memory))
-        spec = claim_spec(view.node_spec, self.driver, ref.uid, [(d.device, d.uuid) for d in record.devices], extra)
-        return write_claim_spec(self.cdi_dir, self.driver, ref.uid, spec)
+        spec = claim_spec(node_spec, self.driver, ref.uid, [(d.device, d.uuid) for d in record.devices], extra)
+        return record, write_claim_spec(self.cdi_dir, self.driver, ref.uid, spec)
+
+    def _make_mig_devices(self, ref: ClaimRef, chosen: list[DraDevice]) -> dict[str, str]:
+        """Device name -> UUID of the MIG device gpud made (or had made) at each dynamic placement of the claim."""
+        wanted = placements(chosen)
+        if not wanted:
+            return {}
+        assert self.owner is not None
+        made = self.owner.make_mig_devices(ref.uid, [placement for _, placement in wanted])
+        return {device.name: answer["uuid"] for (device, _), answer in zip(wanted, made)}
 
     def _roll_back(self, ref: ClaimRef) -> None:
         """A Prepare that failed half way holds nothing: spec, gpud's hold and record removed (what cannot be
@@ -135,6 +161,7 @@ class Preparer:
             remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
             if self.owner is not None:
                 self.owner.release(ref.uid)
+                self.owner.destroy_mig_devices(ref.uid)
             self.checkpoint.remove(ref.uid)
         except (OwnerRefused, OSError) as exc:
             log.warning("claim_roll_back_incomplete", claim=str(ref), error=str(exc),
@@ -150,6 +177,8 @@ class Preparer:
         if self.owner is not None:
             try:
                 self.owner.release(ref.uid)
+                # always asked (idempotent): a claim rebuilt from its spec alone may have had MIG devices made
+                self.owner.destroy_mig_devices(ref.uid)
             except OwnerRefused as exc:
                 raise PrepareError(f"claim {ref}: {exc}") from None
         self.checkpoint.remove(ref.uid)
@@ -169,6 +198,9 @@ class Preparer:
         return device
 
     def _check_config(self, ref: ClaimRef, device: DraDevice, config: DeviceConfig | None) -> None:
+        if device.kind in (PARTITION, SHARE) and self.owner is None:
+            raise PrepareError(f"claim {ref}: device {device.name} is made or counted by gpud, and this plugin has "
+                               "no gpud")
         if config is None:
             return
         wanted = MIG_CONFIG if device.type == MIG_TYPE else "GpuConfig"
@@ -180,6 +212,29 @@ class Preparer:
             return
         if sharing.strategy == MPS and self.owner is None:
             raise PrepareError(f"claim {ref}: MPS sharing needs gpud's MPS daemons, and this plugin has no gpud")
+
+    def _consumed(self, ref: ClaimRef, chosen: list[tuple[dict, DraDevice, DeviceConfig | None]]) -> dict[str, dict]:
+        """Device UUID -> the consumed capacity of each share of the claim; {} when it has none. A claim that
+        shares a GPU by capacity holds it through MPS with that capacity as its limits: all its devices are
+        such shares, and no sharing config says otherwise."""
+        try:
+            capacity = {device.uuid: c for result, device, _ in chosen if (c := consumed(device, result))}
+        except AllocationRefused as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from None
+        if capacity and len(capacity) != len(chosen):
+            raise PrepareError(f"claim {ref}: a claim that shares a GPU by its capacity (memory, compute) holds "
+                               "only such shares; ask for the other devices in a claim of their own")
+        if capacity and any(config is not None and config.sharing is not None for _, _, config in chosen):
+            raise PrepareError(f"claim {ref}: a share's MPS limits are the capacity it asked for (memory, compute); "
+                               "a sharing config does not apply to it")
+        return capacity
+
+    def _refuse_overcommitted(self, ref: ClaimRef, devices: list[DraDevice], view: PoolView) -> None:
+        others = [c for c in self.checkpoint.claims.values() if c.uid != ref.uid]
+        try:
+            refuse_overcommitted_counters(devices, others, view.devices, view.counter_sets)
+        except AllocationRefused as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from None
 
     def _refuse_held(self, ref: ClaimRef, devices: list[DraDevice], shared: bool, results: list[dict]) -> None:
         """A device (or the GPU of a MIG device, or a MIG device of a GPU) prepared for another claim."""

@@ -1,0 +1,68 @@
+"""What Prepare checks and asks of gpud for the devices that are made or counted when a claim needs them:
+dynamic MIG placements (partitionable devices, KEP-4815: gpud makes the GPU instance at exactly the
+allocated placement) and shares of a GPU with consumed capacity (consumable capacity, KEP-5075: memory and
+compute become the claim's MPS limits).
+
+The scheduler accounts counters and capacity before it allocates (k8s.io/dynamic-resource-allocation
+structured allocator); the plugin checks the allocation again against what it has prepared, so an
+allocation made from stale slices, or by a scheduler without the feature gates, never overcommits a GPU:
+a counter set's counters (pkg/apis/resource types.go CounterSet: the sum consumed by allocated devices
+never exceeds a counter's value) and, through gpud's one ledger, a GPU's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpud.dra.checkpoint import PreparedClaim
+from gpud.dra.devices import PARTITION, SHARE, DraDevice
+from gpud.dra.owner import OwnerRefused, quantity_mib
+
+
+class AllocationRefused(Exception):
+    """The allocation cannot be prepared as it is: the message says what it overcommits or lacks."""
+
+
+def placements(devices: Iterable[DraDevice]) -> list[tuple[DraDevice, dict]]:
+    """The claim's dynamic MIG devices and what gpud is asked to make for each (PUT /v1/mig/dynamic/{uid})."""
+    return [(d, {"gpu": d.gpu_uuid, "gi_profile_id": d.gi_profile_id, "placement_start": d.placement_start})
+            for d in devices if d.kind == PARTITION]
+
+
+def consumed(device: DraDevice, result: dict) -> dict | None:
+    """A share's consumed capacity as gpud holds it ({"memory_mib", "compute_percent"}), or None where the
+    allocation counted none (an API server whose DRAConsumableCapacity gate is off drops
+    allowMultipleAllocations: the scheduler then hands the GPU out whole, and so does the plugin)."""
+    if device.kind != SHARE or not result.get("consumedCapacity"):
+        return None
+    capacity = result["consumedCapacity"]
+    try:
+        memory = quantity_mib(str(capacity.get("memory", "")))
+        compute = int(str(capacity.get("compute", "100")))
+    except (OwnerRefused, ValueError):
+        raise AllocationRefused(f"device {device.name}: consumed capacity {capacity} is not memory and compute "
+                                "as the slice publishes them") from None
+    if not 1 <= compute <= 100:
+        raise AllocationRefused(f"device {device.name}: compute {compute} is not a percentage from 1 to 100")
+    return {"memory_mib": memory, "compute_percent": compute}
+
+
+def refuse_overcommitted_counters(devices: list[DraDevice], prepared: Iterable[PreparedClaim],
+                                  pool: dict[str, DraDevice], counter_sets: dict[str, dict[str, int]]) -> None:
+    """AllocationRefused when these devices, with those of the claims prepared already (looked up in the
+    pool by name), consume more of a counter set than it has."""
+    used: dict[tuple[str, str], int] = {}
+    held = [pool[d.device] for claim in prepared for d in claim.devices if d.device in pool]
+    for device in held + devices:
+        for counter_set, counters in device.consumes.items():
+            for counter, amount in counters.items():
+                used[(counter_set, counter)] = used.get((counter_set, counter), 0) + amount
+    for device in devices:
+        for counter_set, counters in device.consumes.items():
+            for counter in counters:
+                have = counter_sets.get(counter_set, {}).get(counter, 0)
+                if used[(counter_set, counter)] > have:
+                    raise AllocationRefused(
+                        f"device {device.name} needs {counter} of {counter_set}, which the claims prepared on this "
+                        f"node use up ({used[(counter_set, counter)]} of {have} with it): the allocation was made "
+                        "from an older slice, or by a scheduler that does not count counters")
