@@ -30,12 +30,12 @@ def placements(devices: Iterable[DraDevice]) -> list[tuple[DraDevice, dict]]:
 
 
 def consumed(device: DraDevice, result: dict) -> dict | None:
-    """A share's consumed capacity as gpud holds it ({"memory_mib", "compute_percent"}), or None where the
-    allocation counted none (an API server whose DRAConsumableCapacity gate is off drops
-    allowMultipleAllocations: the scheduler then hands the GPU out whole, and so does the plugin)."""
-    if device.kind != SHARE or not result.get("consumedCapacity"):
+    """A share's consumed capacity as gpud holds it ({"memory_mib", "compute_percent"}); None for a device
+    that is no share. An allocation that counted none (an API server whose DRAConsumableCapacity gate is off
+    drops allowMultipleAllocations, and the scheduler hands the GPU out whole) consumes all of it."""
+    if device.kind != SHARE:
         return None
-    capacity = result["consumedCapacity"]
+    capacity = result.get("consumedCapacity") or {"memory": device.capacity["memory"]["value"], "compute": "100"}
     try:
         memory = quantity_mib(str(capacity.get("memory", "")))
         compute = int(str(capacity.get("compute", "100")))
