@@ -336,13 +336,13 @@ def _shared_gpu(gpu: dict, share: dict, policy: dict, node: dict, sysfs: Path | 
     applyConsumableShares; compute in percent where NVIDIA's has `shares`)."""
     memory, compute = policy.get("memory") or {}, policy.get("compute") or {}
     offered = (int(share["offered_mib"]) - int(share.get("gpu_memory_mib") or 0)) << 20
-    default = memory.get("default")
-    memory_max, memory_policy = request_policy(
-        offered, whole_quantity(memory.get("min", "1Mi")), whole_quantity(memory.get("step", "1Mi")),
-        None if default is None else whole_quantity(default), binary_quantity)
-    compute_max, compute_policy = request_policy(
-        COMPUTE_PERCENT, int(compute.get("min", 1)), int(compute.get("step", 1)),
-        None if compute.get("default") is None else int(compute["default"]))
+    def given(policy: dict, key: str, otherwise: Any) -> Any:
+        return otherwise if policy.get(key) is None else whole_quantity(policy[key])
+
+    memory_max, memory_policy = request_policy(offered, given(memory, "min", 1 << 20), given(memory, "step", 1 << 20),
+                                               given(memory, "default", None), binary_quantity)
+    compute_max, compute_policy = request_policy(COMPUTE_PERCENT, given(compute, "min", 1), given(compute, "step", 1),
+                                                 given(compute, "default", None))
     capacity = {MEMORY: {"value": binary_quantity(memory_max), "requestPolicy": memory_policy},
                 COMPUTE_CAPACITY: {"value": str(compute_max), "requestPolicy": compute_policy}}
     return DraDevice(f"gpu-{gpu['minor_number']}", GPU_TYPE, gpu["uuid"], gpu["uuid"], int(gpu["index"]),
