@@ -33,7 +33,7 @@ written short below as apiserver/ and apimachinery/):
 | ResourceSlice field selectors metadata.name, spec.nodeName, spec.driver (others 400); ResourceClaim metadata.name, metadata.namespace; watches of both as of nodes, bookmarks carry an empty object of the kind | strategy.go toSelectableFields; pkg/apis/resource/v1/conversion.go (field label conversion); generic.AddObjectMetaFieldsSet |
 | watch-list (sendInitialEvents=true with allowWatchBookmarks and resourceVersionMatch=NotOlderThan): ADDED for what exists, then a BOOKMARK annotated `k8s.io/initial-events-end: "true"`, then changes; client-go's reflector (NVIDIA's plugin) watches so | apiserver/pkg/storage/cacher/cacher.go, cache_watcher.go (KEP-3157) |
 | list `limit`: served whole when resourceVersion=0 (the watch cache ignores it) or when everything fits | apiserver/pkg/storage/cacher/cacher.go GetList |
-| ResourceSlice validation (422, paths and messages): metadata.name DNS subdomain; spec.driver required, ≤63, DNS subdomain of its lowercase (uppercase is only a warning); pool.name required, ≤253, "/"-separated DNS subdomains; pool.generation ≥0; pool.resourceSliceCount >0; driver, pool.name, nodeName immutable; exactly one of nodeName/nodeSelector (one term)/allNodes/perDeviceNodeSelection; 1.35+: not both sharedCounters and devices ("only one of `sharedCounters` or `devices` is allowed"; an empty list counts as set, as a non-nil Go slice does); devices ≤128 (1.35+: ≤64 with taints or consumesCounters), a too-long list short-circuits; device name DNS label, unique (Duplicate at spec.devices[i]); attributes+capacity ≤32; attribute and capacity names QualifiedName (C identifier ≤32, optional driver-name domain and "/"); exactly one of int/bool/string/version; string ≤64; version semver 2.0.0 ≤64; requestPolicy only with allowMultipleAllocations; taints: key a label name, value a label value, effect NoSchedule/NoExecute (+None from 1.35), ≤4 (1.34) / ≤16 (1.35+), unchanged taints not revalidated; 1.34: consumesCounters must name a counter set and counters of this slice's sharedCounters, ≤32 shared counters in all; 1.35+: ≤8 counter sets, ≤32 counters a set, ≤2 consumesCounters a device; set and counter names DNS labels | pkg/apis/resource/validation/validation.go ValidateResourceSlice(Update), validateResourceSliceSpec, validateResourcePool, validatePoolName, validateDevice, validateDeviceAttribute, validateQualifiedName, validateCIdentifier, validateDeviceTaint, validateCounterSet, validateDeviceCounterConsumption, validateSet/validateSlice; pkg/apis/core/validation ValidateCSIDriverName; validation_resourceslice_test.go (1.34 counter cases); staging/src/k8s.io/api/resource/v1/types.go limits |
+| ResourceSlice validation (422, paths and messages): metadata.name DNS subdomain; spec.driver required, ≤63, DNS subdomain of its lowercase (uppercase is only a warning); pool.name required, ≤253, "/"-separated DNS subdomains; pool.generation ≥0; pool.resourceSliceCount >0; driver, pool.name, nodeName immutable; exactly one of nodeName/nodeSelector (one term)/allNodes/perDeviceNodeSelection; 1.35+: not both sharedCounters and devices ("only one of `sharedCounters` or `devices` is allowed"; an empty list counts as set, as a non-nil Go slice does); devices ≤128 (1.35+: ≤64 with taints or consumesCounters), a too-long list short-circuits; device name DNS label, unique (Duplicate at spec.devices[i]); attributes+capacity ≤32; attribute and capacity names QualifiedName (C identifier ≤32, optional driver-name domain and "/"); exactly one of int/bool/string/version; string ≤64; version semver 2.0.0 ≤64; requestPolicy only with allowMultipleAllocations, and then validValues or validRange, not both; validValues: default required and among them, sorted, unique, ≤10, none above the capacity's value; validRange: default and min required, min ≤ value, min ≤ default ≤ max ≤ value, min + step ≤ value, default and max whole steps from min; counter values: any quantity (validateDeviceCounter checks none); taints: key a label name, value a label value, effect NoSchedule/NoExecute (+None from 1.35), ≤4 (1.34) / ≤16 (1.35+), unchanged taints not revalidated; 1.34: consumesCounters must name a counter set and counters of this slice's sharedCounters, ≤32 shared counters in all, ≤32 counters consumed a device, ≤1024 in the slice's devices; 1.35+: ≤8 counter sets, ≤32 counters a set, ≤2 consumesCounters a device, ≤32 counters each; set and counter names DNS labels; a consumed set absent from the pool is the scheduler's to find (1.35+), not the server's | pkg/apis/resource/validation/validation.go ValidateResourceSlice(Update), validateResourceSliceSpec, validateResourcePool, validatePoolName, validateDevice, validateDeviceAttribute, validateQualifiedName, validateCIdentifier, validateDeviceTaint, validateCounterSet, validateDeviceCounterConsumption, validateMultiAllocatableDeviceCapacity, validateRequestPolicy, validateRequestPolicyRange, validateRequestPolicyRangeStep, validateSet/validateSlice; pkg/apis/core/validation ValidateCSIDriverName; validation_resourceslice_test.go (1.34 counter cases); staging/src/k8s.io/api/resource/v1/types.go limits |
 | a body that does not decode (wrong JSON types, a Quantity that does not parse): 400 "... cannot be handled as a ResourceSlice: ..." | apiserver/pkg/endpoints/handlers/create.go, update.go (transformDecodeError); apimachinery/pkg/api/resource/quantity.go ErrFormatWrong |
 | request bodies: no Content-Type is JSON; JSON and protobuf accepted (protobuf decoded by client-go's scheme in ../shared/nvidia-dra-driver/tools/pbdecode, 10 s bound; without that tool, 415 as a server without the codec); others 415 listing application/json, application/yaml, application/vnd.kubernetes.protobuf; answers always JSON | apiserver/pkg/endpoints/handlers/negotiation/negotiate.go NegotiateInputSerializerForMediaType, errors.go NewUnsupportedMediaTypeError |
 | ResourceClaims: GET one, list and watch (namespaced and across namespaces); written only by the test's helpers, requests defaulted (allocationMode ExactCount, count 1) | pkg/apis/resource/v1/defaults.go SetDefaults_ExactDeviceRequest; types.go ResourceClaimStatus |
@@ -45,10 +45,11 @@ paging, dryRun, fieldValidation=Strict, the `$setElementOrder`, `$retainKeys` an
 directives, a non-numeric resourceVersion, watching events. Also not modelled: managedFields, unknown fields
 being dropped, Quantity canonical forms ("1024Mi" stays as sent; the syntax is approximated by a regex),
 node capacity syntax, ValidateNodeSelector inside a slice's nodeSelector, the rules of gated fields when their
-gate is on (requestPolicy ranges, bindingConditions, list-typed attributes, nodeAllocatableResourceMappings,
+gate is on (bindingConditions, list-typed attributes, nodeAllocatableResourceMappings,
 partitionTypeAttribute), DeleteOptions' propagationPolicy/gracePeriodSeconds (nothing to do for a slice), the
 warning header for an uppercase driver name. Unverified details are marked so in comments (a QualifiedName
-with two "/", a client-set resourceVersion on create, the 1.34 short-circuit of a too-long list). Where several validators of
+with two "/", a client-set resourceVersion on create, the 1.34 short-circuit of a too-long list, 1.34's request-policy rules taken
+to be those of the later source read). Where several validators of
 the real server report the same cause, the real answer may repeat it; this one gives it once.
 """
 
@@ -68,6 +69,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -611,6 +613,10 @@ DRIVER_NAME_MAX_LENGTH = 63  # core validation ValidateCSIDriverName
 MAX_SHARED_COUNTERS_134 = 32  # ResourceSliceMaxSharedCounters (1.34: counters in all sets of a slice)
 MAX_COUNTER_SETS, MAX_COUNTERS_PER_SET = 8, 32  # 1.35+: ResourceSliceMaxCounterSets, ...MaxCountersPerCounterSet
 MAX_CONSUMPTIONS_PER_DEVICE = 2  # 1.35+: ResourceSliceMaxDeviceCounterConsumptionsPerDevice
+MAX_COUNTERS_PER_CONSUMPTION = 32  # 1.35+: ResourceSliceMaxCountersPerDeviceCounterConsumption
+MAX_COUNTERS_PER_DEVICE_134, MAX_DEVICE_COUNTERS_PER_SLICE_134 = 32, 1024  # 1.34: ResourceSliceMaxCountersPerDevice,
+# ResourceSliceMaxDeviceCountersPerSlice
+REQUEST_POLICY_MAX_OPTIONS = 10  # CapacityRequestPolicyDiscreteMaxOptions ("Must not contain more than 10 entries")
 TAINT_EFFECTS_DRA = {"1.34": ("NoExecute", "NoSchedule")}  # validation.go validDeviceTaintEffects, sets.List (sorted)
 TAINTS_MAX = {"1.34": 4}  # DeviceTaintsMaxLength; 16 from 1.35
 
@@ -700,6 +706,28 @@ def check_quantity(value: Any) -> None:
         raise decode_error(QUANTITY_ERROR)
 
 
+QUANTITY_SCALES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": Fraction(1, 10**9),
+                   "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1, "k": 10**3, "M": 10**6, "G": 10**9,
+                   "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_value(text: Any) -> Fraction:
+    """A Quantity's exact value, for Cmp (apimachinery/pkg/api/resource/quantity.go); it has decoded."""
+    text = str(text)
+    number = re.match(r"[+-]?(\d+(\.\d*)?|\.\d+)", text)
+    assert number is not None
+    suffix = text[number.end():]
+    if suffix[:1] in ("e", "E") and suffix[1:].lstrip("+-").isdigit():
+        return Fraction(number.group(0)) * Fraction(10) ** int(suffix[1:])
+    return Fraction(number.group(0)) * QUANTITY_SCALES[suffix]
+
+
+def quantity_int(text: Any) -> int:
+    """Quantity.Value(): rounded up to a whole number."""
+    value = quantity_value(text)
+    return -((-value.numerator) // value.denominator)
+
+
 def decode_slice(document: Any) -> dict:
     """What decoding into a v1.ResourceSlice refuses (400): wrong JSON types and bad Quantity strings."""
     if not isinstance(document, dict):
@@ -729,8 +757,23 @@ def decode_slice(document: Any) -> dict:
                 value = attribute.get(name)
                 if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
                     raise decode_error(f"json: cannot unmarshal into Go struct field DeviceAttribute.{name}")
+        if not isinstance(device.get("allowMultipleAllocations", False), (bool, type(None))):
+            raise decode_error("json: cannot unmarshal into Go struct field Device.spec.devices.allowMultipleAllocations "
+                               "of type bool")
         for capacity in (device.get("capacity") or {}).values():
             check_quantity(capacity.get("value") if isinstance(capacity, dict) else None)
+            policy = capacity.get("requestPolicy")
+            if policy is None:
+                continue
+            value_range = policy.get("validRange") if isinstance(policy, dict) else None
+            if not isinstance(policy, dict) or not isinstance(policy.get("validValues") or [], list) \
+                    or not isinstance(value_range or {}, dict):
+                raise decode_error("json: cannot unmarshal into Go struct field DeviceCapacity.requestPolicy of type "
+                                   "v1.CapacityRequestPolicy")
+            for quantity in [policy.get("default"), *(policy.get("validValues") or []),
+                             *((value_range or {}).get(k) for k in ("min", "max", "step"))]:
+                if quantity is not None:
+                    check_quantity(quantity)
         for consumption in device.get("consumesCounters") or []:
             for counter in (consumption.get("counters") or {}).values() if isinstance(consumption, dict) else [None]:
                 check_quantity(counter.get("value") if isinstance(counter, dict) else None)
@@ -858,7 +901,77 @@ def validate_slice(slice_: dict, old: dict | None, version: str) -> list[FieldEr
             if device.get("name") in seen:
                 errors.append(FieldError("Duplicate", f"spec.devices[{i}]", device.get("name")))
             seen.add(device.get("name"))
+        counted = sum(len(c.get("counters") or {}) for d in devices for c in d.get("consumesCounters") or [])
+        if version == "1.34" and counted > MAX_DEVICE_COUNTERS_PER_SLICE_134:  # validation_resourceslice_test.go
+            errors.append(FieldError("Invalid", "spec.devices", counted, "the total number of counters in devices "
+                                     f"must not exceed {MAX_DEVICE_COUNTERS_PER_SLICE_134}"))
     errors += validate_counter_sets(counter_sets, version)
+    return errors
+
+
+def validate_request_policy(capacity: str, policy: dict, at: str) -> list[FieldError]:
+    """validation.go validateRequestPolicy, validateValidRequestValues, validateRequestPolicyValidValues,
+    validateRequestPolicyRange, validateRequestPolicyRangeStep (KEP-5075; Quantity.String() of a value is
+    the text sent here: canonical forms are not modelled)."""
+    values, value_range, default = policy.get("validValues") or [], policy.get("validRange"), policy.get("default")
+    if values and value_range is not None:
+        return [FieldError("Forbidden", at, detail='exactly one policy can be specified, cannot specify "validValues" '
+                           'and "validRange" at the same time')]
+    maximum = quantity_value(capacity)
+    if values:
+        if default is None:
+            return [FieldError("Required", f"{at}.default", detail="required when validValues is defined")]
+        errors = [FieldError("Invalid", f"{at}.validValues[{i + 1}]", values[i + 1], "values must be sorted in "
+                             "ascending order") for i in range(len(values) - 1)
+                  if quantity_value(values[i]) > quantity_value(values[i + 1])]
+        if len(values) > REQUEST_POLICY_MAX_OPTIONS:  # validateSet: the size check short-circuits
+            return errors + [too_many(f"{at}.validValues", len(values), REQUEST_POLICY_MAX_OPTIONS),
+                             FieldError("Invalid", f"{at}.validValues", default,
+                                        "default value is not valid according to the requestPolicy")]
+        seen = set()
+        for i, option in enumerate(values):
+            if quantity_value(option) > maximum:
+                errors.append(FieldError("Invalid", f"{at}.validValues[{i}]", option,
+                                         f"option is larger than capacity value: {capacity}"))
+        for i, option in enumerate(values):  # quantityKey: Value() as a decimal string
+            if quantity_int(option) in seen:
+                errors.append(FieldError("Duplicate", f"{at}.validValues[{i}]", str(quantity_int(option))))
+            seen.add(quantity_int(option))
+        if not any(quantity_value(option) == quantity_value(default) for option in values):
+            errors.append(FieldError("Invalid", f"{at}.validValues", default,
+                                     "default value is not valid according to the requestPolicy"))
+        return errors
+    if value_range is None:
+        return []
+    if default is None:
+        return [FieldError("Required", f"{at}.default", detail="required when validRange is defined")]
+    at = f"{at}.validRange"
+    low, high, step = value_range.get("min"), value_range.get("max"), value_range.get("step")
+    if low is None:
+        return [FieldError("Required", f"{at}.min", detail="required when validRange is defined")]
+    errors = []
+    if quantity_value(low) > maximum:
+        errors.append(FieldError("Invalid", f"{at}.min", low, f"min is larger than capacity value: {capacity}"))
+    if quantity_value(default) < quantity_value(low):
+        errors.append(FieldError("Invalid", f"{at}.min", default, f"default is less than min: {low}"))
+    if high is not None:
+        if quantity_value(low) > quantity_value(high):
+            errors.append(FieldError("Invalid", f"{at}.max", low, f"min is larger than max: {high}"))
+        if quantity_value(high) > maximum:
+            errors.append(FieldError("Invalid", f"{at}.max", high, f"max is larger than capacity value: {capacity}"))
+        if quantity_value(default) > quantity_value(high):
+            errors.append(FieldError("Invalid", f"{at}.max", default, f"default is more than max: {high}"))
+    if step is not None:
+        if quantity_value(low) + quantity_value(step) > maximum:
+            # the real message shows min + step as Quantity.String() writes it; here as a plain number
+            added = quantity_value(low) + quantity_value(step)
+            errors.append(FieldError("Invalid", f"{at}.step", step, f"one step {added} is larger than capacity "
+                                     f"value: {capacity}"))
+        for value in [default] + ([high] if high is not None else []):
+            stride = quantity_int(step)
+            if stride and (quantity_int(value) - quantity_int(low)) % stride != 0:  # a zero step panics there
+                errors.append(FieldError("Invalid", f"{at}.step", value,
+                                         f"value is not a multiple of a given step ({step}) from ({low})"))
     return errors
 
 
@@ -919,9 +1032,12 @@ def validate_device(device: dict, old: dict | None, at: str, per_device: bool, c
     for key, value in capacity.items():
         where = f"{at}.capacity[{key}]"
         errors += qualified_name_errors_dra(key, where)
-        if value.get("requestPolicy") is not None and device.get("allowMultipleAllocations") is not True:
+        if value.get("requestPolicy") is None:
+            continue
+        if device.get("allowMultipleAllocations") is not True:  # validateSingleAllocatableDeviceCapacity
             errors.append(FieldError("Forbidden", f"{where}.requestPolicy", detail="allowMultipleAllocations must be true"))
-        # requestPolicy's own rules (validateRequestPolicy) are not modelled
+        else:  # validateMultiAllocatableDeviceCapacity
+            errors += validate_request_policy(value.get("value", "0"), value["requestPolicy"], f"{where}.requestPolicy")
     taints = device.get("taints") or []
     taint_limit = TAINTS_MAX.get(version, 16)
     if old is None or taints != (old.get("taints") or []):  # unchanged taints are not validated again
@@ -934,6 +1050,10 @@ def validate_device(device: dict, old: dict | None, at: str, per_device: bool, c
     if version != "1.34" and len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
         errors.append(too_many(f"{at}.consumesCounters", len(consumptions), MAX_CONSUMPTIONS_PER_DEVICE))
         consumptions = []
+    counted = sum(len(c.get("counters") or {}) for c in consumptions)
+    if version == "1.34" and counted > MAX_COUNTERS_PER_DEVICE_134:  # validation_resourceslice_test.go (1.34)
+        errors.append(FieldError("Invalid", at, counted, "the total number of counters must not exceed "
+                                 f"{MAX_COUNTERS_PER_DEVICE_134}"))
     known = {c.get("name"): set(c.get("counters") or {}) for c in counter_sets}
     for j, consumption in enumerate(consumptions):
         where = f"{at}.consumesCounters[{j}]"
@@ -942,6 +1062,12 @@ def validate_device(device: dict, old: dict | None, at: str, per_device: bool, c
             [FieldError("Invalid", f"{where}.counterSet", counter_set, m) for m in dns_label_errors(counter_set)]
         if not consumption.get("counters"):
             errors.append(FieldError("Required", f"{where}.counters"))
+        elif version != "1.34" and len(consumption["counters"]) > MAX_COUNTERS_PER_CONSUMPTION:  # validateMap
+            errors.append(too_many(f"{where}.counters", len(consumption["counters"]), MAX_COUNTERS_PER_CONSUMPTION))
+        elif version != "1.34":
+            for counter in consumption["counters"]:
+                errors += [FieldError("Invalid", f"{where}.counters[{counter}]", counter, m)
+                           for m in dns_label_errors(counter)]
         if version == "1.34":  # 1.34: the counter sets are in this slice (validation_resourceslice_test.go cases)
             if counter_set not in known:
                 errors.append(FieldError("Invalid", f"{where}.counterSet", counter_set,

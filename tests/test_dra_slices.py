@@ -13,7 +13,8 @@ from kube_api_stand_in import KubeApiStandIn
 from kube_manifests import dra_rbac_rules
 
 from gpud.dra.kube import DraApi
-from gpud.dra.slices import MAX_DEVICES, MAX_DEVICES_WITH_TAINTS, SlicePublisher, split_devices
+from gpud.dra.slices import (MAX_DEVICES, MAX_DEVICES_WITH_TAINTS_OR_COUNTERS, PoolContent, SlicePublisher,
+                             plan_slices, split_devices)
 from gpud.kubernetes.node_api import api_client
 
 NODE, DRIVER = "node-1", "gpu.nvidia.com"
@@ -32,8 +33,12 @@ def devices(count: int, tainted: int = 0) -> list[dict]:
 
 def test_split_keeps_to_the_limits():
     assert [len(c) for c in split_devices(devices(300))] == [MAX_DEVICES, MAX_DEVICES, 44]
-    assert [len(c) for c in split_devices(devices(100, tainted=1))] == [MAX_DEVICES_WITH_TAINTS, 36]
-    assert split_devices([]) == [[]]
+    assert [len(c) for c in split_devices(devices(100, tainted=1))] == [MAX_DEVICES_WITH_TAINTS_OR_COUNTERS, 36]
+    counting = devices(100)
+    counting[99]["consumesCounters"] = [{"counterSet": "gpu-99-counter-set", "counters": {"memory": {"value": "1"}}}]
+    assert [len(c) for c in split_devices(counting)] == [MAX_DEVICES_WITH_TAINTS_OR_COUNTERS, 36]
+    assert split_devices([]) == []
+    assert plan_slices(PoolContent([]), 34) == plan_slices(PoolContent([]), 36) == [{"devices": []}]  # never no slice
 
 
 @pytest.fixture
@@ -49,7 +54,7 @@ async def test_a_pool_is_split_republished_shrunk_and_written_again_after_a_wipe
     client = await api_client(kube.kubeconfig("dra"))
     wanted = {"devices": devices(300)}
     api = DraApi(client, NODE, DRIVER)
-    publisher = SlicePublisher(api, lambda: wanted["devices"])
+    publisher = SlicePublisher(api, lambda: PoolContent(wanted["devices"]), 36)
     task = asyncio.create_task(publisher.run())
 
     def pool() -> list[tuple[int, int, int]]:
@@ -85,7 +90,7 @@ async def test_a_server_without_device_taints_is_said_once_and_served_without_th
         old.create_node(NODE)
         old.bind_rbac("dra", dra_rbac_rules())
         client = await api_client(old.kubeconfig("dra"))
-        publisher = SlicePublisher(DraApi(client, NODE, DRIVER), lambda: devices(4, tainted=1))
+        publisher = SlicePublisher(DraApi(client, NODE, DRIVER), lambda: PoolContent(devices(4, tainted=1)), 35)
         task = asyncio.create_task(publisher.run())
         try:
             await until_async(lambda: old.resource_slices(NODE, DRIVER), what="a slice")

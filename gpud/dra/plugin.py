@@ -3,9 +3,10 @@ kubelet, device health streamed to it.
 
 Started in order, stopped in reverse: the checkpoint is read (claims of an earlier boot dropped; an
 unreadable file set aside and the claims rebuilt from the CDI specs they left), the API server's version
-asked (which taint effects it takes), the DRA and registration sockets served, then the loops: gpud's
-watch stream (a change re-reads /v1/node, /v1/gpus, /v1/health and /v1/cdi), the slice publisher, and a
-look once a second at the sockets (one removed is served again, so the kubelet finds the plugin again).
+asked (which taint effects it takes, which form of slices), the DRA and registration sockets served, then
+the loops: gpud's watch stream (a change re-reads /v1/node, /v1/gpus, /v1/health, /v1/cdi, /v1/mig/dynamic
+and /v1/claims' shares), the slice publisher, and a look once a second at the sockets (one removed is
+served again, so the kubelet finds the plugin again).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from gpud.client import Client
 from gpud.device_plugin.follower import DEFAULT_UNREACHABLE_GRACE_S, GpudFollower
 from gpud.dra.checkpoint import FILE_NAME, PREPARING, Checkpoint, PreparedClaim, PreparedDevice, load
 from gpud.dra.claim_cdi import claim_specs_on_disk
-from gpud.dra.devices import DraDevice, node_devices
+from gpud.dra.devices import PARTITION, DraDevice, counter_sets, node_devices
 from gpud.dra.health import (DeviceHealthState, TaintPolicy, device_taints, reasons_by_uuid, states_by_uuid,
                              unmonitored_taint)
 from gpud.dra.kube import DraApi
 from gpud.dra.owner import GpudOwner
 from gpud.dra.prepare import ClaimRef, PoolView, PrepareError, Preparer
 from gpud.dra.server import HealthEntry, HealthService, Sockets
-from gpud.dra.slices import SlicePublisher
+from gpud.dra.slices import PoolContent, SlicePublisher
 from gpud.kubernetes.node_api import KubeError
 
 log = get_logger("dra_plugin")
@@ -75,9 +76,13 @@ class DraFollower(GpudFollower):
         gpus = self.client.get("/v1/gpus")
         health = self.client.get("/v1/health")
         status, cdi = self.client.request("GET", "/v1/cdi", ok_statuses=(404, 503))
+        # a gpud without dynamic MIG or shares answers 404: no dynamic GPUs, no shares
+        dynamic_status, dynamic = self.client.request("GET", "/v1/mig/dynamic", ok_statuses=(404,))
+        claims_status, claims = self.client.request("GET", "/v1/claims", ok_statuses=(404,))
+        shares = claims.get("shares") if claims_status == 200 and isinstance(claims, dict) else None
         # a simulated GPU's bus id is no device of this host: its PCIe root is not looked up
         sysfs = None if node.get("backend") == "simulated" else self.sysfs
-        devices, left_out = node_devices(gpus, node, sysfs)
+        devices, left_out = node_devices(gpus, node, sysfs, dynamic if dynamic_status == 200 else None, shares)
         node_spec = cdi.get("spec") if status == 200 and cdi.get("enabled") else None
         return DraState(tuple(devices), tuple(left_out), node_spec, reasons_by_uuid(health), states_by_uuid(health),
                         read_at=time.time())
@@ -123,6 +128,7 @@ class DraPlugin:
             minor = self.policy.server_minor
             log.warning("server_version_unknown", error=str(exc), assuming=f"1.{minor}")
         self.policy = TaintPolicy(no_execute=self.no_execute, server_minor=minor)
+        self.publisher.use_server_minor(minor)
         await self.sockets.start()
         log.info("dra_plugin_started", driver=self.driver, node=self.pool, kubelet_dir=str(self.kubelet_dir),
                  cdi_dir=str(self.cdi_dir), server=f"1.{minor}", gpud_socket=str(self.follower.client.socket_path),
@@ -167,17 +173,26 @@ class DraPlugin:
     # -- gpud's state ------------------------------------------------------------------------------
 
     async def apply(self, state: DraState) -> None:
+        if self.state is None or self.state.left_out != state.left_out:
+            log.info("devices_left_out", left_out=list(state.left_out))
         self.state = state
         self.publisher.changed()
         await self.health.changed()
 
-    def desired_devices(self) -> list[dict] | None:
+    def desired_devices(self) -> PoolContent | None:
+        """The pool as gpud has it. An API server that drops counters (its DRAPartitionableDevices gate is
+        off) gets no partitions, whose counters would be all that keeps two claims off the same slices:
+        a dynamic GPU is then only its whole GPU, where that is usable."""
         state = self.state
         if state is None:
             return None
         unmonitored = unmonitored_taint(self.driver, self.policy) if state.unmonitored else []
-        return [d.slice_entry(device_taints(self.driver, state.reasons.get(d.uuid, []), self.policy) + unmonitored)
-                for d in state.devices]
+        counters = not self.publisher.counters_refused
+        devices = [d for d in state.devices if counters or d.kind != PARTITION]
+        return PoolContent(
+            [d.slice_entry(device_taints(self.driver, state.reasons.get(d.health_uuid, []), self.policy) + unmonitored,
+                           counters) for d in devices],
+            [s.entry() for s in counter_sets(devices)] if counters else [])
 
     def health_entries(self) -> list[HealthEntry]:
         state = self.state
@@ -186,7 +201,7 @@ class DraPlugin:
         now = time.time()
         entries = []
         for device in state.devices:
-            health = state.health.get(device.uuid)
+            health = state.health.get(device.health_uuid)
             if state.unmonitored or health is None:
                 entries.append(HealthEntry(self.pool, device.name, None, "gpud has not answered: nothing vouches "
                                            "for the device", state.read_at))
