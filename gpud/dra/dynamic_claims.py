@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.dra.checkpoint import PreparedClaim
-from gpud.dra.devices import PARTITION, SHARE, DraDevice
+from gpud.dra.devices import PARTITION, SHARE, DraDevice, whole_quantity
 from gpud.dra.owner import OwnerRefused, quantity_mib
 
 
@@ -25,8 +25,8 @@ class AllocationRefused(Exception):
 
 def placements(devices: Iterable[DraDevice]) -> list[tuple[DraDevice, dict]]:
     """The claim's dynamic MIG devices and what gpud is asked to make for each (PUT /v1/mig/dynamic/{uid})."""
-    return [(d, {"gpu": d.gpu_uuid, "gi_profile_id": d.gi_profile_id, "placement_start": d.placement_start})
-            for d in devices if d.kind == PARTITION]
+    return [(d, {"gpu": d.gpu_uuid, "gi_profile_id": d.partition.gi_profile_id, "placement_start": d.partition.start})
+            for d in devices if d.kind == PARTITION and d.partition is not None]
 
 
 def consumed(device: DraDevice, result: dict) -> dict | None:
@@ -48,21 +48,26 @@ def consumed(device: DraDevice, result: dict) -> dict | None:
 
 
 def refuse_overcommitted_counters(devices: list[DraDevice], prepared: Iterable[PreparedClaim],
-                                  pool: dict[str, DraDevice], counter_sets: dict[str, dict[str, int]]) -> None:
+                                  pool: dict[str, DraDevice]) -> None:
     """AllocationRefused when these devices, with those of the claims prepared already (looked up in the
-    pool by name), consume more of a counter set than it has."""
+    pool by name), consume more of a counter set than it has. A shared device counts once, however many
+    claims share it (the allocator's counters follow devices, not claims)."""
+    held = {d.device for claim in prepared for d in claim.devices if d.device in pool}
+    consuming = [pool[name] for name in sorted(held)] + [d for d in devices if d.name not in held]
     used: dict[tuple[str, str], int] = {}
-    held = [pool[d.device] for claim in prepared for d in claim.devices if d.device in pool]
-    for device in held + devices:
-        for counter_set, counters in device.consumes.items():
-            for counter, amount in counters.items():
-                used[(counter_set, counter)] = used.get((counter_set, counter), 0) + amount
+    for device in consuming:
+        if device.counter_set is None:
+            continue
+        for counter, amount in device.consumes.items():
+            key = (device.counter_set.name, counter)
+            used[key] = used.get(key, 0) + whole_quantity(amount)
     for device in devices:
-        for counter_set, counters in device.consumes.items():
-            for counter in counters:
-                have = counter_sets.get(counter_set, {}).get(counter, 0)
-                if used[(counter_set, counter)] > have:
-                    raise AllocationRefused(
-                        f"device {device.name} needs {counter} of {counter_set}, which the claims prepared on this "
-                        f"node use up ({used[(counter_set, counter)]} of {have} with it): the allocation was made "
-                        "from an older slice, or by a scheduler that does not count counters")
+        if device.counter_set is None:
+            continue
+        for counter in device.consumes:
+            have = whole_quantity(device.counter_set.counters.get(counter, "0"))
+            if used[(device.counter_set.name, counter)] > have:
+                raise AllocationRefused(
+                    f"device {device.name} needs {counter} of {device.counter_set.name}, which the claims prepared "
+                    f"on this node use up ({used[(device.counter_set.name, counter)]} of {have} with it): the "
+                    "allocation was made from an older slice, or by a scheduler that does not count counters")

@@ -36,7 +36,6 @@ class PoolView:
 
     devices: dict[str, DraDevice] = field(default_factory=dict)
     node_spec: dict | None = None
-    counter_sets: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> counter -> value
 
 
 @dataclass(frozen=True)
@@ -232,7 +231,7 @@ class Preparer:
     def _refuse_overcommitted(self, ref: ClaimRef, devices: list[DraDevice], view: PoolView) -> None:
         others = [c for c in self.checkpoint.claims.values() if c.uid != ref.uid]
         try:
-            refuse_overcommitted_counters(devices, others, view.devices, view.counter_sets)
+            refuse_overcommitted_counters(devices, others, view.devices)
         except AllocationRefused as exc:
             raise PrepareError(f"claim {ref}: {exc}") from None
 
@@ -244,7 +243,9 @@ class Preparer:
                 if other.uid == ref.uid:
                     continue
                 for held in other.devices:
-                    same = held.device == device.name or held.uuid in (device.uuid, device.gpu_uuid) or held.gpu_uuid == device.uuid
+                    # a partition has no UUID until it is made, nor has a device rebuilt from its spec: "" names none
+                    same = held.device == device.name or (held.uuid and held.uuid in (device.uuid, device.gpu_uuid)) \
+                        or (held.gpu_uuid and held.gpu_uuid == device.uuid)
                     if same and not admin and not (shared and other.shared):
                         through = "" if held.device == device.name else f" through {held.device}"
                         raise PrepareError(f"claim {ref}: device {device.name} is held by claim {other.namespace}/"
