@@ -131,10 +131,10 @@ class GpudOwner:
                                    f"{MPS_START_WAIT_S:g} s (gpud mps status says why)")
             time.sleep(0.1)  # a poll of gpud while its daemon starts
 
-    def device_plugin_holders(self) -> dict[str, str]:
-        """Device UUID -> the pod container the device plugin gave it to, from the kubelet's PodResources
-        List (replica IDs `<uuid>::<n>` name their device); {} where there is no such socket (no device plugin
-        path on this node)."""
+    def device_plugin_holders(self) -> dict[str, list[tuple[str, str]]]:
+        """Device UUID -> (the pod container the device plugin gave it to, the resource name) of each holder,
+        from the kubelet's PodResources List (replica and gpu-memory unit IDs `<uuid>::<n>` name their device);
+        {} where there is no such socket (no device plugin path on this node)."""
         if not self.pod_resources_socket.exists():
             return {}
         with grpc.insecure_channel(f"unix://{self.pod_resources_socket}") as channel:
@@ -144,14 +144,21 @@ class GpudOwner:
             except grpc.RpcError as exc:
                 raise OwnerRefused(f"the kubelet's PodResources API ({self.pod_resources_socket}) did not answer: "
                                    f"{exc.details() if hasattr(exc, 'details') else exc}") from None
-        holders = {}
+        holders: dict[str, list[tuple[str, str]]] = {}
         for pod in answer.pod_resources:
             for container in pod.containers:
                 for devices in container.devices:
                     for device_id in devices.device_ids:
-                        holders[device_id.partition("::")[0]] = (
-                            f"pod {pod.namespace}/{pod.name} container {container.name} ({devices.resource_name})")
+                        holders.setdefault(device_id.partition("::")[0], []).append((
+                            f"pod {pod.namespace}/{pod.name} container {container.name} ({devices.resource_name})",
+                            devices.resource_name))
         return holders
+
+    def counted_resource(self) -> str | None:
+        """The resource of gpud's gpu_memory units (GET /v1/allocations), counted in the same ledger as the
+        claims' shares; None where gpu_memory is off."""
+        allocations = self._call("GET", "/v1/allocations", None, "read gpud's gpu_memory resource")
+        return allocations.get("resource") if allocations.get("enabled") else None
 
     def _call(self, method: str, path: str, body, what: str):
         try:

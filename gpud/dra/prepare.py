@@ -252,17 +252,20 @@ class Preparer:
                                            f"{other.name} ({other.uid}){through}; neither shares it")
 
     def _refuse_device_plugin_held(self, ref: ClaimRef, devices: list[DraDevice]) -> None:
-        """A device the device plugin gave a pod (the kubelet's PodResources): one owner for both paths."""
+        """A device the device plugin gave a pod (the kubelet's PodResources): one owner for both paths. A
+        share's GPU may carry gpud's gpu_memory units beside it: both are counted in gpud's one ledger."""
         if self.owner is None:
             return
         try:
             holders = self.owner.device_plugin_holders()
+            counted = self.owner.counted_resource() if any(d.kind == SHARE for d in devices) else None
         except OwnerRefused as exc:
             raise PrepareError(f"claim {ref}: {exc}") from None
         for device in devices:
-            holder = holders.get(device.uuid) or holders.get(device.gpu_uuid)
-            if holder:
-                raise PrepareError(f"claim {ref}: device {device.name} is held by {holder} through the device plugin")
+            found = holders.get(device.uuid, []) + holders.get(device.gpu_uuid, [])
+            found = [holder for holder, resource in found if not (device.kind == SHARE and resource == counted)]
+            if found:
+                raise PrepareError(f"claim {ref}: device {device.name} is held by {found[0]} through the device plugin")
 
 
 def _claim_sharing(ref: ClaimRef, configs: list[DeviceConfig | None]) -> Sharing | None:
