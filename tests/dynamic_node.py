@@ -11,6 +11,7 @@ same, and each instance still runs the process its claim's pod started on it.
 from __future__ import annotations
 
 import itertools
+import re
 import signal
 from pathlib import Path
 
@@ -43,12 +44,16 @@ class DynamicNode:
         self.claims: dict[str, dict] = {}  # uid -> the claim as allocated
         self.made: dict[str, str] = {}  # uid -> the UUID of the MIG device made for it (one device a claim)
         self.pid_of: dict[str, int] = {}  # uid -> the process its pod runs on that device
+        self.placed: dict[str, tuple[str, int, int]] = {}  # uid -> (GPU uuid, GI profile id, start) of its partition
+        self.view: PoolView | None = None  # the pool as last read
         self.pids = itertools.count(FIRST_PID)
+        self.names = itertools.count()
         self.preparer = self._preparer()
 
     def _start_gpud(self) -> GpudProcess:
         gpud = GpudProcess(self.tmp, *self.gpud_args)
         gpud.wait_healthy()
+        gpud.wait_for(lambda: gpud.client.get("/v1/cdi")["spec"], what="gpud's CDI spec written")
         return gpud
 
     def _preparer(self) -> Preparer:
@@ -88,8 +93,9 @@ class DynamicNode:
             "expression": f"device.attributes['{DRIVER}'].profile == '{profile}'"}}]
         request = {"name": "r", "exactly": {"deviceClassName": "gpu.nvidia.com" if profile is None else "mig.nvidia.com",
                                            "selectors": selectors}}
-        document = claim_document("default", f"c{len(self.claims)}-{profile or 'gpu'}".replace(".", ""), [request])
-        view = self.pool()
+        name = re.sub(r"[^a-z0-9]+", "-", f"c{next(self.names)}-{profile or 'gpu'}")
+        document = claim_document("default", name, [request])
+        view = self.view = self.pool()
         try:
             allocation = allocate(self.slices(view), document, list(self.claims.values()), NODE, CLASSES,
                                   server_version=f"1.{self.server_minor}")
@@ -100,10 +106,13 @@ class DynamicNode:
     def prepare(self, claim: dict) -> None:
         """Prepared as the kubelet asks; then its pod starts a process on it (a MIG device made for it)."""
         meta = claim["metadata"]
-        prepared = self.preparer.prepare(ClaimRef(meta["namespace"], meta["name"], meta["uid"]), claim, self.pool())
+        view = self.view or self.pool()
+        prepared = self.preparer.prepare(ClaimRef(meta["namespace"], meta["name"], meta["uid"]), claim, view)
         self.claims[meta["uid"]] = claim
         device = prepared.devices[0]
-        if device.uuid.startswith("MIG-"):
+        published = view.devices[device.device]
+        if published.kind == PARTITION:
+            self.placed[meta["uid"]] = (published.gpu_uuid, published.partition.gi_profile_id, published.partition.start)
             self.made[meta["uid"]], self.pid_of[meta["uid"]] = device.uuid, next(self.pids)
             self.gpud.client.request("POST", "/v1/sim/processes", {"gpu": device.uuid, "pids": [self.pid_of[meta["uid"]]]})
 
@@ -116,10 +125,12 @@ class DynamicNode:
         del self.claims[uid]
         self.made.pop(uid, None)
         self.pid_of.pop(uid, None)
+        self.placed.pop(uid, None)
 
     def restart_gpud(self, sig: int = signal.SIGKILL) -> None:
         self.gpud.stop(sig)
         self.gpud = self._start_gpud()
+        self.view = None
         self.preparer.owner = GpudOwner(Client(self.gpud.socket, timeout=30), self.tmp / "no-pod-resources.sock")
 
     # -- what must hold ------------------------------------------------------------------------
@@ -129,13 +140,7 @@ class DynamicNode:
         dynamic = self.gpud.client.get("/v1/mig/dynamic")
         on_gpus = {m["uuid"]: (g["uuid"], m["gi_profile_id"], m["placement"]["start"], tuple(m["pids"]))
                    for g in gpus for m in g["mig"]["devices"]}
-        wanted = {}
-        pool = self.pool().devices
-        for uid, claim in self.claims.items():
-            for result in claim["status"]["allocation"]["devices"]["results"]:
-                device = pool[result["device"]]
-                if device.kind == PARTITION:
-                    wanted[self.made[uid]] = (device.gpu_uuid, device.partition.gi_profile_id, device.partition.start)
+        wanted = {self.made[uid]: placed for uid, placed in self.placed.items()}
         assert {u: where[:3] for u, where in on_gpus.items()} == wanted, (on_gpus, wanted)
         pids = {uuid: where[3] for uuid, where in on_gpus.items()}
         assert pids == {self.made[uid]: (self.pid_of[uid],) for uid in self.made}  # each pod's process still there
