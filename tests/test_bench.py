@@ -165,3 +165,16 @@ def test_house_benchmark_compares_two_trees():
             in (["before"], ["after"], ["bare"])}
     assert set(rows) == {"before", "after", "bare"} and len(rows["after"]) == 6
     assert "after/before: GET /v1/gpus (each ÷ bare)" in result.stdout
+
+
+@pytest.mark.slow  # a simulated HGX H100, gpud's DRA plugin and the CLI: about 20 s
+def test_dynamic_mig_benchmark_runs():
+    # Issue 36: a MIG device made at Prepare against the same change through `gpud mig apply`; the benchmark
+    # fails if a Prepare or an apply fails, or if a busy MIG device changed.
+    result = subprocess.run([sys.executable, "bench/dynamic_mig.py", "--rounds", "2"], capture_output=True, text=True,
+                            timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("dynamic MIG claim-to-prepared (NodePrepareResources): p50 "), lines
+    assert lines[3].startswith("gpud mig apply of the same change (CLI start to exit): p50 "), lines
+    assert lines[-2].startswith("ratio claim-to-prepared / mig apply: p50 "), lines
