@@ -54,8 +54,11 @@ async def node(short_tmp):
 async def _partitioned(node: Node) -> None:
     node.start_plugin()
     await registered(node)
-    await until_async(lambda: any(s["spec"].get("sharedCounters") for s in node.slices()), timeout=20,
-                      what="the counter slice published")
+    def complete() -> bool:
+        slices = node.slices()
+        return any(s["spec"].get("sharedCounters") for s in slices) and \
+            {len(slices)} == {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
+    await until_async(complete, timeout=20, what="the pool published whole, its counter slice with it")
 
 
 def _schedule(node: Node, name: str, request: dict) -> tuple:
@@ -110,13 +113,18 @@ async def test_a_claim_for_a_mig_profile_gets_a_device_made_at_its_placement_and
 
 async def test_the_plugin_refuses_an_allocation_that_overcommits_a_counter_set(node):
     await _partitioned(node)
-    whole = node.claim("whole", ["gpu-0"])
-    await asyncio.to_thread(node.kubelet.prepare, [whole])
-    # an allocation no counting scheduler makes: a partition of the GPU a claim holds whole
-    overlapping = node.claim("overlapping", ["gpu-0-mig-1g10gb-19-0"], requests=[_mig("1g.10gb")])
+    published = {d["name"]: d for s in node.slices() for d in s["spec"].get("devices") or []}
+    three = _schedule(node, "three", _mig("3g.40gb"))
+    taken = node.kube.resource_claim("default", "three")["status"]["allocation"]["devices"]["results"][0]["device"]
+    await asyncio.to_thread(node.kubelet.prepare, [three])
+    # an allocation no counting scheduler makes: a 1g.10gb on a memory slice the 3g.40gb holds
+    first_slice = next(c for c in published[taken]["consumesCounters"][0]["counters"] if c.startswith("memory-slice-"))
+    (overlapping_device,) = [name for name, d in published.items() if d["attributes"].get("profile") == {"string": "1g.10gb"}
+                             and first_slice in d["consumesCounters"][0]["counters"]]
+    overlapping = node.claim("overlapping", [overlapping_device], requests=[_mig("1g.10gb")])
     why = await refused(node, [overlapping])
-    assert "gpu-0-counter-set" in why and "use up" in why, why
-    assert (await _gpu0(node))["mig"]["mode"] != "enabled" or not (await _gpu0(node))["mig"]["devices"]
+    assert f"needs {first_slice} of gpu-0-counter-set" in why and "use up" in why, why
+    assert [m["profile"] for m in (await _gpu0(node))["mig"]["devices"]] == ["3g.40gb"]
 
 
 async def test_shares_of_one_gpu_hold_their_memory_as_mps_limits_and_never_overcommit_it(node):
