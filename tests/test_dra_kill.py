@@ -25,10 +25,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def parts(short_tmp):
+def parts(short_tmp, request):
+    """gpud.yaml takes request.param's lines too (a test's own settings)."""
     for sub in ("kubelet", "cdi"):
         (short_tmp / sub).mkdir()
-    (short_tmp / "gpud.yaml").write_text(f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n")
+    (short_tmp / "gpud.yaml").write_text(f"mig:\n  layouts_file: {short_tmp / 'absent.yaml'}\n"
+                                         f"{getattr(request, 'param', '')}")
     gpud = GpudProcess(short_tmp, "--simulate", "hgx-a100-4gpu", "--sim-state", str(short_tmp / "sim.json"),
                        "--config", str(short_tmp / "gpud.yaml"))
     gpud.wait_healthy()
@@ -41,7 +43,7 @@ def parts(short_tmp):
     def plugin() -> PluginProcess:
         started.append(PluginProcess(short_tmp, kube, gpud.socket))
         until(lambda: kubelet.connected(DRIVER), 20, "the plugin registered")
-        until(lambda: len(kube.resource_slices(NODE, DRIVER)) == 1, 20, "the plugin's slice")
+        until(lambda: _pool_complete(kube.resource_slices(NODE, DRIVER)), 20, "the plugin's slices")
         return started[-1]
 
     try:
@@ -53,6 +55,10 @@ def parts(short_tmp):
         kubelet.stop()
         gpud.stop()
         kube.stop()
+
+
+def _pool_complete(slices: list[dict]) -> bool:
+    return bool(slices) and {len(slices)} == {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
 
 
 def _checkpoint(tmp: Path) -> dict:
@@ -111,3 +117,46 @@ def test_killed_waiting_for_gpud_in_prepare_then_in_unprepare_converges(parts):
     kubelet.unprepare([claim])  # retried: the release finishes
     assert _checkpoint(tmp) == {} and gpud.client.get("/v1/claims")["claims"] == []
     assert not spec_path(tmp / "cdi", DRIVER, claim[2]).exists()
+
+
+def _migs(gpud, index: int) -> list[tuple[str, str, int]]:
+    gpu = gpud.client.get("/v1/gpus")["gpus"][index]
+    return [(m["uuid"], m["profile"], m["placement"]["start"]) for m in gpu["mig"]["devices"]]
+
+
+@pytest.mark.parametrize("parts", ["dra:\n  dynamic_mig_gpus: [1]\n"], indirect=True)
+def test_killed_while_gpud_makes_and_destroys_a_dynamic_mig_device_converges_to_one_device_then_none(parts):
+    tmp, gpud, kube, kubelet, start_plugin = parts
+    plugin = start_plugin()
+    created = kube.create_resource_claim("default", "m", [{"name": "mig", "exactly": {"deviceClassName": "mig.nvidia.com"}}], [
+        {"request": "mig", "driver": DRIVER, "pool": NODE, "device": "gpu-1-mig-1g5gb-19-0"}], node=NODE)
+    claim = ("default", "m", created["metadata"]["uid"])
+
+    os.kill(gpud.proc.pid, signal.SIGSTOP)  # the plugin asks gpud to make the device, and waits
+    pending = _in_background(kubelet.prepare, [claim])
+    until(lambda: _checkpoint(tmp).get(claim[2], {}).get("state") == "preparing", 20, "the claim recorded")
+    plugin.stop(signal.SIGKILL)
+    os.kill(gpud.proc.pid, signal.SIGCONT)  # gpud makes it for a plugin that is gone
+    pending["thread"].join(50)
+    assert "error" in pending
+
+    plugin = start_plugin()
+    kubelet.prepare([claim])  # the kubelet retries: the device gpud made is the claim's, not a second one
+    (made,) = _migs(gpud, 1)
+    assert made[1:] == ("1g.5gb", 0)
+    (device,) = _checkpoint(tmp)[claim[2]]["devices"]
+    assert _checkpoint(tmp)[claim[2]]["state"] == "prepared" and device["uuid"] == made[0]
+    assert [i["uuid"] for i in gpud.client.get("/v1/mig/dynamic")["instances"]] == [made[0]]
+
+    os.kill(gpud.proc.pid, signal.SIGSTOP)  # now the release and the destruction wait for gpud
+    pending = _in_background(kubelet.unprepare, [claim])
+    until(lambda: not spec_path(tmp / "cdi", DRIVER, claim[2]).exists(), 20, "the spec removed")
+    plugin.stop(signal.SIGKILL)
+    os.kill(gpud.proc.pid, signal.SIGCONT)
+    pending["thread"].join(50)
+    assert "error" in pending
+
+    start_plugin()
+    kubelet.unprepare([claim])
+    assert _migs(gpud, 1) == [] and gpud.client.get("/v1/mig/dynamic")["instances"] == []
+    assert _checkpoint(tmp) == {}
