@@ -53,5 +53,6 @@ def _describe(running: dict) -> str:
     if running["operation"] == Operation.RESET.value:
         return f"a reset of GPUs {', '.join(map(str, running['gpus']))}"
     if running["operation"] == Operation.DYNAMIC_MIG.value:
-        return f"a dynamic MIG change for DRA claim {running['claim']}"
+        claim = running.get("claim")
+        return f"a dynamic MIG change for DRA claim {claim}" if claim else "dynamic MIG convergence at start"
     return f"a MIG apply of '{running['layout']}'"
