@@ -4,10 +4,11 @@ nothing; other instances and their processes are untouched; static layouts and d
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-from helpers import mig_config, put_layout, start_daemon, stop_daemon, until_async
+from helpers import cli, mig_config, put_layout, start_daemon, stop_daemon, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.model.mig import ENGINE_FIELDS, MigCapabilities, Placement
@@ -320,3 +321,38 @@ def test_a_profile_table_stored_without_engine_counts_reads_zero_until_nvml_answ
         assert stored is not None and all(p.multiprocessors > 0 for p in stored.gi_profiles)
     finally:
         sim.nvmlShutdown()
+
+
+async def test_gpud_mig_status_shows_the_dynamic_devices(short_tmp):
+    config = dynamic_config(short_tmp, "hgx-h100", (0,))
+    node = await start_converged(config)
+    try:
+        uuid = await gpu_uuid(node, 0)
+        _, made = await call(node, "PUT", f"/v1/mig/dynamic/{CLAIM_A}", {"devices": [device(uuid, H100_3G_40GB, 4)]})
+        status = await asyncio.to_thread(cli, "mig", "status", socket=config.socket_path)
+        assert status.returncode == 0, status.stderr
+        assert "dynamic (DRA claims)" in status.stdout
+        row = next(line.split() for line in status.stdout.splitlines() if made["devices"][0]["uuid"] in line)
+        assert row == ["0", "3g.40gb", "4+4", "present", made["devices"][0]["uuid"], CLAIM_A]
+        as_json = json.loads((await asyncio.to_thread(cli, "mig", "status", "--json", socket=config.socket_path)).stdout)
+        assert as_json["dynamic_mig"]["instances"][0]["claim"] == CLAIM_A
+    finally:
+        await stop_daemon(node)
+
+
+async def test_a_create_that_fails_half_way_is_undone(short_tmp):
+    node = await start_converged(dynamic_config(short_tmp, "hgx-h100"))
+    try:
+        uuid = await gpu_uuid(node, 0)
+        _, kept = await call(node, "PUT", f"/v1/mig/dynamic/{CLAIM_A}", {"devices": [device(uuid, 19, 0)]})
+        node.daemon.session.nvml.sim_fail_mig_call(after=2)  # the GI is made, its compute instance refused
+        status, body = await call(node, "PUT", f"/v1/mig/dynamic/{CLAIM_B}", {"devices": [device(uuid, 19, 3)]})
+        assert status == 500 and body["error"]["code"] == "dynamic-mig-failed", body
+        assert "undone" in body["error"]["message"]
+        assert await mig_devices(node, 0) == ("enabled", {kept["devices"][0]["uuid"]: (0, "1g.10gb")})
+        _, view = await node.get("/v1/mig/dynamic")
+        assert [i["claim"] for i in view["instances"]] == [CLAIM_A]
+        status, body = await call(node, "PUT", f"/v1/mig/dynamic/{CLAIM_B}", {"devices": [device(uuid, 19, 3)]})
+        assert status == 200, body  # the kubelet's retry
+    finally:
+        await stop_daemon(node)

@@ -13,7 +13,7 @@ at the next start, and answers only once the inventory and the CDI spec show the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gpud.base.errors import ErrorKind, GpudError, nvml_unavailable
 from gpud.base.lifecycle import Component, Tasks
@@ -21,16 +21,16 @@ from gpud.base.logs import get_logger
 from gpud.base.samples import Family
 from gpud.gpu_reset import GpuResetter
 from gpud.inventory import InventoryService
+from gpud.mig.dynamic_checks import planned_devices
 from gpud.mig.dynamic_gpus import SETTING, DynamicGpus
+from gpud.mig.dynamic_instances import DynamicInstances
 from gpud.mig.dynamic_mode import DynamicMode
 from gpud.mig.dynamic_records import DynamicRecord, DynamicRecords, RecordState
-from gpud.mig.dynamic_view import claim_answer, dynamic_view, find_instance, overlaps, pids_line, process_names
+from gpud.mig.dynamic_view import claim_answer, dynamic_view, find_instance, pids_line, process_names
 from gpud.mig.instances import MigInstances
 from gpud.model.dcgm_labels import HOSTNAME
 from gpud.model.inventory import Gpu, Inventory
-from gpud.model.mig import GiProfile, Placement
 from gpud.node_operations import NodeOperations, Operation
-from gpud.nvml import mig as nvml_mig
 from gpud.nvml.session import NvmlSession, describe_error
 from gpud.processes.monitor import ProcessMonitor
 
@@ -64,6 +64,7 @@ class DynamicMig(Component):
         self._operations = operations
         self._processes = processes  # names the processes a refusal lists
         self._files_current = files_current  # the CDI spec brought up to date before an answer
+        self._instances = DynamicInstances(session, records)
         self._mode = DynamicMode(session, resetter, allow_reset=allow_reset, restore=instances.restore_after_reset)
         self._problems: list[str] = []  # what start-up convergence left as it found it
         self.converged = False  # start-up convergence is over: until then claims wait (503)
@@ -105,7 +106,8 @@ class DynamicMig(Component):
             if sorted(r.key for r in held) != sorted(w.key for w in wanted):
                 raise GpudError(ErrorKind.CONFLICT, "dynamic-claim-differs",
                                 f"DRA claim {claim} already holds other dynamic MIG devices "
-                                f"({_keys(r.key for r in held)}); unprepare it first", held=[r.document() for r in held])
+                                f"({_keys(r.key for r in held)}); unprepare it first",
+                                held=[r.document() for r in held])
             if all(r.state == RecordState.PRESENT for r in held):
                 return claim_answer(claim, wanted, held, self.inventory.current)
         self._operations.claim(Operation.DYNAMIC_MIG, claim=claim)
@@ -116,7 +118,7 @@ class DynamicMig(Component):
             else:
                 await self._make(claim, wanted, inventory)
             inventory = await self._refreshed(f"dynamic MIG devices of claim {claim} made")
-            self._note_uuids(inventory)
+            self._instances.note_uuids(inventory)
         finally:
             self._operations.release()
         held = self.records.of_claim(claim)
@@ -143,13 +145,14 @@ class DynamicMig(Component):
                                 "; ".join(f"MIG device {ci.uuid} of DRA claim {claim} on GPU {gpu.index} runs "
                                           f"{pids_line(ci.pids, names)}" for _, gpu, ci in busy)
                                 + ": nothing was destroyed; try again once they ended",
-                                busy=[{"uuid": ci.uuid, "gpu": gpu.index, "pids": list(ci.pids)} for _, gpu, ci in busy])
+                                busy=[{"uuid": ci.uuid, "gpu": gpu.index, "pids": list(ci.pids)}
+                                      for _, gpu, ci in busy])
             destroyed = []
             for record in held:
-                uuid = await self._destroy(inventory, record)
+                uuid = await self._instances.destroy(inventory, record)
                 destroyed.append(uuid or record.uuid)
             await self._modes_off(await self._refreshed("dynamic MIG devices destroyed"), {r.gpu_uuid for r in held})
-            self._note_uuids(await self._refreshed(f"dynamic MIG devices of claim {claim} destroyed"))
+            self._instances.note_uuids(await self._refreshed(f"dynamic MIG devices of claim {claim} destroyed"))
         finally:
             self._operations.release()
         self._files_current(f"dynamic MIG devices of claim {claim} destroyed")
@@ -157,7 +160,7 @@ class DynamicMig(Component):
         return {"claim": claim, "destroyed": [uuid for uuid in destroyed if uuid]}
 
     async def _make(self, claim: str, wanted: tuple[WantedDevice, ...], inventory: Inventory) -> None:
-        planned = self._checked(claim, wanted, inventory)
+        planned = planned_devices(wanted, inventory, self.gpus, self.records.records)
         await self._mode.refuse_busy(sorted({gpu.uuid: gpu for gpu, _, _ in planned}.values(), key=lambda g: g.index),
                                      process_names(self._processes))
         records = [DynamicRecord(claim, gpu.uuid, profile.id, placement, profile.name, RecordState.CREATING)
@@ -171,10 +174,11 @@ class DynamicMig(Component):
                     if gpu.mig.mode != "enabled":
                         switched_on.add(gpu.uuid)
                     in_mode[gpu.uuid] = await self._mode.enable(gpu, self.inventory)
-                gi_id, ci_id = await self._create(in_mode[gpu.uuid], profile, record.placement)
+                gi_id, ci_id = await self._instances.create(in_mode[gpu.uuid], profile, record.placement)
                 self.records.put(record.made(gi_id, ci_id, None))
             log.info("dynamic_mig_claim_prepared", claim=claim,
-                     devices=[f"GPU {gpu.index} {profile.name} at {placement.start}" for gpu, profile, placement in planned])
+                     devices=[f"GPU {gpu.index} {profile.name} at {placement.start}"
+                              for gpu, profile, placement in planned])
         except Exception as exc:
             await self._undo(claim, records, switched_on)
             if isinstance(exc, GpudError):
@@ -183,89 +187,12 @@ class DynamicMig(Component):
                             f"making the MIG devices of DRA claim {claim} failed: {describe_error(exc)}; what this "
                             "request made was undone") from None
 
-    def _checked(self, claim: str, wanted: tuple[WantedDevice, ...],
-                 inventory: Inventory) -> list[tuple[Gpu, GiProfile, Placement]]:
-        """Each wanted device's GPU, profile and placement, or the refusal that leaves everything as it is."""
-        planned: list[tuple[Gpu, GiProfile, Placement]] = []
-        for device in wanted:
-            gpu = _gpu(inventory, device.gpu)
-            if gpu is None:
-                raise GpudError(ErrorKind.NOT_FOUND, "gpu-not-found", f"no GPU {device.gpu} on this node")
-            where = f"GPU {gpu.index} ({gpu.uuid})"
-            if not self.gpus.selects(gpu):
-                raise GpudError(ErrorKind.CONFLICT, "gpu-not-dynamic",
-                                f"{where} is not a dynamic MIG GPU ({SETTING} does not select it): its MIG "
-                                "layout is static, changed only by a layout (PUT /v1/mig); nothing was changed")
-            if gpu.lost:
-                raise GpudError(ErrorKind.CONFLICT, "gpu-lost", f"{where} is lost; it cannot be changed")
-            capabilities = gpu.mig.capabilities
-            if capabilities is None:
-                raise GpudError(ErrorKind.CONFLICT, "mig-table-unknown",
-                                f"{where} has no MIG profile table gpud knows" if gpu.mig.capable else
-                                f"{where} is not MIG-capable")
-            profile = capabilities.gi_profile_by_id(device.gi_profile_id)
-            placement = next((p for p in profile.placements if p.start == device.placement_start), None) \
-                if profile else None
-            if profile is None or placement is None:
-                offered = "; ".join(f"{p.id} ({p.name}): starts {', '.join(str(x.start) for x in p.placements)}"
-                                    for p in capabilities.gi_profiles)
-                what = f"no GPU-instance profile {device.gi_profile_id}" if profile is None else \
-                    f"profile {profile.id} ({profile.name}) at no placement starting at {device.placement_start}"
-                raise GpudError(ErrorKind.REFUSED, "bad-placement", f"{where} offers {what}; it offers {offered}",
-                                valid_starts=[p.start for p in profile.placements] if profile else None)
-            taken = [(f"DRA claim {r.claim}" if (r := self._record_at(gpu.uuid, gi.profile_id, gi.placement))
-                      else "an instance gpud did not make", gi.placement)
-                     for gi in (gpu.mig.instances if gpu.mig.mode == "enabled" else ())]
-            taken += [(f"device {n} of this request", p) for n, (g, _, p) in enumerate(planned, 1) if g.uuid == gpu.uuid]
-            for owner, other in taken:
-                if overlaps(placement, other):
-                    raise GpudError(ErrorKind.CONFLICT, "placement-taken",
-                                    f"{where}: {profile.name} at memory slices {placement.start}-"
-                                    f"{placement.start + placement.size - 1} overlaps {owner} (slices {other.start}-"
-                                    f"{other.start + other.size - 1}); nothing was changed")
-            planned.append((gpu, profile, placement))
-        return planned
-
-    def _record_at(self, gpu_uuid: str, profile_id: int, placement: Placement) -> DynamicRecord | None:
-        return next((r for r in self.records.records if (r.gpu_uuid, r.gi_profile_id, r.placement) ==
-                     (gpu_uuid, profile_id, placement)), None)
-
-    async def _create(self, gpu: Gpu, profile: GiProfile, placement: Placement) -> tuple[int, int]:
-        """The GPU instance at exactly that placement and its whole-GI compute instance; a GI whose CI
-        is refused is destroyed again."""
-        gi_id = await self.session.call(nvml_mig.create_gpu_instance, gpu.index, profile.id, placement)
-        return gi_id, await self._whole_ci(gpu, profile, gi_id, undo_gi=True)
-
-    async def _whole_ci(self, gpu: Gpu, profile: GiProfile, gi_id: int, *, undo_gi: bool) -> int:
-        whole = profile.whole_ci
-        try:
-            return await self.session.call(nvml_mig.create_compute_instance, gpu.index, gi_id, whole.constant, 0,
-                                           whole.slices)
-        except Exception:
-            if undo_gi:
-                await self.session.call(nvml_mig.destroy_gpu_instance, gpu.index, gi_id)
-            raise
-
-    async def _destroy(self, inventory: Inventory, record: DynamicRecord) -> str | None:
-        """Destroys the record's instance (recorded as destroying first) and drops the record; its MIG UUID."""
-        self.records.put(replace(record, state=RecordState.DESTROYING))
-        gpu = _gpu(inventory, record.gpu_uuid)
-        gi = find_instance(gpu, record) if gpu is not None else None
-        uuid = None
-        if gi is not None:
-            uuid = next((ci.uuid for ci in gi.compute_instances if ci.uuid), None)
-            for ci in gi.compute_instances:
-                await self.session.call(nvml_mig.destroy_compute_instance, gpu.index, gi.gi_id, ci.ci_id)
-            await self.session.call(nvml_mig.destroy_gpu_instance, gpu.index, gi.gi_id)
-        self.records.drop(record)
-        return uuid
-
     async def _undo(self, claim: str, records: list[DynamicRecord], switched_on: set[str]) -> None:
         """Takes back what a failed prepare made: its instances, its records, the MIG mode it switched on."""
         try:
             inventory = await self._refreshed(f"dynamic MIG devices of claim {claim} failed")
             for record in records:
-                await self._destroy(inventory, record)
+                await self._instances.destroy(inventory, record)
             await self._modes_off(await self._refreshed("dynamic MIG failure undone"), switched_on)
             log.warning("dynamic_mig_claim_undone", claim=claim, devices=len(records))
         except Exception as exc:  # the records stay: start-up convergence finishes the undo or the make
@@ -299,7 +226,7 @@ class DynamicMig(Component):
         try:
             inventory = await self._refreshed("dynamic MIG convergence")
             await self._converge_gpus(inventory, dynamic)
-            self._note_uuids(await self._refreshed("dynamic MIG converged"))
+            self._instances.note_uuids(await self._refreshed("dynamic MIG converged"))
         finally:
             self._operations.release()
         self._files_current("dynamic MIG converged")
@@ -315,14 +242,15 @@ class DynamicMig(Component):
                     self._problems.append(f"dynamic MIG device of DRA claim {record.claim} on GPU {gpu.index} "
                                           f"({record.profile} at {record.placement.start}) could not be converged: "
                                           f"{describe_error(exc)}")
-                    log.error("dynamic_mig_converge_failed", claim=record.claim, gpu=gpu.index, error=describe_error(exc))
+                    log.error("dynamic_mig_converge_failed", claim=record.claim, gpu=gpu.index,
+                              error=describe_error(exc))
             await self._unrecorded(_gpu(await self._refreshed("dynamic MIG records converged"), gpu.uuid))
 
     async def _converge_record(self, record: DynamicRecord) -> None:
         inventory = await self._refreshed(f"dynamic MIG device of claim {record.claim}")
         gpu = _gpu(inventory, record.gpu_uuid)
         if record.state == RecordState.DESTROYING:
-            await self._destroy(inventory, record)
+            await self._instances.destroy(inventory, record)
             log.warning("dynamic_mig_destroy_finished", claim=record.claim, gpu=gpu.index, profile=record.profile)
             await self._modes_off(await self._refreshed("dynamic MIG destroy finished"), {gpu.uuid})
             return
@@ -330,13 +258,13 @@ class DynamicMig(Component):
         gi = find_instance(gpu, record)
         if gi is not None:
             ci_id = gi.compute_instances[0].ci_id if gi.compute_instances else \
-                await self._whole_ci(gpu, profile, gi.gi_id, undo_gi=False)
+                await self._instances.whole_ci(gpu, profile, gi.gi_id, undo_gi=False)
             self.records.put(record.made(gi.gi_id, ci_id, record.uuid))
             if record.state == RecordState.CREATING:
                 log.warning("dynamic_mig_instance_adopted", claim=record.claim, gpu=gpu.index, gi_id=gi.gi_id)
             return
         gpu = await self._mode.enable(gpu, self.inventory)
-        gi_id, ci_id = await self._create(gpu, profile, record.placement)
+        gi_id, ci_id = await self._instances.create(gpu, profile, record.placement)
         self.records.put(record.made(gi_id, ci_id, None))
         if record.state == RecordState.PRESENT:  # a GPU reset destroyed it: the claim's device has a new UUID
             log.warning("dynamic_mig_instance_recreated", claim=record.claim, gpu=gpu.index, profile=record.profile,
@@ -346,32 +274,13 @@ class DynamicMig(Component):
             log.info("dynamic_mig_create_finished", claim=record.claim, gpu=gpu.index, profile=record.profile)
 
     async def _unrecorded(self, gpu: Gpu | None) -> None:
-        """Instances on a dynamic GPU no record names: destroyed when idle, kept and reported when not."""
-        if gpu is None or gpu.mig.mode != "enabled":
-            return
-        for gi in gpu.mig.instances:
-            if any(find_instance(gpu, r) == gi for r in self.records.records if r.gpu_uuid == gpu.uuid):
-                continue
-            pids = sorted({pid for ci in gi.compute_instances for pid in ci.pids})
-            if pids:
-                self._problems.append(f"GPU {gpu.index} ({gpu.uuid}) is a dynamic MIG GPU, yet holds a GPU instance "
-                                      f"no DRA claim made (GI {gi.gi_id}, memory slices {gi.placement.start}-"
-                                      f"{gi.placement.start + gi.placement.size - 1}) running "
-                                      f"{pids_line(pids, process_names(self._processes))}: kept")
-                continue
-            for ci in gi.compute_instances:
-                await self.session.call(nvml_mig.destroy_compute_instance, gpu.index, gi.gi_id, ci.ci_id)
-            await self.session.call(nvml_mig.destroy_gpu_instance, gpu.index, gi.gi_id)
-            log.warning("dynamic_mig_unrecorded_instance_destroyed", gpu=gpu.index, gi_id=gi.gi_id,
-                        profile_id=gi.profile_id, start=gi.placement.start,
-                        why="only DRA claims make instances on a dynamic MIG GPU")
-        await self._modes_off(await self._refreshed("dynamic MIG unrecorded instances"), {gpu.uuid})
+        if gpu is not None:
+            self._problems += await self._instances.destroy_unrecorded(gpu, process_names(self._processes))
+            await self._modes_off(await self._refreshed("dynamic MIG unrecorded instances"), {gpu.uuid})
 
     # -- helpers -----------------------------------------------------------------------------------
-
     def _refuse_until_converged(self) -> None:
-        """Records of an earlier boot, or a crash's half-made devices, are settled first: a claim answered from
-        them would be wrong."""
+        """A crash's half-made devices are settled first: a claim answered from their records would be wrong."""
         if not self.converged:
             raise GpudError(ErrorKind.UNAVAILABLE, "starting",
                             "gpud is starting: its dynamic MIG devices are not converged yet; try again shortly")
@@ -381,19 +290,6 @@ class DynamicMig(Component):
         if inventory is None:
             raise nvml_unavailable(self.session.error or "no inventory yet")
         return inventory
-
-    def _note_uuids(self, inventory: Inventory) -> None:
-        """Present records take their MIG UUIDs (and ids) from the GPU as read now."""
-        changed = []
-        for record in self.records.records:
-            gpu = _gpu(inventory, record.gpu_uuid)
-            gi = find_instance(gpu, record) if gpu is not None and record.state == RecordState.PRESENT else None
-            if gi is not None and gi.compute_instances:
-                ci = gi.compute_instances[0]
-                if (record.gi_id, record.ci_id, record.uuid) != (gi.gi_id, ci.ci_id, ci.uuid):
-                    changed.append(record.made(gi.gi_id, ci.ci_id, ci.uuid))
-        if changed:
-            self.records.put(*changed)
 
 
 def _gpu(inventory: Inventory, uuid: str) -> Gpu | None:

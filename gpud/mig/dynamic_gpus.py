@@ -20,3 +20,10 @@ class DynamicGpus:
 
     def uuids(self, inventory: Inventory | None) -> frozenset[str]:
         return frozenset(gpu.uuid for gpu in inventory.gpus if self.selects(gpu)) if inventory else frozenset()
+
+    def covered_by_layout(self, inventory: Inventory | None, layout_gpus: dict | None, layout: str | None) -> list[str]:
+        """Problems: a persisted layout covers GPUs now dynamic (the layout leaves them alone from now on)."""
+        return [f"MIG layout '{layout}' covers GPU {gpu.index} ({gpu.uuid}), now a dynamic MIG GPU ({SETTING}): "
+                "the layout leaves it alone; only DRA claims change it"
+                for gpu in (inventory.gpus if inventory else ())
+                if gpu.uuid in (layout_gpus or {}) and self.selects(gpu)]

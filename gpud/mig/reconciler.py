@@ -25,7 +25,7 @@ from gpud.gpu_reset import GpuHook, GpuResetter
 from gpud.inventory import InventoryService
 from gpud.mig.apply import ApplyRun, MigApplier
 from gpud.mig.desired import Desired, DesiredStore, GpuDesired
-from gpud.mig.dynamic_gpus import SETTING, DynamicGpus
+from gpud.mig.dynamic_gpus import DynamicGpus
 from gpud.mig.history import ApplyHistory
 from gpud.mig.hooks import MigHooks
 from gpud.mig.instances import MigInstances
@@ -81,14 +81,7 @@ class MigReconciler(Component):
 
     def problems(self) -> list[str]:
         return ([self.problem] if self.problem else []) + [file.message() for file in self.corrupt_files] + \
-            self._dynamic_in_layout()
-
-    def _dynamic_in_layout(self) -> list[str]:
-        inventory = self.inventory.current
-        covered = [gpu for gpu in inventory.gpus if gpu.uuid in (self._desired.chosen.gpus or {})
-                   and self.dynamic.selects(gpu)] if inventory else []
-        return [f"MIG layout '{self.status.layout}' covers GPU {gpu.index} ({gpu.uuid}), now a dynamic MIG GPU "
-                f"({SETTING}): the layout leaves it alone; only DRA claims change it" for gpu in covered]
+            self.dynamic.covered_by_layout(self.inventory.current, self._desired.chosen.gpus, self.status.layout)
 
     @property
     def corrupt_files(self) -> list[CorruptFile]:
