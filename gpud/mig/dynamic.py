@@ -88,15 +88,15 @@ class DynamicMig(Component):
         return dynamic_view(self.inventory.current, self.gpus, self.records.records)
 
     def collect(self) -> Iterator[Family]:
-        family = Family("gpud_mig_dynamic_instances", "MIG devices DRA claims hold, per dynamic MIG GPU.", "gauge")
         inventory = self.inventory.current
-        for gpu in inventory.gpus if inventory else ():
-            if self.gpus.selects(gpu):
-                family.add({"gpu": str(gpu.index), "UUID": gpu.uuid, "hostname": HOSTNAME},
-                           sum(r.gpu_uuid == gpu.uuid for r in self.records.records))
+        dynamic = [gpu for gpu in inventory.gpus if self.gpus.selects(gpu)] if inventory else []
+        if not dynamic:  # no series where no GPU is dynamic
+            return
+        family = Family("gpud_mig_dynamic_instances", "MIG devices DRA claims hold, per dynamic MIG GPU.", "gauge")
+        for gpu in dynamic:
+            family.add({"gpu": str(gpu.index), "UUID": gpu.uuid, "hostname": HOSTNAME},
+                       sum(r.gpu_uuid == gpu.uuid for r in self.records.records))
         yield family
-
-    # -- a claim's devices -------------------------------------------------------------------------
 
     async def prepare(self, claim: str, wanted: tuple[WantedDevice, ...]) -> dict:
         """Makes the claim's MIG devices; the same again answers what was made, changing nothing."""
@@ -278,7 +278,6 @@ class DynamicMig(Component):
             self._problems += await self._instances.destroy_unrecorded(gpu, process_names(self._processes))
             await self._modes_off(await self._refreshed("dynamic MIG unrecorded instances"), {gpu.uuid})
 
-    # -- helpers -----------------------------------------------------------------------------------
     def _refuse_until_converged(self) -> None:
         """A crash's half-made devices are settled first: a claim answered from their records would be wrong."""
         if not self.converged:
