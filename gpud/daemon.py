@@ -12,6 +12,7 @@ from typing import Callable
 
 from gpud import __version__
 from gpud.api.cdi import CdiRoutes
+from gpud.api.dynamic_mig import DynamicMigRoutes
 from gpud.api.check import CheckRoutes
 from gpud.api.claims import ClaimRoutes
 from gpud.api.gpus import GpuRoutes
@@ -45,6 +46,9 @@ from gpud.health.catalog import load_catalog
 from gpud.health.service import HealthService, HostPaths
 from gpud.inventory import InventoryService
 from gpud.mig.desired import DesiredStore
+from gpud.mig.dynamic import DynamicMig
+from gpud.mig.dynamic_gpus import DynamicGpus
+from gpud.mig.dynamic_records import DynamicRecords
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
@@ -99,8 +103,8 @@ class Daemon:
         self.lifecycle = Lifecycle([
             SocketClaim(self._listener), StateDirectory(config.state_path), self.session, self.bus, self.inventory,
             *self._simulated_host_files(config), self.claims, self.health, self.processes, self.mig,
-            self.sharing_control, self.mps, self.gpu_memory, self.latency, self.nfd, self.cdi, self.slurm_gres,
-            self.metrics_listener, ApiServing(self._listener, self.api, self.latency, config.api),
+            self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency, self.nfd, self.cdi,
+            self.slurm_gres, self.metrics_listener, ApiServing(self._listener, self.api, self.latency, config.api),
             SystemdStatus(self.notifier, self._ready, self.status_line)], self._gpus_ready)
 
     def _sharing_and_mps(self, config: Config) -> None:
@@ -142,8 +146,9 @@ class Daemon:
                                     health_reasons=self.health.reasons_by_device, on_gpu_reset=self.health.gpu_was_reset,
                                     restore=mig_instances.restore_after_reset)
         self.health.use_resetter(self.resetter.reset_gpu)
+        dynamic_gpus = DynamicGpus(config.dra.dynamic_mig_gpus)
         self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
-                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset,
+                                 self.node_operations, allow_reset=config.mig.allow_gpu_reset, dynamic=dynamic_gpus,
                                  pre_apply=hooks.pre_apply, post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
                                  around_gpu_change=around_gpu_change, notify=self.bus.publish,
                                  default_layout=config.mig.default_layout,
@@ -154,6 +159,12 @@ class Daemon:
         proc = Path(config.host.procfs) if config.host.procfs else PROC  # the host's, unless set: as cgroupfs
         self.processes = ProcessMonitor(self.session, self.inventory, health.check_interval_s, proc=proc,
                                         cgroupfs=cgroupfs)
+        self.dynamic_mig = DynamicMig(self.session, self.inventory,
+                                      DynamicRecords(config.state_path / "mig-dynamic.json",
+                                                     partial(boot_id, config.procfs_path)),
+                                      mig_instances, self.resetter, self.node_operations, dynamic_gpus,
+                                      allow_reset=config.mig.allow_gpu_reset, processes=self.processes,
+                                      files_current=self._files_current)
 
     def _outputs(self, config: Config) -> None:
         """What gpud keeps written for others (NFD's features, the CDI spec, gres.conf) and /metrics."""
@@ -192,6 +203,7 @@ class Daemon:
             SharingRoutes(self.sharing, self.sharing_control.choose, body_timeout_s).register,
             AllocationRoutes(self.gpu_memory, body_timeout_s).register,
             ClaimRoutes(self.claims, body_timeout_s).register,
+            DynamicMigRoutes(self.dynamic_mig, body_timeout_s).register,
             KubernetesRoutes(self._kubernetes_config, self.kubernetes_agent, body_timeout_s).register,
             NfdRoutes(self.nfd).register,
             CdiRoutes(self.cdi if isinstance(self.cdi, CdiWriter) else None).register,
@@ -246,6 +258,12 @@ class Daemon:
     def _metrics_changes(self) -> tuple:
         """What makes a cached /metrics render stale before its max age."""
         return self.bus.sequence, self.health.readings, self.processes.current
+
+    def _files_current(self, reason: str) -> None:
+        """The CDI spec rebuilt now, not after its debounce: the DRA plugin reads it as soon as a dynamic
+        MIG device is made."""
+        if isinstance(self.cdi, CdiWriter):
+            self.cdi.refresh(reason)
 
     def _kubernetes_config(self):
         return self.config.kubernetes

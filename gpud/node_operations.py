@@ -19,6 +19,7 @@ class Operation(Named):
     APPLY = "apply"  # a MIG layout chosen through the API or mig.default_layout
     RECONCILE = "reconcile"  # the persisted MIG layout converged on at start
     RESET = "reset"  # a GPU reset asked through the API or by health.auto_reset
+    DYNAMIC_MIG = "dynamic-mig"  # a DRA claim's MIG devices made or destroyed (gpud.mig.dynamic)
 
 
 class OperationInProgress(GpudError):
@@ -39,12 +40,19 @@ class NodeOperations:
         """Holds the node for operation, or raises OperationInProgress (409) naming the one that runs."""
         if self.running is not None:
             running = self.running
-            what = (f"a reset of GPUs {', '.join(map(str, running['gpus']))}" if running["operation"] == "reset"
-                    else f"a MIG apply of '{running['layout']}'")
             raise OperationInProgress(ErrorKind.CONFLICT, "apply-in-progress",
-                                      f"{what} is in progress; nothing was changed, try "
+                                      f"{_describe(running)} is in progress; nothing was changed, try "
                                       "again once it is done", running=running)
         self.running = {"operation": operation.value, **details, "started_at": time.time()}
 
     def release(self) -> None:
         self.running = None
+
+
+def _describe(running: dict) -> str:
+    if running["operation"] == Operation.RESET.value:
+        return f"a reset of GPUs {', '.join(map(str, running['gpus']))}"
+    if running["operation"] == Operation.DYNAMIC_MIG.value:
+        claim = running.get("claim")
+        return f"a dynamic MIG change for DRA claim {claim}" if claim else "dynamic MIG convergence at start"
+    return f"a MIG apply of '{running['layout']}'"

@@ -88,7 +88,7 @@ class MigRoutes:
         layout, origin = await self._requested_layout(body["layout"], body.get("config"))
         force = bool(body.get("force"))
         if body.get("dry_run"):
-            _desired, plans = plan_layout(layout, self._inventory(), force)
+            _desired, plans = plan_layout(layout, self._inventory(), force, self.reconciler.dynamic)
             return json_response({"layout": layout.name, "dry_run": True, "needs_root": root_needed(plans),
                                   "plan": plan_view(plans)})
         plans, applying = await self.reconciler.apply(layout, force=force, origin=origin)

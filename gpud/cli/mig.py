@@ -39,16 +39,25 @@ def add_mig(commands: Any) -> None:
 
 def _mig_status(args: argparse.Namespace, client: Client) -> int:
     view = client.get("/v1/mig")
+    # dynamic MIG GPUs (dra.dynamic_mig_gpus): layouts leave them out, DRA claims make their MIG devices
+    dynamic = client.get("/v1/mig/dynamic") if any(gpu.get("dynamic") for gpu in view["gpus"]) else None
     if args.json:
-        print_json(view)
+        print_json({**view, "dynamic_mig": dynamic} if dynamic else view)
         return EXIT_OK if view["in_sync"] else EXIT_PROBLEM
     print(f"layout: {view['layout'] or '(none)'}  state: {view['state']}  in sync: "
           f"{'yes' if view['in_sync'] else 'no'}" + (f"\nerror: {view['error']}" if view["error"] else ""))
     rows = [("GPU", "IN SYNC", "STATE", "DESIRED", "ACTUAL")]
     for gpu in view["gpus"]:
         rows.append((str(gpu["index"]), "yes" if gpu["in_sync"] else "no", gpu["state"] or "-",
-                     devices_text(gpu["desired"]), devices_text(gpu["actual"])))
+                     "dynamic (DRA claims)" if gpu.get("dynamic") else devices_text(gpu["desired"]),
+                     devices_text(gpu["actual"])))
     print(table(rows))
+    if dynamic:
+        print("\ndynamic MIG devices of DRA claims:" if dynamic["instances"] else "\nno dynamic MIG device is held")
+        if dynamic["instances"]:
+            print(table([("GPU", "PROFILE", "SLICES", "STATE", "MIG UUID", "CLAIM")] + [
+                (str(i["gpu_index"]), i["profile"], f"{i['placement']['start']}+{i['placement']['size']}",
+                 i["state"], i["uuid"] or "-", i["claim"]) for i in dynamic["instances"]]))
     return EXIT_OK if view["in_sync"] else EXIT_PROBLEM
 
 

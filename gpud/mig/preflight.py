@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.logs import get_logger
 from gpud.gpu_reset import GpuResetter, ResetBlocked
 from gpud.mig.desired import GpuDesired
-from gpud.mig.layouts import Layout, LayoutError
+from gpud.mig.dynamic_gpus import SETTING, DynamicGpus
+from gpud.mig.layouts import Layout, LayoutError, NodeGpu
 from gpud.mig.planner import plan_gpu
 from gpud.mig.sync import (changes_mode, doomed_compute_instances, in_sync, mig_state_of, mode_change_needs_reset,
                            node_gpus, resolve_layout)
@@ -18,15 +20,19 @@ from gpud.model.mig import GpuPlan, PlanError
 from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession
 
+log = get_logger("mig")
+
 
 class ApplyRefused(GpudError):
     """An apply gpud will not start: nothing was touched."""
 
 
-def plan_layout(layout: Layout, inventory: Inventory, force: bool = False) -> tuple[dict, dict[str, GpuPlan]]:
-    """desired per GPU and plans per GPU whose instances change. Raises ApplyRefused if it cannot apply."""
+def plan_layout(layout: Layout, inventory: Inventory, force: bool = False,
+                dynamic: DynamicGpus = DynamicGpus()) -> tuple[dict, dict[str, GpuPlan]]:
+    """desired per GPU and plans per GPU whose instances change; dynamic MIG GPUs left out. Raises
+    ApplyRefused if it cannot apply."""
     try:
-        desired = resolve_layout(layout, inventory)
+        desired = _without_dynamic_gpus(layout, inventory, resolve_layout(layout, inventory), dynamic)
     except LayoutError as exc:
         raise ApplyRefused(ErrorKind.REFUSED, "layout-invalid", str(exc)) from None
     if not desired:  # applying it would change nothing, yet say it succeeded: surely not what was meant
@@ -51,6 +57,29 @@ def plan_layout(layout: Layout, inventory: Inventory, force: bool = False) -> tu
     if not force:
         _refuse_busy_instances(inventory, desired, plans)
     return desired, plans
+
+
+def _without_dynamic_gpus(layout: Layout, inventory: Inventory, desired: dict[str, GpuDesired],
+                          dynamic: DynamicGpus) -> dict[str, GpuDesired]:
+    """Only DRA claims change a dynamic MIG GPU's instances: a layout naming one by index is refused, one
+    for all GPUs leaves them out (said in the log, and in /v1/mig's view of each GPU)."""
+    chosen = [gpu for gpu in inventory.gpus if gpu.uuid in desired and dynamic.selects(gpu)]
+    for gpu in chosen:
+        node_gpu = NodeGpu(gpu.index, gpu.pci_device_id, gpu.mig.capable)
+        if any(entry.devices is not None and entry.selects(node_gpu) for entry in layout.entries):
+            raise ApplyRefused(ErrorKind.CONFLICT, "gpu-is-dynamic",
+                               f"layout '{layout.name}' names GPU {gpu.index} ({gpu.uuid}), a dynamic MIG GPU "
+                               f"({SETTING}): only DRA claims change its MIG devices; nothing was changed",
+                               gpu=gpu.index)
+    if chosen:
+        left_out = [gpu.index for gpu in chosen]
+        if len(chosen) == len(desired):
+            raise ApplyRefused(ErrorKind.CONFLICT, "gpu-is-dynamic",
+                               f"layout '{layout.name}' selects only dynamic MIG GPUs ({SETTING}: GPUs "
+                               f"{', '.join(map(str, left_out))}): only DRA claims change their MIG devices; "
+                               "nothing was changed", gpus=left_out)
+        log.info("mig_layout_leaves_out_dynamic_gpus", layout=layout.name, gpus=left_out, setting=SETTING)
+    return {uuid: wanted for uuid, wanted in desired.items() if uuid not in {gpu.uuid for gpu in chosen}}
 
 
 def _refuse_busy_instances(inventory: Inventory, desired: dict, plans: dict) -> None:

@@ -25,6 +25,7 @@ from gpud.gpu_reset import GpuHook, GpuResetter
 from gpud.inventory import InventoryService
 from gpud.mig.apply import ApplyRun, MigApplier
 from gpud.mig.desired import Desired, DesiredStore, GpuDesired
+from gpud.mig.dynamic_gpus import DynamicGpus
 from gpud.mig.history import ApplyHistory
 from gpud.mig.hooks import MigHooks
 from gpud.mig.instances import MigInstances
@@ -49,7 +50,8 @@ class MigReconciler(Component):
                  allow_reset: bool = True, pre_apply: tuple[str, ...] = (), post_apply: tuple[str, ...] = (),
                  hook_timeout_s: float = 300.0, around_gpu_change: tuple[GpuHook, GpuHook] | None = None,
                  notify: Callable[[str, dict], object] = lambda kind, data: None,
-                 default_layout: str | None = None, layouts: LayoutsFile | None = None):
+                 default_layout: str | None = None, layouts: LayoutsFile | None = None,
+                 dynamic: DynamicGpus = DynamicGpus()):
         self.session = session
         self.inventory = inventory
         self.resetter = resetter
@@ -65,6 +67,7 @@ class MigReconciler(Component):
         self._history = ApplyHistory(desired.path.with_name("mig-history.json"))
         self._task: asyncio.Task | None = None
         self.default_layout, self.layouts = default_layout, layouts  # mig.default_layout, mig.layouts_file
+        self.dynamic = dynamic  # GPUs only DRA claims change (dra.dynamic_mig_gpus): layouts leave them out
 
     async def start(self, tasks: Tasks) -> None:
         """The desired layout and the applies before this start read back: an apply a crash interrupted is
@@ -77,7 +80,8 @@ class MigReconciler(Component):
         await self.converge_at_start(self.default_layout, self.layouts)
 
     def problems(self) -> list[str]:
-        return ([self.problem] if self.problem else []) + [file.message() for file in self.corrupt_files]
+        return ([self.problem] if self.problem else []) + [file.message() for file in self.corrupt_files] + \
+            self.dynamic.covered_by_layout(self.inventory.current, self._desired.chosen.gpus, self.status.layout)
 
     @property
     def corrupt_files(self) -> list[CorruptFile]:
@@ -85,8 +89,9 @@ class MigReconciler(Component):
 
     @property
     def desired(self) -> dict[str, GpuDesired]:
-        """GPU UUID -> what the chosen layout wants of it (GPUs it leaves alone are absent)."""
-        return self._desired.chosen.gpus or {}
+        """GPU UUID -> what the chosen layout wants of it (GPUs it leaves alone, and dynamic MIG GPUs, are absent)."""
+        dynamic = self.dynamic.uuids(self.inventory.current)
+        return {uuid: wanted for uuid, wanted in (self._desired.chosen.gpus or {}).items() if uuid not in dynamic}
 
     @property
     def problem(self) -> str | None:
@@ -106,7 +111,7 @@ class MigReconciler(Component):
             inventory = await self.inventory.refresh("mig apply requested")
             if inventory is None:
                 raise nvml_unavailable(self.session.error or "no inventory yet")
-            desired, plans = plan_layout(layout, inventory, force)
+            desired, plans = plan_layout(layout, inventory, force, self.dynamic)
             if self._allow_reset:  # else the mode change is left pending for the operator: state reset-required
                 await refuse_blocked_reset(self.resetter, layout, inventory, desired, force)
             if not force:
@@ -230,6 +235,7 @@ class MigReconciler(Component):
 
     def view(self, inventory: Inventory | None) -> dict:
         return mig_view(inventory, self.desired, self.status, origin=self._desired.chosen.origin,
+                        dynamic=self.dynamic.uuids(inventory),
                         started=self._started, problem=self.problem, history=self._history.entries)
 
     def collect(self) -> Iterator[Family]:

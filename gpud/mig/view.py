@@ -14,8 +14,10 @@ from gpud.model.inventory import Inventory
 
 
 def mig_view(inventory: Inventory | None, desired: dict[str, GpuDesired], status: ApplyStatus, *,
-             origin: str | None, started: bool, problem: str | None, history: list[dict]) -> dict:
-    """`started`: gpud has converged (or begun converging) the GPUs at start-up; until then the state is pending."""
+             origin: str | None, started: bool, problem: str | None, history: list[dict],
+             dynamic: frozenset[str] = frozenset()) -> dict:
+    """`started`: gpud has converged (or begun converging) the GPUs at start-up; until then the state is pending.
+    `dynamic`: the dynamic MIG GPUs (dra.dynamic_mig_gpus), which layouts leave to DRA claims."""
     gpus = []
     for gpu in inventory.gpus if inventory else ():
         wanted = desired.get(gpu.uuid)
@@ -24,7 +26,7 @@ def mig_view(inventory: Inventory | None, desired: dict[str, GpuDesired], status
                      "desired": wanted.as_dict() if wanted else None, "actual": actual_of(gpu),
                      "in_sync": wanted is None or in_sync(gpu, wanted),
                      "state": progress.state.value if progress else None,
-                     "error": progress.error if progress else None})
+                     "error": progress.error if progress else None, "dynamic": gpu.uuid in dynamic})
     all_in_sync = bool(gpus) and all(g["in_sync"] for g in gpus)
     state = status.state
     if (state == ApplyState.SUCCESS and not all_in_sync and desired) or not started:

@@ -42,10 +42,22 @@ class GiProfile:
     # "nvml": read through a GPU instance of this profile; "derived": gpud's rule (capabilities.py),
     # until a GPU instance of the profile exists to ask (NVML tells CI profiles only through one).
     ci_source: str = "derived"
+    # The GPU instance's share of the GPU (nvmlGpuInstanceProfileInfo_t: multiprocessorCount,
+    # copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount): the counters a DRA
+    # partitionable device consumes. 0 where unknown (a table stored before gpud read them, a shipped one).
+    multiprocessors: int = 0
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpeg_engines: int = 0
+    ofa_engines: int = 0
 
     @property
     def whole_ci(self) -> CiProfile:
         return self.ci_profiles[-1]
+
+
+ENGINE_FIELDS = ("multiprocessors", "copy_engines", "decoders", "encoders", "jpeg_engines", "ofa_engines")
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class MigCapabilities:
         return {"memory_slices": self.memory_slices, "gi_profiles": [
             {"id": p.id, "constant": p.constant, "name": p.name, "slices": p.slices, "memory_mib": p.memory_mib,
              "instance_count": p.instance_count, "placements": [[x.start, x.size] for x in p.placements],
-             "ci_source": p.ci_source,
+             "ci_source": p.ci_source, **{name: getattr(p, name) for name in ENGINE_FIELDS},
              "ci_profiles": [{"constant": c.constant, "slices": c.slices, "starts": list(c.starts)}
                              for c in p.ci_profiles]}
             for p in self.gi_profiles]}
@@ -78,7 +90,9 @@ class MigCapabilities:
             placements=tuple(Placement(int(start), int(size)) for start, size in p["placements"]),
             ci_profiles=tuple(CiProfile(int(c["constant"]), int(c["slices"]), tuple(int(s) for s in c["starts"]))
                               for c in p["ci_profiles"]),
-            ci_source=str(p.get("ci_source", "derived")))
+            ci_source=str(p.get("ci_source", "derived")),
+            # absent from tables stored before gpud read them: 0 until NVML answers the table again
+            **{name: int(p.get(name, 0)) for name in ENGINE_FIELDS})
             for p in document["gi_profiles"])
         if not profiles or any(not p.ci_profiles for p in profiles):
             raise ValueError("a MIG table needs GPU-instance profiles, each with compute-instance profiles")

@@ -82,6 +82,8 @@ def read_capabilities(nvml: Any, handle: Any, device_mib: int) -> MigCapabilitie
             slices=info.sliceCount, memory_mib=info.memorySizeMB, instance_count=info.instanceCount,
             placements=_gi_placements(nvml, handle, info.id),
             ci_profiles=derive_ci_profiles(info.sliceCount, ci_constants, _whole_ci_constant(nvml, constant)),
+            multiprocessors=info.multiprocessorCount, copy_engines=info.copyEngineCount, decoders=info.decoderCount,
+            encoders=info.encoderCount, jpeg_engines=info.jpegCount, ofa_engines=info.ofaCount,
         ))
     memory_slices = max((p.start + p.size for g in profiles for p in g.placements), default=0)
     return MigCapabilities(memory_slices=memory_slices, gi_profiles=tuple(profiles))
