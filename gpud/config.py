@@ -239,6 +239,10 @@ class DraConfig:
     shared_gpus: tuple[str | int, ...] = field(default=(), metadata={"or_word": "all"})
     share_memory: ShareMemoryPolicy = ShareMemoryPolicy()
     share_compute: ShareComputePolicy = ShareComputePolicy()
+    # GPUs whose MIG devices Kubernetes DRA claims make and destroy, one per claim, at the placement the
+    # scheduler chose (gpud.mig.dynamic): GPU indices or UUIDs, or `all` (every MIG-capable GPU). MIG
+    # layouts leave these GPUs alone. Empty: every GPU keeps its static MIG layout.
+    dynamic_mig_gpus: tuple[str | int, ...] = field(default=(), metadata={"or_word": "all"})
 
 
 @dataclass(frozen=True)
@@ -371,14 +375,6 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
-class DraConfig:
-    # GPUs whose MIG devices Kubernetes DRA claims make and destroy, one per claim, at the placement the
-    # scheduler chose (gpud.mig.dynamic): GPU indices or UUIDs, or `all` (every MIG-capable GPU). MIG
-    # layouts leave these GPUs alone. Empty: every GPU keeps its static MIG layout.
-    dynamic_mig_gpus: tuple[str | int, ...] = field(default=(), metadata={"or_word": "all"})
-
-
-@dataclass(frozen=True)
 class Config:
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()
@@ -396,7 +392,6 @@ class Config:
     nfd: NfdConfig = NfdConfig()
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
-    dra: DraConfig = DraConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None

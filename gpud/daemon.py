@@ -140,13 +140,13 @@ class Daemon:
         host_tools = host_tools_for(self.session.nvml, self.session.simulated)
         self.node_operations = NodeOperations()  # the one writer of the GPUs: MIG applies and resets take turns
         mig_desired = DesiredStore(config.state_path / "mig-desired.json")
-        mig_instances = MigInstances(self.session, host_tools, mig_desired)
+        dynamic_gpus = DynamicGpus(config.dra.dynamic_mig_gpus)
+        mig_instances = MigInstances(self.session, host_tools, mig_desired, dynamic_gpus)
         self.resetter = GpuResetter(self.session, self.inventory, host_tools, self.node_operations,
                                     own_pids=self.mps.own_pids, around=around_gpu_change,
                                     health_reasons=self.health.reasons_by_device, on_gpu_reset=self.health.gpu_was_reset,
                                     restore=mig_instances.restore_after_reset)
         self.health.use_resetter(self.resetter.reset_gpu)
-        dynamic_gpus = DynamicGpus(config.dra.dynamic_mig_gpus)
         self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
                                  self.node_operations, allow_reset=config.mig.allow_gpu_reset, dynamic=dynamic_gpus,
                                  pre_apply=hooks.pre_apply, post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,

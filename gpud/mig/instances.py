@@ -9,6 +9,7 @@ from collections.abc import Collection
 
 from gpud.base.logs import get_logger
 from gpud.mig.desired import DesiredStore
+from gpud.mig.dynamic_gpus import DynamicGpus
 from gpud.mig.planner import plan_gpu, plan_restore
 from gpud.mig.status import GpuProgress
 from gpud.mig.sync import mig_state_of
@@ -23,10 +24,12 @@ log = get_logger("mig")
 
 
 class MigInstances:
-    def __init__(self, session: NvmlSession, host: HostTools | SimHostTools, desired: DesiredStore):
+    def __init__(self, session: NvmlSession, host: HostTools | SimHostTools, desired: DesiredStore,
+                 dynamic: DynamicGpus = DynamicGpus()):
         self.session = session
         self.host = host  # ends the processes a forced change takes away
         self._desired = desired
+        self._dynamic = dynamic  # their instances are the DRA claims': put back as they were, never a layout's
 
     async def execute(self, gpu: Gpu, plan: GpuPlan, progress: GpuProgress, force: bool) -> None:
         index = gpu.index
@@ -75,7 +78,7 @@ class MigInstances:
             now = next((g for g in after.gpus if g.uuid == before.uuid), None)
             if before.uuid in skip or now is None or now.lost or now.mig.mode != "enabled":
                 continue
-            wanted = (chosen.gpus or {}).get(before.uuid)
+            wanted = None if self._dynamic.selects(now) else (chosen.gpus or {}).get(before.uuid)
             try:
                 if wanted is not None and wanted.mig_enabled:
                     plan = plan_gpu(mig_state_of(now), wanted.devices)
