@@ -16,7 +16,6 @@ from collections.abc import Iterable
 
 from gpud.dra.checkpoint import PreparedClaim
 from gpud.dra.devices import PARTITION, SHARE, DraDevice, whole_quantity
-from gpud.dra.owner import OwnerRefused, quantity_mib
 
 
 class AllocationRefused(Exception):
@@ -37,11 +36,13 @@ def consumed(device: DraDevice, result: dict) -> dict | None:
         return None
     capacity = result.get("consumedCapacity") or {"memory": device.capacity["memory"]["value"], "compute": "100"}
     try:
-        memory = quantity_mib(str(capacity.get("memory", "")))
-        compute = int(str(capacity.get("compute", "100")))
-    except (OwnerRefused, ValueError):
+        memory = whole_quantity(capacity.get("memory", "")) >> 20  # MPS pins memory in whole MiB
+        compute = whole_quantity(capacity.get("compute", "100"))
+    except ValueError:
         raise AllocationRefused(f"device {device.name}: consumed capacity {capacity} is not memory and compute "
                                 "as the slice publishes them") from None
+    if memory < 1:
+        raise AllocationRefused(f"device {device.name}: consumed memory {capacity.get('memory')} is below 1 MiB")
     if not 1 <= compute <= 100:
         raise AllocationRefused(f"device {device.name}: compute {compute} is not a percentage from 1 to 100")
     return {"memory_mib": memory, "compute_percent": compute}
