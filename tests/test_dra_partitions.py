@@ -439,7 +439,7 @@ async def test_a_server_without_the_gates_gets_whole_gpus_and_no_partitions(vers
             await until_async(whole_gpus_only, what="only whole GPUs")
             await asyncio.sleep(0.3)  # fixed time: long enough for a write loop to show, were there one
             before = writes(kube)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # fixed time: a write loop would write again within it
             assert writes(kube) == before and plugin.publisher.problem is None
             assert not any(s["spec"].get("sharedCounters") for s in published(kube))
         finally:
