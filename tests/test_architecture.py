@@ -484,3 +484,17 @@ def test_no_module_imports_a_layer_above_its_own():
                        for a, b in upward - UPWARD_ALLOWED)
     assert described == []
     assert UPWARD_ALLOWED <= upward, "an allowed upward import that is gone: take it off the list"
+
+
+# -- issue 36: dynamic MIG ------------------------------------------------------------------------
+
+
+def test_only_the_layout_engine_and_the_dynamic_engine_make_or_destroy_gpu_instances():
+    """MIG instances change in two places only: a layout's plan (gpud/mig/instances.py) and a DRA claim's
+    dynamic devices (gpud/mig/dynamic_instances.py), each recorded before the change; a third writer would
+    change GPUs neither the desired layout nor mig-dynamic.json knows of."""
+    calls = ("create_gpu_instance", "destroy_gpu_instance", "create_compute_instance", "destroy_compute_instance")
+    writers = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+                     if not path.is_relative_to(PACKAGE / "nvml") and any(
+                         f"nvml_mig.{call}" in path.read_text() for call in calls))
+    assert writers == ["gpud/mig/dynamic_instances.py", "gpud/mig/instances.py"]
