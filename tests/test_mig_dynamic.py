@@ -356,3 +356,22 @@ async def test_a_create_that_fails_half_way_is_undone(short_tmp):
         assert status == 200, body  # the kubelet's retry
     finally:
         await stop_daemon(node)
+
+
+async def test_the_dynamic_instances_gauge_counts_each_dynamic_gpus_devices(short_tmp):
+    config = dynamic_config(short_tmp, "hgx-h100", (0, 1))
+    node = await start_converged(config)
+    try:
+        uuid = await gpu_uuid(node, 0)
+        status, _ = await call(node, "PUT", f"/v1/mig/dynamic/{CLAIM_A}", {"devices": [
+            device(uuid, H100_1G_10GB, 0), device(uuid, H100_1G_10GB, 1)]})
+        assert status == 200
+        async with node.http.get("http://localhost/metrics") as response:
+            metrics = await response.text()
+        values = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("gpud_mig_dynamic_instances{")}
+        by_gpu = {next(p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("gpu=")): value
+                  for labels, value in values.items()}
+        assert by_gpu == {"0": 2.0, "1": 0.0}, metrics
+    finally:
+        await stop_daemon(node)
