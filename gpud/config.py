@@ -13,12 +13,12 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gpud.base.quantity import parse_quantity
 from gpud.base.yamlfile import compose_yaml, read_yaml_text
 from gpud.model.driver import driver_branch
 from gpud.model.names import check_config_name, check_extended_resource_name
@@ -187,23 +187,10 @@ class GpuMemoryConfig:
     proportional_threads: bool = False
 
 
-# A Kubernetes quantity (k8s.io/apimachinery pkg/api/resource quantity.go): a decimal number and a binary
-# (Ki..Ei) or decimal (m, k..E) suffix or a decimal exponent (e3, E6).
-_QUANTITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")
-_QUANTITY_FACTORS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
-                     "m": Fraction(1, 1000), "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15,
-                     "E": 10 ** 18}
-
-
 def memory_quantity_mib(text: str) -> int:
     """A memory quantity such as 10Gi in whole MiB, or ValueError: MPS pins device memory in MiB (NVIDIA's
     dra-driver-nvidia-gpu cmd/gpu-kubelet-plugin/sharing.go, limit.Megabyte), so a share's memory is too."""
-    match = _QUANTITY.fullmatch(text.strip()) if len(text) <= 64 else None
-    if not match:
-        raise ValueError(f"not a Kubernetes quantity such as 512Mi or 10Gi: {text[:80]!r}")
-    suffix = match.group(2)
-    factor = Fraction(10) ** int(suffix[1:]) if suffix and suffix[0] in "eE" else _QUANTITY_FACTORS[suffix]
-    size = Fraction(match.group(1)) * factor
+    size = parse_quantity(text.strip())
     if size <= 0 or size % (1 << 20):
         raise ValueError(f"{text.strip()!r} is not a positive whole number of MiB (1Mi, 512Mi, 10Gi)")
     return int(size) >> 20

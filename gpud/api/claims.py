@@ -39,14 +39,15 @@ class ClaimRoutes:
         body = await read_json_object(request, self._body_timeout_s, {
             "namespace": (str,), "name": (str,), "driver": (str,), "devices": (list,),
             "sharing": (dict, type(None)), "capacity": (dict, type(None))})
-        return json_response(await self.registry.hold(_wanted(_uid(request), body)))
+        return json_response(await self.registry.hold(_wanted(claim_uid(request), body)))
 
     @admin_only
     async def delete(self, request: web.Request) -> web.Response:
-        return json_response(await self.registry.release(_uid(request)))
+        return json_response(await self.registry.release(claim_uid(request)))
 
 
-def _uid(request: web.Request) -> str:
+def claim_uid(request: web.Request) -> str:
+    """The route's {uid}: a Kubernetes UID, or 400."""
     uid = request.match_info["uid"]
     if not UID.fullmatch(uid):
         raise ApiError(ErrorKind.INVALID, "invalid-uid",

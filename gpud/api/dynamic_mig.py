@@ -8,7 +8,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gpud.api.auth import admin_only
-from gpud.api.claims import UID
+from gpud.api.claims import claim_uid
 from gpud.api.errors import ApiError, read_json_object
 from gpud.api.responses import json_response
 from gpud.base.errors import ErrorKind
@@ -34,21 +34,13 @@ class DynamicMigRoutes:
 
     @admin_only
     async def put(self, request: web.Request) -> web.Response:
-        uid = _uid(request)
+        uid = claim_uid(request)
         body = await read_json_object(request, self._body_timeout_s, {"devices": (list,)})
         return json_response(await self.dynamic.prepare(uid, _devices(body["devices"])))
 
     @admin_only
     async def delete(self, request: web.Request) -> web.Response:
-        return json_response(await self.dynamic.unprepare(_uid(request)))
-
-
-def _uid(request: web.Request) -> str:
-    uid = request.match_info["uid"]
-    if not UID.fullmatch(uid):
-        raise ApiError(ErrorKind.INVALID, "invalid-uid",
-                       "a claim UID is a Kubernetes UID (hex digits and dashes, at most 63)")
-    return uid
+        return json_response(await self.dynamic.unprepare(claim_uid(request)))
 
 
 def _devices(devices: list) -> tuple[WantedDevice, ...]:

@@ -7,15 +7,15 @@ its class's, a later one over an earlier one; no requests listed means every req
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from gpud.base.quantity import parse_quantity
 
 API_VERSION = "resource.nvidia.com/v1beta1"
 GPU_CONFIG, MIG_CONFIG = "GpuConfig", "MigDeviceConfig"
 TIME_SLICING, MPS = "TimeSlicing", "MPS"
 INTERVALS = ("Default", "Short", "Medium", "Long")  # sharing.go TimeSliceInterval
-_QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
 
 
 class ConfigError(Exception):
@@ -57,9 +57,17 @@ def _mps(document: Any, where: str) -> dict:
     if not isinstance(mps.get("defaultPerDevicePinnedMemoryLimit") or {}, dict):
         raise ConfigError(f"{where}.defaultPerDevicePinnedMemoryLimit: a map of device to quantity")
     for name, value in limits.items():
-        if value is not None and not (isinstance(value, str) and _QUANTITY.fullmatch(value)):
+        if value is not None and not _is_quantity(value):
             raise ConfigError(f"{where}.{name}: not a quantity: {value!r}")
     return dict(mps)
+
+
+def _is_quantity(value: Any) -> bool:
+    try:
+        parse_quantity(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _sharing(document: Any, where: str, kind: str) -> Sharing:

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpud.base.quantity import whole_quantity
+
 GPU_TYPE, MIG_TYPE = "gpu", "mig"
 # what a device is to Prepare: a whole GPU, a MIG device that exists, a MIG placement made on demand
 # (partitionable), a GPU shared by claims with counted memory and compute
@@ -156,22 +158,6 @@ def binary_quantity(value: int) -> str:
         if value and value % (1 << power) == 0:
             return f"{value >> power}{suffix}"
     return str(value)
-
-
-_QUANTITY = re.compile(r"(\d+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
-_SUFFIXES = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
-             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-
-
-def whole_quantity(value: Any) -> int:
-    """A whole-number Quantity of gpud's answers ("1Mi", "4Gi", "512", 100) as an int; ValueError for
-    anything else (fractions, exponents and signs are not what gpud writes)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError(f"{value!r} is not a whole quantity")
-    return int(match.group(1)) * _SUFFIXES[match.group(2)]
 
 
 def mig_device_name(parent_minor: int, profile: str, gi_profile_id: int, placement_start: int) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.dra.checkpoint import PreparedClaim
-from gpud.dra.devices import PARTITION, SHARE, DraDevice, whole_quantity
+from gpud.base.quantity import whole_quantity
+from gpud.dra.devices import PARTITION, SHARE, DraDevice
 
 
 class AllocationRefused(Exception):

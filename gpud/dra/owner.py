@@ -8,13 +8,13 @@ Blocking calls (gpud's standard-library client): the plugin makes them off its e
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.parse
 from collections.abc import Iterable
 
 import grpc
 
+from gpud.base.quantity import parse_quantity
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 from gpud.device_plugin.api import podresources_pb, podresources_rpc
 from gpud.dra.config import Sharing
@@ -22,9 +22,6 @@ from gpud.dra.config import Sharing
 MPS_START_WAIT_S = 10.0  # a daemon gpud starts for the claim answers within a second or two
 LIST_TIMEOUT_S = 5.0
 CDI_WAIT_S = 5.0  # gpud rewrites its spec as soon as it has read the new MIG device
-_QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
-_FACTORS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
-            "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
 
 
 class OwnerRefused(Exception):
@@ -33,10 +30,10 @@ class OwnerRefused(Exception):
 
 def quantity_mib(text: str) -> int:
     """A memory quantity in whole MiB, as NVIDIA's MPS limits are (sharing.go limit.Megabyte); at least 1."""
-    match = _QUANTITY.fullmatch(text.strip())
-    if not match:
-        raise OwnerRefused(f"{text!r} is not a memory quantity such as 10Gi")
-    mib = int(float(match.group(1)) * _FACTORS[match.group(2)]) >> 20
+    try:
+        mib = int(parse_quantity(text.strip())) >> 20
+    except ValueError:
+        raise OwnerRefused(f"{text!r} is not a memory quantity such as 10Gi") from None
     if mib < 1:
         raise OwnerRefused(f"the memory limit {text} is below 1 MiB")
     return mib
