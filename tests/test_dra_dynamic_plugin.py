@@ -11,12 +11,9 @@ import asyncio
 import json
 
 import pytest
-from helpers import MPS_CONTROL, kill_mps_under, mig_config, need, start_daemon, stop_daemon, until_async
-from kube_api_stand_in import KubeApiStandIn
-from kube_manifests import dra_rbac_rules
-from kubelet_dra_stand_in import DraKubelet
+from helpers import MPS_CONTROL, kill_mps_under, need, until_async
 from structured_allocator import Unschedulable, allocate, allocated_claim, claim_document, store
-from test_dra_plugin import DRIVER, NODE, Node, direct_prepare, refused, registered
+from test_dra_plugin import DRIVER, NODE, Node, direct_prepare, refused, registered, running_node
 
 from gpud.dra.claim_cdi import spec_path
 
@@ -28,27 +25,13 @@ CLASSES = {name: {"metadata": {"name": name}, "spec": {"selectors": [{"cel": {
 
 @pytest.fixture
 async def node(short_tmp):
-    for sub in ("g", "kubelet", "cdi"):
-        (short_tmp / sub).mkdir()
-    gpud = await start_daemon(mig_config(short_tmp, "hgx-h100").with_overrides(**{
-        "mps.log_root": str(short_tmp / "mpslog"), "dra.dynamic_mig_gpus": (0,), "dra.shared_gpus": (1,)}))
-    kube = KubeApiStandIn(server_version="1.35", feature_gates=GATES)
-    kube.create_node(NODE)
-    kube.bind_rbac("dra", dra_rbac_rules())
-    kubelet = DraKubelet(short_tmp / "kubelet", NODE, wipe=kube.wipe_resource_slices, wiping_delay_s=2.0)
-    kubelet.start()
-    running = Node(short_tmp, gpud, kube, kubelet)
-    running.allocated = []
     try:
-        yield running
+        async with running_node(short_tmp, "hgx-h100", "1.35", GATES, **{
+                "dra.dynamic_mig_gpus": (0,), "dra.shared_gpus": (1,)}) as running:
+            running.allocated = []  # the claims the scheduler allocated, as its allocator is given them
+            yield running
     finally:
-        if running.plugin is not None:
-            running.plugin.stop()
-        kubelet.stop()
-        await stop_daemon(running.gpud)
-        kill_mps_under(short_tmp)
-        assert kube.unmodelled == []
-        kube.stop()
+        kill_mps_under(short_tmp)  # after gpud stopped: an MPS daemon it left is not left running
 
 
 async def _partitioned(node: Node) -> None:
@@ -78,7 +61,7 @@ def _mig(profile: str) -> dict:
 
 def _share(memory: str, compute: str) -> dict:
     return {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {
-        "expression": f"device.allowMultipleAllocations == true"}}], "capacity": {"requests": {
+        "expression": "device.allowMultipleAllocations == true"}}], "capacity": {"requests": {
             "memory": memory, "compute": compute}}}}
 
 

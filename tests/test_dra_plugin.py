@@ -8,6 +8,7 @@ and as the kubelet's health stream, restarts of each part, and hostile claims.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -89,18 +90,21 @@ class Node:
         return ("default", name, claim["metadata"]["uid"])
 
 
-@pytest.fixture
-async def node(short_tmp):
+@contextlib.asynccontextmanager
+async def running_node(tmp: Path, preset: str = "hgx-a100-4gpu", server_version: str = "1.36",
+                       feature_gates: dict[str, bool] | None = None, **overrides):
+    """gpud (in-process, simulated `preset`, gpud.yaml `overrides`), the API server stand-in of
+    `server_version` and the kubelet stand-in; the plugin is started by the test."""
     for sub in ("g", "kubelet", "cdi"):
-        (short_tmp / sub).mkdir()
-    gpud = await start_daemon(mig_config(short_tmp, "hgx-a100-4gpu").with_overrides(**{
-        "mps.log_root": str(short_tmp / "mpslog")}))
-    kube = KubeApiStandIn(server_version="1.36")
+        (tmp / sub).mkdir()
+    gpud = await start_daemon(mig_config(tmp, preset).with_overrides(**{"mps.log_root": str(tmp / "mpslog"),
+                                                                        **overrides}))
+    kube = KubeApiStandIn(server_version=server_version, feature_gates=feature_gates)
     kube.create_node(NODE)
     kube.bind_rbac("dra", dra_rbac_rules())
-    kubelet = DraKubelet(short_tmp / "kubelet", NODE, wipe=kube.wipe_resource_slices, wiping_delay_s=2.0)
+    kubelet = DraKubelet(tmp / "kubelet", NODE, wipe=kube.wipe_resource_slices, wiping_delay_s=2.0)
     kubelet.start()
-    running = Node(short_tmp, gpud, kube, kubelet)
+    running = Node(tmp, gpud, kube, kubelet)
     try:
         yield running
     finally:
@@ -111,6 +115,12 @@ async def node(short_tmp):
             await stop_daemon(running.gpud)
         assert kube.unmodelled == []
         kube.stop()
+
+
+@pytest.fixture
+async def node(short_tmp):
+    async with running_node(short_tmp) as running:
+        yield running
 
 
 async def refused(node: Node, claims: list[tuple]) -> str:
