@@ -82,6 +82,18 @@ def _in_background(call, *args) -> dict:
     return outcome
 
 
+def _killed_while_gpud_waits(gpud, plugin, call, claim, reached, what: str) -> None:
+    """gpud stopped (SIGSTOP), the kubelet's call of claim made on a thread; once reached() (the plugin has
+    written its step and waits for gpud) the plugin is SIGKILLed and gpud goes on: the kubelet's call fails."""
+    os.kill(gpud.proc.pid, signal.SIGSTOP)
+    pending = _in_background(call, [claim])
+    until(reached, 20, what)
+    plugin.stop(signal.SIGKILL)
+    os.kill(gpud.proc.pid, signal.SIGCONT)
+    pending["thread"].join(50)
+    assert "error" in pending  # the kubelet's call failed with the plugin: the pod does not start (or end) yet
+
+
 def test_killed_waiting_for_gpud_in_prepare_then_in_unprepare_converges(parts):
     tmp, gpud, kube, kubelet, start_plugin = parts
     plugin = start_plugin()
@@ -89,13 +101,9 @@ def test_killed_waiting_for_gpud_in_prepare_then_in_unprepare_converges(parts):
         {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-1"}], node=NODE)
     claim = ("default", "c", created["metadata"]["uid"])
 
-    os.kill(gpud.proc.pid, signal.SIGSTOP)  # the plugin's hold waits for gpud
-    pending = _in_background(kubelet.prepare, [claim])
-    until(lambda: _checkpoint(tmp).get(claim[2], {}).get("state") == "preparing", 20, "the claim recorded")
-    plugin.stop(signal.SIGKILL)
-    os.kill(gpud.proc.pid, signal.SIGCONT)
-    pending["thread"].join(50)
-    assert "error" in pending  # the kubelet's call failed with the plugin: the pod does not start yet
+    # the plugin's hold waits for gpud
+    _killed_while_gpud_waits(gpud, plugin, kubelet.prepare, claim,
+                             lambda: _checkpoint(tmp).get(claim[2], {}).get("state") == "preparing", "the claim recorded")
     assert not spec_path(tmp / "cdi", DRIVER, claim[2]).exists()
 
     plugin = start_plugin()
@@ -104,13 +112,9 @@ def test_killed_waiting_for_gpud_in_prepare_then_in_unprepare_converges(parts):
     holds = gpud.client.get("/v1/claims")["claims"]
     assert [(c["uid"], [d["gpu_index"] for d in c["devices"]]) for c in holds] == [(claim[2], [1])]
 
-    os.kill(gpud.proc.pid, signal.SIGSTOP)  # now its release waits for gpud
-    pending = _in_background(kubelet.unprepare, [claim])
-    until(lambda: not spec_path(tmp / "cdi", DRIVER, claim[2]).exists(), 20, "the spec removed")
-    plugin.stop(signal.SIGKILL)
-    os.kill(gpud.proc.pid, signal.SIGCONT)
-    pending["thread"].join(50)
-    assert "error" in pending
+    # now its release waits for gpud
+    _killed_while_gpud_waits(gpud, plugin, kubelet.unprepare, claim,
+                             lambda: not spec_path(tmp / "cdi", DRIVER, claim[2]).exists(), "the spec removed")
     assert claim[2] in _checkpoint(tmp)  # still recorded: the release never finished
 
     start_plugin()
@@ -132,13 +136,9 @@ def test_killed_while_gpud_makes_and_destroys_a_dynamic_mig_device_converges_to_
         {"request": "mig", "driver": DRIVER, "pool": NODE, "device": "gpu-1-mig-1g5gb-19-0"}], node=NODE)
     claim = ("default", "m", created["metadata"]["uid"])
 
-    os.kill(gpud.proc.pid, signal.SIGSTOP)  # the plugin asks gpud to make the device, and waits
-    pending = _in_background(kubelet.prepare, [claim])
-    until(lambda: _checkpoint(tmp).get(claim[2], {}).get("state") == "preparing", 20, "the claim recorded")
-    plugin.stop(signal.SIGKILL)
-    os.kill(gpud.proc.pid, signal.SIGCONT)  # gpud makes it for a plugin that is gone
-    pending["thread"].join(50)
-    assert "error" in pending
+    # the plugin asks gpud to make the device, and waits; gpud then makes it for a plugin that is gone
+    _killed_while_gpud_waits(gpud, plugin, kubelet.prepare, claim,
+                             lambda: _checkpoint(tmp).get(claim[2], {}).get("state") == "preparing", "the claim recorded")
 
     plugin = start_plugin()
     kubelet.prepare([claim])  # the kubelet retries: the device gpud made is the claim's, not a second one
@@ -148,13 +148,9 @@ def test_killed_while_gpud_makes_and_destroys_a_dynamic_mig_device_converges_to_
     assert _checkpoint(tmp)[claim[2]]["state"] == "prepared" and device["uuid"] == made[0]
     assert [i["uuid"] for i in gpud.client.get("/v1/mig/dynamic")["instances"]] == [made[0]]
 
-    os.kill(gpud.proc.pid, signal.SIGSTOP)  # now the release and the destruction wait for gpud
-    pending = _in_background(kubelet.unprepare, [claim])
-    until(lambda: not spec_path(tmp / "cdi", DRIVER, claim[2]).exists(), 20, "the spec removed")
-    plugin.stop(signal.SIGKILL)
-    os.kill(gpud.proc.pid, signal.SIGCONT)
-    pending["thread"].join(50)
-    assert "error" in pending
+    # now the release and the destruction wait for gpud
+    _killed_while_gpud_waits(gpud, plugin, kubelet.unprepare, claim,
+                             lambda: not spec_path(tmp / "cdi", DRIVER, claim[2]).exists(), "the spec removed")
 
     start_plugin()
     kubelet.unprepare([claim])
