@@ -1,12 +1,14 @@
 """Crash safety of dynamic MIG: gpud killed (SIGKILL) right after each NVML change of a claim's prepare and
 unprepare converges when restarted: no orphaned instance, none made twice, the records and the GPU agree,
-and the DRA plugin's retry gets the answer it would have had."""
+and the DRA plugin's retry gets the answer it would have had, asked at once as the restarted gpud answers (the
+plugin waits out gpud's start-up convergence)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpud.client import DaemonUnreachable
+from gpud.client import Client, DaemonUnreachable
+from gpud.dra.owner import GpudOwner
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.sim.scenarios import started
 
@@ -61,15 +63,15 @@ def test_killed_after_every_change_of_a_claim_converges(run_gpud, short_tmp):
 
         revived = run_gpud(*args)
         revived.wait_healthy()
+        plugin = GpudOwner(Client(revived.socket, timeout=30), short_tmp / "no-pod-resources.sock")
         if crash_at <= PREPARE_CHANGES:  # the kubelet retries Prepare: the same device, made once
-            status, again = until_answered(revived, "PUT", path, body)
-            assert status == 200 and again["devices"][0]["profile"] == "1g.10gb", (crash_at, again)
+            again = plugin.make_mig_devices(CLAIM, body["devices"])
+            assert again[0]["profile"] == "1g.10gb", (crash_at, again)
             view = revived.client.get("/v1/mig/dynamic")
-            assert [(i["uuid"], i["state"]) for i in view["instances"]] == [(again["devices"][0]["uuid"], "present")]
+            assert [(i["uuid"], i["state"]) for i in view["instances"]] == [(again[0]["uuid"], "present")]
             assert hardware(state) == [("enabled", [(3, 1)]), ("disabled", [])], crash_at
         else:  # the kubelet retries Unprepare: nothing left, the whole GPU back
-            status, gone = until_answered(revived, "DELETE", path)
-            assert status == 200 and gone["destroyed"] == [], (crash_at, gone)
+            assert plugin.destroy_mig_devices(CLAIM) == [], crash_at
             assert revived.client.get("/v1/mig/dynamic")["instances"] == []
             assert hardware(state) == [("disabled", []), ("disabled", [])], crash_at
         assert revived.stop() == 0

@@ -22,6 +22,9 @@ from gpud.dra.config import Sharing
 MPS_START_WAIT_S = 10.0  # a daemon gpud starts for the claim answers within a second or two
 LIST_TIMEOUT_S = 5.0
 CDI_WAIT_S = 5.0  # gpud rewrites its spec as soon as it has read the new MIG device
+# gpud answers 503 `starting` until its first inventory is read and its dynamic MIG devices are converged,
+# a second or two after a (re)start, say a package upgrade's: the claim waits that out rather than fail a pod
+STARTING_WAIT_S = 20.0
 
 
 class OwnerRefused(Exception):
@@ -78,7 +81,7 @@ class GpudOwner:
     def destroy_mig_devices(self, uid: str) -> list[str]:
         """gpud destroys the MIG devices it made for the claim (none: nothing to do); their UUIDs."""
         try:
-            status, answer = self.client.request("DELETE", f"/v1/mig/dynamic/{uid}", ok_statuses=(404,))
+            status, answer = self._past_start("DELETE", f"/v1/mig/dynamic/{uid}", None, ok_statuses=(404,))
         except ApiFailure as exc:
             raise OwnerRefused(f"gpud refused to destroy the claim's MIG devices: {exc}") from None
         except DaemonUnreachable as exc:
@@ -157,9 +160,20 @@ class GpudOwner:
         allocations = self._call("GET", "/v1/allocations", None, "read gpud's gpu_memory resource")
         return allocations.get("resource") if allocations.get("enabled") else None
 
+    def _past_start(self, method: str, path: str, body, ok_statuses: tuple[int, ...] = ()) -> tuple[int, dict]:
+        """The answer once gpud is past its start (see STARTING_WAIT_S); any other failure at once."""
+        deadline = time.monotonic() + STARTING_WAIT_S
+        while True:
+            try:
+                return self.client.request(method, path, body, ok_statuses=ok_statuses)
+            except ApiFailure as exc:
+                if exc.code != "starting" or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)  # a poll of gpud while it starts
+
     def _call(self, method: str, path: str, body, what: str):
         try:
-            return self.client.request(method, path, body)[1]
+            return self._past_start(method, path, body)[1]
         except ApiFailure as exc:
             raise OwnerRefused(f"gpud refused to {what}: {exc}") from None
         except DaemonUnreachable as exc:
