@@ -124,6 +124,11 @@ class SimCore:
         self._node = Node()
         self._event_sets: dict[int, EventSet] = {}
         self._event_set_ids = itertools.count(1)
+        # GPM sample buffers (serial -> what was read into one, None before a read) and each device's last
+        # read: process memory, as event sets (_gpm_calls.py)
+        self._gpm_samples: dict = {}
+        self._gpm_serials = itertools.count(1)
+        self._gpm_last: dict = {}
         self._serials = itertools.count(1)
         self._commits = 0
         self._crash_after_commits = int(os.environ.get(CRASH_AFTER_COMMITS_ENV, "0") or 0)
@@ -157,6 +162,8 @@ class SimCore:
             if not self._init_count:
                 self._gpus = []
                 self._event_sets.clear()
+                self._gpm_samples.clear()
+                self._gpm_last.clear()
                 self._event_signal.notify_all()  # waiters wake up to Uninitialized
 
     def _load(self) -> None:

@@ -28,6 +28,7 @@ class Kind(enum.IntEnum):
     GPU_INSTANCE = 3
     COMPUTE_INSTANCE = 4
     EVENT_SET = 5
+    GPM_SAMPLE = 6
 
 
 class HandleRef(NamedTuple):
@@ -83,6 +84,7 @@ class _SimHandle:
                 f"compute instance gpu={ref.gpu} gi={ref.gpu_instance} ci={ref.compute_instance}"
             ),
             Kind.EVENT_SET: f"event set {ref.serial}",
+            Kind.GPM_SAMPLE: f"GPM sample {ref.serial}",
         }[ref.kind]
         return f"<nvml-sim {place}>"
 
@@ -103,12 +105,17 @@ class EventSetHandle(_SimHandle, pynvml.c_nvmlEventSet_t):
     _type_ = pynvml.struct_c_nvmlEventSet_t
 
 
+class GpmSampleHandle(_SimHandle, pynvml.c_nvmlGpmSample_t):
+    _type_ = pynvml.struct_c_nvmlGpmSample_t
+
+
 _HANDLE_CLASSES = {
     Kind.GPU: DeviceHandle,
     Kind.MIG_DEVICE: DeviceHandle,
     Kind.GPU_INSTANCE: GpuInstanceHandle,
     Kind.COMPUTE_INSTANCE: ComputeInstanceHandle,
     Kind.EVENT_SET: EventSetHandle,
+    Kind.GPM_SAMPLE: GpmSampleHandle,
 }
 
 

@@ -9,6 +9,7 @@ from ._controls import SimControls
 from ._device_calls import DeviceCalls
 from ._event_calls import EventCalls
 from ._fabric_calls import FabricCalls
+from ._gpm_calls import GpmCalls
 from ._mig_calls import MigCalls
 from ._process_calls import ProcessCalls
 from ._telemetry_calls import TelemetryCalls
@@ -28,7 +29,8 @@ def _not_simulated(name: str):
     return call
 
 
-class SimulatedNvml(DeviceCalls, MigCalls, EventCalls, ProcessCalls, TelemetryCalls, FabricCalls, SimControls):
+class SimulatedNvml(DeviceCalls, MigCalls, EventCalls, ProcessCalls, TelemetryCalls, FabricCalls, GpmCalls,
+                    SimControls):
     """A simulated NVML with the pynvml module's surface.
 
     Use it where code would use `pynvml`: same function names, arguments and return shapes,
