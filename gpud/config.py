@@ -299,6 +299,10 @@ class HealthConfig:
     # DCGM's dcgmi for `gpud check` (POST /v1/check). Unset: dcgmi on PATH.
     dcgmi: str | None = None
     check_timeout_s: float = field(default=1800.0, metadata=_bounded(10, 7200))
+    # Profiling metrics (DCGM_FI_PROF_*) from NVML's GPM on the GPUs that have it (Hopper and later), per GPU
+    # and GPU instance, each over the last profiling interval: one GPM sample per device per interval.
+    profiling: bool = True
+    profiling_interval_s: float = field(default=10.0, metadata=_bounded(1, 3600))
 
 
 @dataclass(frozen=True)

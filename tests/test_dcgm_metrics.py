@@ -36,9 +36,9 @@ EXPORTER_DEFAULTS = {
     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "gauge", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "gauge",
     "DCGM_FI_PROF_DRAM_ACTIVE": "gauge", "DCGM_FI_PROF_PCIE_TX_BYTES": "gauge", "DCGM_FI_PROF_PCIE_RX_BYTES": "gauge",
 }
-# What gpud cannot give without DCGM (profiling module) or a vGPU host: docs/metrics.md says why.
-NOT_FROM_NVML = {name for name in EXPORTER_DEFAULTS if name.startswith("DCGM_FI_PROF_")} | {
-    "DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
+# What gpud cannot give without a vGPU host: docs/metrics.md says why. The DCGM_FI_PROF_* come from GPM
+# (tests/test_gpm.py has their values).
+NOT_FROM_NVML = {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
 GPU_LABELS = {"gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION"}
 MIG_LABELS = GPU_LABELS | {"GPU_I_PROFILE", "GPU_I_ID"}
 MIXED = "H100-SXM5-80GB:1,T4:1,RTX-2080-TI:1"
@@ -83,7 +83,8 @@ def value(samples, name: str, **labels) -> float:
 
 
 async def scrape(node) -> tuple[dict[str, str], list]:
-    await node.daemon.health.check_once()  # fresh readings, as the periodic loop takes them
+    await node.daemon.health.check_once()  # fresh readings, as the periodic loops take them
+    await node.daemon.health.profiling.sample_once()
     async with node.http.get("http://localhost/metrics") as response:
         assert response.status == 200
         return parse(await response.text())
@@ -97,6 +98,7 @@ async def h100_node(short_tmp):
 
 
 async def test_every_default_counter_is_there_per_gpu_with_the_exporter_labels(h100_node):
+    await h100_node.daemon.health.profiling.sample_once()  # GPM's metrics are between two samples
     types, samples = await scrape(h100_node)
     _, gpus = await h100_node.get("/v1/gpus")
     _, node = await h100_node.get("/v1/node")

@@ -25,11 +25,12 @@ from gpud.events import EventBus, EventType
 from gpud.health import persistence
 from gpud.health.auto_reset import AutoReset
 from gpud.health.catalog import XidCatalog
-from gpud.health.collectors import device_health, gpu_readings, node_health, recovery, xid_errors
+from gpud.health.collectors import device_health, gpu_readings, node_health, profiling, recovery, xid_errors
 from gpud.health.reasons import Change
 from gpud.health.sources.gpu_checks import GpuChecks
 from gpud.health.sources.kernel_log import KernelLogXids
 from gpud.health.sources.node_checks import NodeChecks
+from gpud.health.sources.profiling import GpmProfiling
 from gpud.health.sources.nvml_events import NvmlEvents
 from gpud.health.states import Health
 from gpud.health.tracker import HealthTracker
@@ -83,6 +84,7 @@ class HealthService(Component):
         paths = host or HostPaths()
         self.node_checks = NodeChecks(session, self.tracker, settings, procfs=paths.procfs, sysfs=paths.sysfs)
         self.events = NvmlEvents(session, inventory, self.tracker, self.xids, self._publish)
+        self.profiling = GpmProfiling(session, inventory, interval_s=settings.profiling_interval_s)
         cursor = state_path.with_name("kmsg-cursor.json") if state_path else None
         self.kernel_log = KernelLogXids(inventory, self.xids, self.events, kmsg=paths.kmsg, procfs=paths.procfs,
                                         cursor_path=cursor)
@@ -113,6 +115,8 @@ class HealthService(Component):
     async def start_with_gpus(self, tasks: Tasks) -> None:
         self.start_events()
         tasks.spawn(self.run_checks(), "health")
+        if self.settings.profiling:
+            tasks.spawn(self.profiling.run(), "profiling")
 
     def start_events(self) -> None:
         """Starts the NVML event thread (NVML must be initialised)."""
@@ -149,6 +153,7 @@ class HealthService(Component):
         """Stops the event thread and the kernel log, and saves what is not saved yet."""
         self.events.stop()
         await self.kernel_log.stop()
+        await self.profiling.stop()
         self.auto_reset.stop()
         await self.saver.flush()
 
@@ -246,6 +251,7 @@ class HealthService(Component):
             return
         gpus = [(gpu, gpu_labels(gpu, inventory.driver_version)) for gpu in inventory.gpus]
         yield from gpu_readings.collect(gpus, self.gpu_checks)
+        yield from profiling.collect(gpus, self.profiling.profiles)
         yield from xid_errors.collect(gpus, self.xids)
         yield from device_health.collect(gpus, self.tracker)
         yield from recovery.collect(gpus, self.tracker, self.gpu_checks.readings, self.auto_reset)
