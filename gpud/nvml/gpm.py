@@ -84,6 +84,7 @@ class GpmSampler:
         self._kept: dict[str, Any] = {}  # target UUID -> its last sample
         self.unsupported: dict[str, str] = {}  # GPU UUID -> why it has no GPM
         self._supported_gpus: set[str] = set()
+        self._newly_unsupported: dict[str, str] = {}  # found in this pass: logged at its end
         self._failing: dict[str, str] = {}  # target UUID -> the error its sampling answered (said once)
         # sample() runs on the NVML thread, free_all() also on a worker thread when NVML is released
         self._lock = threading.Lock()
@@ -104,6 +105,9 @@ class GpmSampler:
                     profiles[target.uuid] = profile
             for uuid in set(self._kept) - {target.uuid for target in targets}:
                 self._drop(nvml, uuid)
+            if self._newly_unsupported:  # said once: one line for the GPUs found without GPM in this pass
+                log.info("gpm_not_supported", gpus=self._newly_unsupported, profiling_series="none for these GPUs")
+                self._newly_unsupported = {}
             return profiles
 
     def free_all(self, nvml: Any) -> None:
@@ -142,8 +146,7 @@ class GpmSampler:
         return supported
 
     def _no_gpm(self, gpu_uuid: str, why: str) -> None:
-        self.unsupported[gpu_uuid] = why
-        log.info("gpm_not_supported", gpu=gpu_uuid, why=why, profiling_series="none for this GPU")
+        self.unsupported[gpu_uuid] = self._newly_unsupported[gpu_uuid] = why
 
     def _sample_one(self, nvml: Any, handle: Any, target: GpmTarget) -> Profile | None:
         sample = nvml.nvmlGpmSampleAlloc()
