@@ -25,6 +25,18 @@ def test_health_benchmark_runs():
     assert "idle on 8 GPUs" in result.stdout and "XID → /v1/watch event: n=10" in result.stdout
 
 
+@pytest.mark.slow  # gpud in process on a simulated HGX H100, twice (MIG off, then 56 instances): about 15 s
+def test_profiling_benchmark_runs():
+    # Issue 37: a health pass with and without GPM's pass, as a ratio of medians (read by people).
+    for extra, devices in (([], 8), (["--mig"], 64)):
+        result = subprocess.run([sys.executable, "bench/profiling.py", "--rounds", "3", *extra], capture_output=True,
+                                text=True, timeout=180, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith(f"health pass on a simulated HGX H100 ({devices} devices profiled)"), lines
+        assert lines[1].startswith("without GPM: median ") and "ratio with/without" in lines[1], lines
+
+
 @pytest.mark.slow  # gpud's start and a 1.5 s run: about 5 s
 def test_load_benchmark_runs_and_loses_nothing():
     # Guards issue 12 item 10's load benchmark: readers, MIG applies, an XID storm and watch streams at
