@@ -60,6 +60,7 @@ from gpud.nvml.host_tools import host_tools_for
 from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.nvml.sim.host_files import SimulatedHostFiles
+from gpud.nvml.vgpu import VgpuReader
 from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC
 from gpud.processes.monitor import ProcessMonitor
@@ -173,6 +174,7 @@ class Daemon:
                              expiry_s=config.nfd.expiry_s)
         self._sysfs = config.sysfs_path
         self._machine = machine_type(self._sysfs)  # the DMI product name: fixed while the host runs
+        self._vgpu = VgpuReader(self._sysfs)  # PCI config space: read with each inventory snapshot
         self.cdi = CdiWriter(config.cdi_spec_path, config.cdi_dev_root, config.mig_minors_path, self.inventory,
                              self.sharing, self.mps.client_envs, self.bus,
                              config.cdi_driver_root if config.cdi.driver_files else None) if config.cdi.enabled \
@@ -274,7 +276,7 @@ class Daemon:
         if inventory is None:
             return None
         return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),
-                           self.health.view())
+                           self.health.view(), self._vgpu.reading(inventory))
 
     async def reload_from_files(self) -> str:
         """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.

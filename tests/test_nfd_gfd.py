@@ -36,7 +36,6 @@ MOCK_CONFIGS = MOCK_NVML_CONFIGS
 
 # GFD's labels gpud does not write, and why (docs/kubernetes.md "GFD labels gpud does not write").
 GFD_LABELS_NOT_WRITTEN = {
-    "nvidia.com/vgpu.present": "whether the GPUs are a VM's vGPUs (PCI config space): gpud manages bare-metal GPUs",
     "nvidia.com/gpu.clique": "the NVLink fabric clique (nvmlDeviceGetGpuFabricInfo): gpud does not read fabric info",
     "nvidia.com/gfd.timestamp": "GFD's own liveness mark; gpud's labels expire instead (# +expiry-time)",
 }
@@ -140,15 +139,46 @@ def test_a_lost_gpu_is_not_the_one_described_and_no_gpus_give_no_labels():
     assert gfd_node_labels(node(gpu(0, lost=True)), "m", "compute") == {}
 
 
-def pci_sysfs(root: Path, classes: dict[str, str]) -> Path:
+# -- PCI config space, as the PCI Local Bus Specification 3.0 (6.1, 6.7) lays it out ------------------
+# A type 0 header: vendor and device ids at 0x00, command and status at 0x04 (status bit 4: "Capabilities
+# List"), class code at 0x09, subsystem ids at 0x2c, the capabilities pointer at 0x34; each capability is
+# its id, the offset of the next (0: the last) and its own data.
+
+POWER_MANAGEMENT, MSI, PCI_EXPRESS, VENDOR_SPECIFIC = 0x01, 0x05, 0x10, 0x09
+# NVIDIA's GPUs on bare metal or passed through (lspci -v: "Capabilities: [60] Power Management version 3,
+# [68] MSI, [78] Express Endpoint, [b4] Vendor Specific Information: Len=14"): the vendor-specific one is
+# not a vGPU's (no "VF")
+BARE_METAL_CAPABILITIES = ((0x60, POWER_MANAGEMENT, b"\x03\x00\x08\x00"), (0x68, MSI, b"\x80\x00"),
+                           (0x78, PCI_EXPRESS, b"\x02\x00"), (0xB4, VENDOR_SPECIFIC, b"\x14\x01"))
+
+
+def pci_config_space(capabilities=BARE_METAL_CAPABILITIES, *, size: int = 4096, capability_list: bool = True,
+                     pointer: int | None = None) -> bytes:
+    """An NVIDIA 3D controller's config space with these capabilities, (offset, id, data after the next
+    pointer), chained in the order given (pointer: another capabilities pointer than the first's)."""
+    config = bytearray(max(size, 256))
+    config[0x00:0x04] = (0x10DE).to_bytes(2, "little") + (0x2330).to_bytes(2, "little")
+    config[0x04:0x08] = (0x0006).to_bytes(2, "little") + (0x0010 if capability_list else 0).to_bytes(2, "little")
+    config[0x08:0x0C] = bytes([0xA1, 0x00, 0x02, 0x03])  # revision, then class 0x030200
+    config[0x2C:0x30] = (0x10DE).to_bytes(2, "little") + (0x16C1).to_bytes(2, "little")
+    config[0x34] = capabilities[0][0] if pointer is None else pointer
+    for number, (offset, identifier, data) in enumerate(capabilities):
+        following = capabilities[number + 1][0] if number + 1 < len(capabilities) else 0
+        config[offset:offset + 2 + len(data)] = bytes([identifier, following]) + data
+    return bytes(config[:size])
+
+
+def pci_sysfs(root: Path, classes: dict[str, str], config: bytes | None = None) -> Path:
     """A sysfs tree with a PCI device per bus id (sysfs's 4-digit domain), holding what go-nvlib's nvpci
-    reads of it (vendor, class, device, numa_node, resource): enough for GFD and for gpud."""
+    reads of it (vendor, class, device, numa_node, resource) and what GFD's vGPU labeler reads (config,
+    as root reads it: a bare-metal GPU's unless given): enough for GFD and for gpud."""
     for address, pci_class in classes.items():
         device = root / "bus" / "pci" / "devices" / address
         device.mkdir(parents=True)
         for name, value in (("vendor", "0x10de"), ("class", pci_class), ("device", "0x20b0"), ("numa_node", "0"),
                             ("resource", "0x0000000000000000 0x0000000000000000 0x0000000000000000")):
             (device / name).write_text(value + "\n")
+        (device / "config").write_bytes(pci_config_space() if config is None else config)
     return root
 
 
@@ -271,7 +301,7 @@ async def test_single_strategy_labels_the_mig_devices_as_the_gpus(short_tmp):
             "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/gpu.sharing-strategy": "none",
             "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.compute.major": "8",
             "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.machine": labels["nvidia.com/gpu.machine"],
-            "nvidia.com/gpu.mode": "unknown",  # no PCI devices in this test's sysfs: GFD says unknown too
+            "nvidia.com/gpu.mode": "compute",  # the simulator's GPUs are 3D controllers in its sysfs
             **attribute_labels("nvidia.com/gpu", "1g.5gb")}
         assert not any(key.startswith("nvidia.com/mig-") for key in labels)
 
@@ -368,8 +398,8 @@ MOCK_NODES = sorted(path.name.removeprefix("mock-nvml-config-").removesuffix(".y
 @pytest.mark.parametrize("config", MOCK_NODES)
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
 def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, mock_bus_ids, config, strategy):
-    """One sysfs for both: a DMI product name, and the GPUs as 3D controllers (their bus ids as
-    NVML gives them; sysfs names them in lower case with a 4-digit domain)."""
+    """One sysfs for both: a DMI product name, and the GPUs as bare-metal 3D controllers (their bus ids
+    as NVML gives them; sysfs names them in lower case with a 4-digit domain)."""
     sysfs = dmi_sysfs(short_tmp / "sys", b"NVIDIA DGX H100 (rev. 2)\n")
     pci_sysfs(sysfs, {normal_bus_id(bus_id)[4:]: "0x030200" for bus_id in mock_bus_ids(config)})
     ours, gpus = run_gpud(short_tmp, mock_nvml, config, strategy, sysfs)
@@ -384,8 +414,8 @@ def test_gpud_and_gfd_agree_on_the_same_node(short_tmp, mock_nvml, mock_bus_ids,
     # what gpud must write wherever GFD does, on every node
     assert {"nvidia.com/gpu.machine", "nvidia.com/gpu.mode", "nvidia.com/gpu.family", "nvidia.com/gpu.compute.major",
             "nvidia.com/cuda.driver-version.full", "nvidia.com/cuda.runtime-version.full",
-            "nvidia.com/gpu.product", "nvidia.com/mig.capable"} <= shared
-    assert ours["nvidia.com/gpu.mode"] == "compute"
+            "nvidia.com/gpu.product", "nvidia.com/mig.capable", "nvidia.com/vgpu.present"} <= shared
+    assert ours["nvidia.com/gpu.mode"] == "compute" and ours["nvidia.com/vgpu.present"] == "false"
 
 
 # Real nodes on which scripts/hw-check ran GFD and gpud side by side (docs/hardware.md)
@@ -406,6 +436,10 @@ def test_gpud_and_gfd_agreed_on_a_real_gpu(capture):
     # GFD ran with --mig-strategy=single; gpud labels a MIG strategy only when its sharing file sets one
     strategy = json.loads((capture / "api_v1_sharing.json").read_text())["mig_strategy"]
     left_out = set(GFD_LABELS_NOT_WRITTEN) | ({"nvidia.com/mig.strategy"} if strategy == "none" else set())
+    # gpud wrote no vGPU label when these were captured (before issue 37); GFD saw a GPU passed through,
+    # not a vGPU, which gpud now reads as GFD does (tests/test_nfd_vgpu.py)
+    left_out.add("nvidia.com/vgpu.present")
+    assert gfd["nvidia.com/vgpu.present"] == "false"
     assert set(gfd) - set(ours) <= left_out, "GFD labels gpud leaves out without a reason"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gpud.model.inventory import Gpu, Inventory, sysfs_pci_device
+from gpud.nvml.vgpu import VgpuReading
 from gpud.sharing.resources import gfd_sanitised
 
 # source/local/local.go MaxFeatureFileSize: nfd-worker skips (and logs) a larger file entirely.
@@ -52,6 +53,10 @@ GPU_MODE = "nvidia.com/gpu.mode"
 GPU_MODE_UNKNOWN = "unknown"
 # go-nvlib pkg/nvpci: PCIVgaControllerClass, PCI3dControllerClass
 _MODE_OF_PCI_CLASS = {0x030000: "graphics", 0x030200: "compute"}
+# GFD's vGPU labels (internal/lm/vgpu.go), from the GPUs' PCI config space (gpud/nvml/vgpu.py)
+VGPU_PRESENT = "nvidia.com/vgpu.present"
+VGPU_HOST_DRIVER_VERSION = "nvidia.com/vgpu.host-driver-version"
+VGPU_HOST_DRIVER_BRANCH = "nvidia.com/vgpu.host-driver-branch"
 
 
 class Dropped(NamedTuple):
@@ -63,12 +68,13 @@ class Dropped(NamedTuple):
 
 
 def node_labels(inventory: Inventory, sysfs: Path, machine: str, sharing: dict | None, mig: dict,
-                health: dict) -> dict[str, str]:
+                health: dict, vgpu: VgpuReading | None = None) -> dict[str, str]:
     """The node's labels: GPU feature discovery's (those of the driver, the machine and the GPUs'
-    architecture, and the sharing document's per resource), the MIG layout and its state (as
-    mig-manager labels them), the node's health and its count of healthy GPUs."""
+    architecture, the sharing document's per resource, and the vGPU reading's), the MIG layout and its
+    state (as mig-manager labels them), the node's health and its count of healthy GPUs."""
     mode = gpu_mode(sysfs, tuple(gpu.pci_bus_id for gpu in inventory.gpus if not gpu.lost))
     labels = gfd_node_labels(inventory, machine, mode) | (dict(sharing["labels"]) if sharing else {})
+    labels |= vgpu_labels(vgpu) if vgpu else {}
     if mig["layout"]:  # no layout chosen: no MIG config to report
         labels[MIG_CONFIG] = mig["layout"]
         labels[MIG_CONFIG_STATE] = MIG_END_STATE_LABEL.get(mig["state"], "pending")
@@ -104,6 +110,19 @@ def gpu_mode(sysfs: Path, pci_bus_ids: tuple[str, ...]) -> str:
     if len(classes) != 1:
         return GPU_MODE_UNKNOWN
     return _MODE_OF_PCI_CLASS.get(classes.pop(), GPU_MODE_UNKNOWN)
+
+
+def vgpu_labels(reading: VgpuReading) -> dict[str, str]:
+    """GFD's vgpu labeler (internal/lm/vgpu.go): none when the PCI devices could not be read,
+    `vgpu.present` true or false otherwise, and a vGPU's host driver version and branch when there is one;
+    whatever GPUs NVML lists (the labeler reads PCI devices only)."""
+    if reading.present is None:
+        return {}
+    labels = {VGPU_PRESENT: "true" if reading.present else "false"}
+    if reading.host_driver is not None:
+        labels |= {VGPU_HOST_DRIVER_VERSION: reading.host_driver.version,
+                   VGPU_HOST_DRIVER_BRANCH: reading.host_driver.branch}
+    return labels
 
 
 def gfd_node_labels(inventory: Inventory, machine: str, mode: str) -> dict[str, str]:

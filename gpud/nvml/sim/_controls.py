@@ -18,7 +18,7 @@ from .identity import pci_bus_id_legacy
 from .kernel import append_kmsg, xid_record
 from .events import NOT_ATTRIBUTED, Event
 from .host_processes import start_time
-from .state import LOST_HOW, MIB, Gpu, Holder, MigDevice, SimProcess
+from .state import LOST_HOW, MIB, Gpu, Holder, MigDevice, SimProcess, check_vgpu_host
 from .topology import on_switches, reaches_switches
 
 
@@ -303,8 +303,30 @@ class SimControls(SimCore):
         """The GPUs are passed through to a virtual machine (or not) that this node is."""
         if not isinstance(passthrough, bool):
             raise SimError(f"passthrough must be true or false, got {passthrough!r}")
+        if passthrough and self._node.vgpu_host:
+            raise SimError("the GPUs are vGPUs (sim_set_vgpu): a VM's GPU is passed through or a vGPU, not both")
         self._node.passthrough = passthrough
         self._commit()
+
+    @sim_control
+    def sim_set_vgpu(self, host_driver_version: str | None, host_driver_branch: str | None = None) -> None:
+        """The node is a VM whose GPUs are NVIDIA vGPUs of a hypervisor running the vGPU manager of this
+        driver version and branch ("550.54.16", "r550_40"), or (None) not a vGPU guest: their PCI config
+        space says so at once (sysfs.py), and nvmlDeviceGetVirtualizationMode answers
+        NVML_GPU_VIRTUALIZATION_MODE_VGPU (nvml.h: "Device is associated with vGPU inside virtual machine").
+        Only these two are modelled: what else differs in a vGPU guest (no MIG changes, no reset, the
+        vGPU profile's name and memory) is not."""
+        if host_driver_version is not None:
+            check_vgpu_host(host_driver_version, host_driver_branch)
+            if self._node.passthrough:
+                raise SimError("the GPUs are passed through (sim_set_passthrough): a VM's GPU is passed through "
+                               "or a vGPU, not both")
+        elif host_driver_branch is not None:
+            raise SimError("a host driver branch without its version")
+        self._node.vgpu_host_driver_version = host_driver_version
+        self._node.vgpu_host_driver_branch = host_driver_branch
+        self._commit()
+        self._write_sysfs()
 
     @sim_control
     def sim_reset_gpu(self, gpus: int | str | list[int | str]) -> None:

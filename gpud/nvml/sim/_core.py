@@ -46,7 +46,7 @@ from .state import (
 )
 from .identity import pci_bus_id_legacy
 from .kernel import write_procfs
-from .sysfs import write_numa_nodes
+from .sysfs import write_pci_devices
 
 Method = TypeVar("Method", bound=Callable)
 # Crash tests set this to N: the process is killed right after the N-th change to the simulated GPUs.
@@ -169,8 +169,12 @@ class SimCore:
     def _load(self) -> None:
         """The machine state from the state file, which is created on first use."""
         self._load_state()
-        write_numa_nodes(self.sysfs_root, [gpu.bus for gpu in self._gpus], preset_numa_nodes(self._preset))
+        self._write_sysfs()
         self._write_procfs()
+
+    def _write_sysfs(self) -> None:
+        """The GPUs' PCI device files as the node is now: bare metal, or a VM's vGPUs."""
+        write_pci_devices(self.sysfs_root, self._gpus, preset_numa_nodes(self._preset), self._node.vgpu_host)
 
     def _write_procfs(self) -> None:
         """The driver's procfs files as the node is now: the loaded module's version, the boot id, and

@@ -192,8 +192,11 @@ class DeviceCalls(SimCore):
 
     @nvml_call
     def nvmlDeviceGetVirtualizationMode(self, handle) -> int:
-        # What `nvidia-smi -q` prints as "Virtualization Mode" (Pass-Through on the captured H100).
+        # What `nvidia-smi -q` prints as "Virtualization Mode" (Pass-Through on the captured H100; vGPU in
+        # a vGPU guest: sim_set_vgpu).
         self._gpu(handle)
+        if self._node.vgpu_host:
+            return pynvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU
         return (pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH if self._node.passthrough
                 else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
 

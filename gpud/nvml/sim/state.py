@@ -24,6 +24,7 @@ from .identity import gpu_uuid, mig_uuid, pci_buses
 from .models import ComputeInstanceProfile, GpuInstanceProfile, GpuModel
 from .placement import Span
 from .presets import preset_fabric
+from .sysfs import HOST_DRIVER_FIELD_BYTES, VgpuHost
 from .topology import Link, wire
 
 FORMAT = 1
@@ -263,6 +264,26 @@ class Node:
     kernel_module: str | None = None
     # /proc/sys/kernel/random/boot_id: a random UUID the kernel makes at each boot (random(4)).
     boot_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    # The node is a VM whose GPUs are NVIDIA vGPUs of a hypervisor running this vGPU manager (its driver
+    # version and branch, which the vGPUs' PCI config space carries: sysfs.py); None: not a vGPU guest.
+    vgpu_host_driver_version: str | None = None
+    vgpu_host_driver_branch: str | None = None
+
+    @property
+    def vgpu_host(self) -> VgpuHost | None:
+        if self.vgpu_host_driver_version is None:
+            return None
+        return VgpuHost(self.vgpu_host_driver_version, self.vgpu_host_driver_branch or "")
+
+
+def check_vgpu_host(version: object, branch: object) -> None:
+    """A vGPU manager's version and branch as its host driver record holds them: ASCII text of at most
+    10 bytes each (internal/vgpu/vgpu.go HostDriverVersionLength, HostDriverBranchLength)."""
+    for name, value in (("version", version), ("branch", branch)):
+        if not (isinstance(value, str) and value.isascii() and value.isprintable()
+                and 0 < len(value) <= HOST_DRIVER_FIELD_BYTES):
+            raise SimError(f"the vGPU host driver {name} must be 1 to {HOST_DRIVER_FIELD_BYTES} printable ASCII "
+                           f"characters, got {value!r}")
 
 
 def dump_state(preset: str, gpus: list[Gpu], node: Node) -> dict[str, Any]:
@@ -280,10 +301,14 @@ def restore_node(document: dict[str, Any]) -> Node:
     if kernel_module is not None and not isinstance(kernel_module, str):
         raise SimError(f"kernel_module must be a driver version or null, not {kernel_module!r}")
     boot_id = document.get("boot_id")
+    version, branch = document.get("vgpu_host_driver_version"), document.get("vgpu_host_driver_branch")
+    if version is not None or branch is not None:
+        check_vgpu_host(version, branch)
     return Node(fabric_manager=bool(document.get("fabric_manager", True)),
                 passthrough=bool(document.get("passthrough", False)),
                 kernel_module=kernel_module,
-                **({"boot_id": str(boot_id)} if boot_id else {}))
+                **({"boot_id": str(boot_id)} if boot_id else {}),
+                vgpu_host_driver_version=version, vgpu_host_driver_branch=branch)
 
 
 def _dump_gpu(gpu: Gpu) -> dict[str, Any]:
