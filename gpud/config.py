@@ -264,6 +264,18 @@ class MetricsConfig:
     # the TCP listener has no authentication, so anyone who reaches it would learn them. false: they
     # are served only on the socket's /metrics, to api.group.
     listen_process_series: bool = False
+    # The kubelet's PodResources socket, read for the Kubernetes labels of the GPU and MIG series (pod,
+    # namespace, container, and dra_* for DRA claims, as dcgm-exporter writes them). Unset: the kubelet's
+    # /var/lib/kubelet/pod-resources/kubelet.sock, whenever it exists; on a simulated node none unless
+    # set. "": not read, no such labels.
+    pod_resources_socket: str | None = None
+    # Seconds between reads of it, and how long one may take. An answer older than three refreshes
+    # labels nothing.
+    pod_resources_refresh_s: float = field(default=10.0, metadata=_bounded(1, 3600))
+    pod_resources_timeout_s: float = field(default=5.0, metadata=_bounded(0.1, 60))
+    # Serve the Kubernetes labels on metrics.listen too. They name the node's pods and namespaces, and
+    # the TCP listener has no authentication. false: they are on the socket's /metrics only.
+    listen_pod_labels: bool = False
 
 
 @dataclass(frozen=True)
@@ -445,6 +457,15 @@ class Config:
         if self.cdi.spec_dir:
             return Path(self.cdi.spec_dir)
         return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
+
+    @property
+    def pod_resources_socket_path(self) -> Path | None:
+        """metrics.pod_resources_socket: the kubelet's when unset (but on a simulated node), None when off."""
+        setting = self.metrics.pod_resources_socket
+        if setting is None:  # kubernetes/kubernetes pkg/kubelet/config/defaults.go DefaultPodResourcesDirName
+            # under the kubelet's root directory (/var/lib/kubelet), dcgm-exporter's default too (pkg/cmd/app.go)
+            return None if self.simulate else Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+        return Path(setting) if setting else None
 
     def _node_path(self, setting: str | None, simulated_suffix: str, real: str) -> Path:
         """A path of the node's (the driver's files, device nodes, sysfs): as set; unset, on a simulated

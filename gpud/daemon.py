@@ -61,6 +61,7 @@ from gpud.nvml.reader import NodeReader
 from gpud.nvml.session import NvmlSession, load_backend
 from gpud.nvml.sim.host_files import SimulatedHostFiles
 from gpud.nvml.vgpu import VgpuReader
+from gpud.pod_resources.reader import PodResourcesReader
 from gpud.processes.cgroup import CGROUPFS
 from gpud.processes.host import PROC
 from gpud.processes.monitor import ProcessMonitor
@@ -105,7 +106,7 @@ class Daemon:
             SocketClaim(self._listener), StateDirectory(config.state_path), self.session, self.bus, self.inventory,
             *self._simulated_host_files(config), self.claims, self.health, self.processes, self.mig,
             self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency, self.nfd, self.cdi,
-            self.slurm_gres, self.metrics_listener, ApiServing(self._listener, self.api, self.latency, config.api),
+            self.slurm_gres, self.pod_resources, self.metrics_listener, ApiServing(self._listener, self.api, self.latency, config.api),
             SystemdStatus(self.notifier, self._ready, self.status_line)], self._gpus_ready)
 
     def _sharing_and_mps(self, config: Config) -> None:
@@ -184,10 +185,15 @@ class Daemon:
                                      config.cpu_topology_sysfs, self.inventory, self.sharing, self.bus,
                                      reconfigure=slurm.reconfigure, scontrol=slurm.scontrol,
                                      reconfigure_timeout_s=slurm.reconfigure_timeout_s)
-        self.metrics = MetricsRoute(self._collectors, changes=self._metrics_changes)
+        self.pod_resources = PodResourcesReader(config.pod_resources_socket_path, self.inventory, self.claims,
+                                                self.sharing, refresh_s=config.metrics.pod_resources_refresh_s,
+                                                timeout_s=config.metrics.pod_resources_timeout_s)
+        self.metrics = MetricsRoute(self._collectors, changes=self._metrics_changes,
+                                    pod_labels=self.pod_resources.labels)
         self.metrics_listener = MetricsListener(self.metrics, self.latency, idle_timeout_s=config.api.idle_timeout_s,
                                                 shutdown_timeout_s=config.api.shutdown_timeout_s,
                                                 with_processes=config.metrics.listen_process_series,
+                                                with_pods=config.metrics.listen_pod_labels,
                                                 listen=config.metrics.listen)
 
     def _api(self, config: Config) -> Api:
@@ -259,7 +265,7 @@ class Daemon:
 
     def _metrics_changes(self) -> tuple:
         """What makes a cached /metrics render stale before its max age."""
-        return self.bus.sequence, self.health.readings, self.processes.current
+        return self.bus.sequence, self.health.readings, self.processes.current, self.pod_resources.state()
 
     def _files_current(self, reason: str) -> None:
         """The CDI spec rebuilt now, not after its debounce: the DRA plugin reads it as soon as a dynamic
@@ -328,6 +334,7 @@ class Daemon:
         log.info("reloading")
         await self._move_metrics_listener(config.metrics.listen)  # first: when it fails, nothing changed
         self.metrics_listener.with_processes = config.metrics.listen_process_series
+        self.metrics_listener.with_pods = config.metrics.listen_pod_labels
         configure_log_level(config.log.level)
         await self.sharing_control.reload(config.sharing)
         await self.mps.reconfigure(config.mps)

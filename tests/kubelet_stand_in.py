@@ -25,6 +25,14 @@ behaviour names the source it copies, and none is kinder than the kubelet:
   the containers of the pod's spec, devices or not; pods that end leave the list). Get and GetAllocatableResources are not served.
   Calls beyond 100 a second (a burst of 10) are refused RESOURCE_EXHAUSTED "rejected by rate limit"
   (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS, DefaultBurstTokens).
+- Its containers' DRA claims (dynamic_resources: the KubeletPodResourcesDynamicResources gate, beta and on
+  from 1.34), as kubernetes/kubernetes @001332b0422071acf4860769f18e34b5e9b7c1bc fills them: one
+  DynamicResource per claim the container names, with the pod's namespace (pkg/kubelet/cm/dra/manager.go
+  GetContainerClaimInfos: the whole claim, every device of every request, however the container names
+  it); in it one ClaimResource per device prepared, by driver (pkg/kubelet/cm/container_manager_linux.go
+  GetDynamicResources), whose cdi_devices are that device's CDI IDs after those of the driver's devices
+  before it (the list is not emptied between devices there). A claim is listed from its Prepare on
+  (prepare_claim).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import stat
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -95,6 +104,9 @@ class Kubelet:
         self._server = None
         # (namespace, pod) -> container -> resource -> device IDs: what the kubelet allocated (podDevices)
         self.pod_devices: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
+        # (namespace, pod) -> container -> the claims it names: (claim name, its prepared devices)
+        self.pod_claims: dict[tuple[str, str], dict[str, list[tuple[str, list[PreparedDevice]]]]] = {}
+        self.list_delay_s = 0.0  # a kubelet slow to answer List (a test's hang)
         self.pod_resources_socket = directory.parent / "pod-resources" / "kubelet.sock"
         self.pod_resources_socket.parent.mkdir(exist_ok=True)
         self._pod_resources_server = None
@@ -122,6 +134,7 @@ class Kubelet:
             def List(self, request, context):
                 if not limiter.allow():
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+                kubelet._stopping.wait(kubelet.list_delay_s)
                 return kubelet._list_pod_resources()
 
         self._pod_resources_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -228,15 +241,26 @@ class Kubelet:
             self.pod_devices.setdefault((namespace, pod), {}).setdefault(name, {})[resource] = list(ids)
         return answer.container_responses[0]
 
+    def prepare_claim(self, container: tuple[str, str, str], claim: str, devices: list[PreparedDevice]) -> None:
+        """The pod's claim was prepared (its devices as the driver's NodePrepareResources answered them), and
+        `container` (namespace, pod, container) names it."""
+        namespace, pod, name = container
+        with self._changed:
+            self.pod_claims.setdefault((namespace, pod), {}).setdefault(name, []).append((claim, list(devices)))
+
     def _list_pod_resources(self) -> podresources_pb.ListPodResourcesResponse:
         with self._changed:
+            pods = {key: sorted({*self.pod_devices.get(key, {}), *self.pod_claims.get(key, {})})
+                    for key in {**self.pod_devices, **self.pod_claims}}
             return podresources_pb.ListPodResourcesResponse(pod_resources=[
                 podresources_pb.PodResources(namespace=namespace, name=pod, containers=[
                     podresources_pb.ContainerResources(name=container, devices=[
-                        device for resource, ids in resources.items() for i in ids
-                        for device in self._container_devices(resource, i)])
-                    for container, resources in containers.items()])
-                for (namespace, pod), containers in self.pod_devices.items()])
+                        device for resource, ids in self.pod_devices.get((namespace, pod), {}).get(container, {}).items()
+                        for i in ids for device in self._container_devices(resource, i)],
+                        dynamic_resources=[_dynamic_resource(namespace, claim, devices) for claim, devices
+                                           in self.pod_claims.get((namespace, pod), {}).get(container, [])])
+                    for container in containers])
+                for (namespace, pod), containers in pods.items()])
 
     def _container_devices(self, resource: str, device_id: str) -> list[podresources_pb.ContainerDevices]:
         nodes = self.numa.get(resource, {}).get(device_id)
@@ -278,6 +302,29 @@ class Kubelet:
 
     def healthy(self, resource: str) -> list[str]:
         return sorted(i for i, health in self.devices.get(resource, {}).items() if health == HEALTHY)
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet keeps it (dra/state DriverState.Devices)."""
+
+    driver: str
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...] = ()
+
+
+def _dynamic_resource(namespace: str, claim: str, devices: list[PreparedDevice]) -> podresources_pb.DynamicResource:
+    """container_manager_linux.go GetDynamicResources: by driver, each device's ClaimResource with the CDI
+    IDs of the driver's devices so far."""
+    resources = []
+    for driver in dict.fromkeys(device.driver for device in devices):
+        cdi: list[podresources_pb.CDIDevice] = []
+        for device in (d for d in devices if d.driver == driver):
+            cdi += [podresources_pb.CDIDevice(name=i) for i in device.cdi_ids]
+            resources.append(podresources_pb.ClaimResource(cdi_devices=list(cdi), driver_name=driver,
+                                                           pool_name=device.pool, device_name=device.device))
+    return podresources_pb.DynamicResource(claim_name=claim, claim_namespace=namespace, claim_resources=resources)
 
 
 NO_DEADLINE_S = 1e9  # grpc's server reports "no deadline" as a remaining time of centuries, not None

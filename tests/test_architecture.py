@@ -421,7 +421,7 @@ LAYERS = (
               "gpud.node_operations")),
     # one concern of the node each, and the socket's client processes
     ("services", ("gpud.gpu_reset", "gpud.processes", "gpud.health", "gpud.sharing", "gpud.claims",
-                  "gpud.device_plugin", "gpud.kubernetes", "gpud.dra")),
+                  "gpud.device_plugin", "gpud.kubernetes", "gpud.dra", "gpud.pod_resources")),
     # what changes the node (MIG layouts, MPS daemons) and what is written for others (CDI, NFD, Slurm),
     # from the services' views: what the sharing config advertises, the resetter
     ("operations", ("gpud.mig", "gpud.mps", "gpud.cdi", "gpud.nfd", "gpud.slurm")),

@@ -6,7 +6,8 @@ can be reached through it; any other path is a 404, and any other method on /met
 TCP carries no peer credentials, so nothing here is authenticated: whoever reaches the address
 reads the metrics. Hence the advice to bind it to loopback or a private interface, and the
 per-process series (a pid label: every local user's GPU processes) are left out here unless
-metrics.listen_process_series is set.
+metrics.listen_process_series is set, and the Kubernetes labels (the node's pods) unless
+metrics.listen_pod_labels is.
 
 Any local user can connect, from any of 127.0.0.0/8's addresses, so its slots are kept for those
 who scrape (Slots): a new connection must send its whole request head within HEAD_TIMEOUT_S; when
@@ -65,10 +66,12 @@ class MetricsListener(Component):
     name = "metrics-listener"
 
     def __init__(self, route: MetricsRoute, latency: RequestLatency, *, idle_timeout_s: float,
-                 shutdown_timeout_s: float, with_processes: bool = False, listen: str | None = None):
+                 shutdown_timeout_s: float, with_processes: bool = False, with_pods: bool = False,
+                 listen: str | None = None):
         self.route = route
         self.listen_at_start = listen
         self.with_processes = with_processes  # metrics.listen_process_series: read per request, so a reload applies
+        self.with_pods = with_pods  # metrics.listen_pod_labels: the same
         self.latency = latency  # scrapes over TCP are API requests too: counted and timed with the others
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -112,7 +115,7 @@ class MetricsListener(Component):
                  authentication="none: bind to loopback or a private interface")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return self.route.response(self.route.text(with_processes=self.with_processes))
+        return self.route.response(self.route.text(with_processes=self.with_processes, with_pods=self.with_pods))
 
     async def stop(self) -> None:
         """Stops listening; a scrape in flight gets shutdown_timeout_s to finish."""
