@@ -105,8 +105,9 @@ class Daemon:
         self.lifecycle = Lifecycle([
             SocketClaim(self._listener), StateDirectory(config.state_path), self.session, self.bus, self.inventory,
             *self._simulated_host_files(config), self.claims, self.health, self.processes, self.mig,
-            self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency, self.nfd, self.cdi,
-            self.slurm_gres, self.pod_resources, self.metrics_listener, ApiServing(self._listener, self.api, self.latency, config.api),
+            self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency, self.kubernetes_agent,
+            self.nfd, self.cdi, self.slurm_gres, self.pod_resources, self.metrics_listener,
+            ApiServing(self._listener, self.api, self.latency, config.api),
             SystemdStatus(self.notifier, self._ready, self.status_line)], self._gpus_ready)
 
     def _sharing_and_mps(self, config: Config) -> None:

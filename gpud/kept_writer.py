@@ -3,7 +3,7 @@ every inventory, MIG, MPS or sharing change (and every inventory refresh), writt
 changes, by a rename (safefs.KeptFile), so a reader never sees half a file.
 
 A directory refused or unwritable is reported (log once per cause, the view's `error`, /healthz) and
-tried again every RECHECK_S. Every RECHECK_S the file is also compared with what gpud wrote: one
+tried again every RECHECK_S, and said in /metrics (gpud_file_write_failing). Every RECHECK_S the file is also compared with what gpud wrote: one
 swapped, edited, linked or chmodded behind gpud's back is reported, counted and rewritten."""
 
 from __future__ import annotations
@@ -11,18 +11,31 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
+from gpud.base.samples import Family
 from gpud.base.safefs import KeptFile, UnsafePath
 from gpud.events import CLOSED, EventBus
 from gpud.inventory import InventoryService
+from gpud.model.dcgm_labels import HOSTNAME
 
 WATCHED_EVENTS = frozenset({"inventory", "mig", "mps", "sharing"})
 DEBOUNCE_S = 0.15  # changes arrive in bursts (a MIG apply: mig, inventory, sharing, mps): one write
 # How often a directory refused or unwritable is tried again, and the file compared with what gpud
 # wrote: one walk from / to the directory, a stat and a read of the file each time.
 RECHECK_S = 2.0
+
+
+def file_write_failing(file: str, path: Path | None, error: str | None) -> Iterator[Family]:
+    """1 while gpud cannot write a file it keeps for others (the last write failed), 0 once one succeeds;
+    no series where the file is not kept (no path). `file` names the component that keeps it."""
+    family = Family("gpud_file_write_failing", "1 while gpud cannot write a file it keeps for another program "
+                                               "(the CDI spec, NFD's features, gres.conf): the reason is in /healthz.",
+                    "gauge")
+    if path is not None:
+        family.add({"hostname": HOSTNAME, "file": file, "path": str(path)}, 1 if error else 0)
+    yield family
 
 
 class KeptFileWriter(Component):
@@ -54,6 +67,9 @@ class KeptFileWriter(Component):
 
     def problems(self) -> list[str]:
         return [self.error] if self.error else []
+
+    def collect(self) -> Iterator[Family]:
+        return file_write_failing(self.name, self.path, self.error)
 
     def build(self, inventory) -> Any:
         raise NotImplementedError

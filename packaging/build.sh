@@ -126,6 +126,14 @@ cli_docs man - | gzip -9n > "$share/man/man1/gpud.1.gz"
 cli_docs bash "$share/bash-completion/completions/gpud"
 cli_docs zsh "$share/zsh/vendor-completions/_gpud"
 
+# What Prometheus and Grafana load (docs/alerts.md, "Loading the rules"): the alert rules, not their
+# promtool unit tests (a rule_files glob over the directory would load those as rules, which Prometheus
+# refuses), and every dashboard deploy/grafana/ holds. Staged here rather than globbed by nfpm, whose
+# glob fails when it matches nothing.
+mkdir -p "$share/gpud/prometheus" "$share/gpud/grafana"
+install -m 0644 deploy/prometheus/gpud-alerts.yaml "$share/gpud/prometheus/"
+find deploy -path 'deploy/grafana/*.json' -exec install -m 0644 -t "$share/gpud/grafana/" {} +
+
 for packager in deb rpm; do
     "$tools/bin/nfpm" package --config packaging/nfpm.yaml --packager "$packager" --target dist/
 done

@@ -36,11 +36,16 @@ EXECUTABLES = ("usr/bin/gpud", f"{LIB}/slurm/health-check", f"{LIB}/slurm/prolog
 ALLOWED_PLACES = ("usr/bin/gpud", f"{LIB}/", "usr/lib/systemd/system/gpud", "usr/lib/sysusers.d/gpud",
                   "usr/lib/tmpfiles.d/gpud", "usr/share/doc/gpud/", "usr/share/licenses/gpud/",
                   "usr/share/man/man1/gpud.1.gz", "usr/share/bash-completion/completions/gpud",
-                  "usr/share/zsh/vendor-completions/_gpud", "usr/share/lintian/overrides/gpud", "etc/gpud/")
+                  "usr/share/zsh/vendor-completions/_gpud", "usr/share/lintian/overrides/gpud", "etc/gpud/",
+                  "usr/share/gpud/")
 # What a build machine leaves in what it makes: our checkout's path (the venv, build/, the staged tree)
 # and the temporary directories pip builds in.
 BUILD_MARKERS = (str(REPO).encode(), b"pip-req-build-", b"pip-build-env-", b"pip-wheel-", b"pip-install-")
 PACKAGING_README = (REPO / "packaging" / "README.md").read_text()
+# The alert rules and every Grafana dashboard, where Prometheus and Grafana are pointed at them
+# (docs/alerts.md); the rules' promtool unit tests stay out (a rule_files glob would load them).
+MONITORING_FILES = sorted(["usr/share/gpud/prometheus/gpud-alerts.yaml",
+                           *(f"usr/share/gpud/grafana/{path.name}" for path in (REPO / "deploy/grafana").glob("*.json"))])
 
 
 def build(version: str | None = None) -> tuple[Path, Path]:
@@ -103,7 +108,8 @@ def test_deb_metadata_conffiles_and_scripts(packages):
     control = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True,
                              timeout=120).stdout
     assert b"conffiles" in control and b"postinst" in control and b"prerm" in control
-    listing = {member.name for member in deb_members(deb)}
+    members = deb_members(deb)
+    listing = {member.name for member in members}
     for path in ("./usr/bin/gpud", "./usr/lib/systemd/system/gpud.service", "./usr/lib/systemd/system/gpud.socket",
                  "./usr/lib/systemd/system/gpud-device-plugin.service",
                  "./usr/lib/systemd/system/gpud-dra-plugin.service", "./etc/gpud/gpud.yaml",
@@ -114,6 +120,8 @@ def test_deb_metadata_conffiles_and_scripts(packages):
                  "./usr/share/doc/gpud/copyright", "./usr/share/doc/gpud/changelog.Debian.gz",
                  "./usr/share/lintian/overrides/gpud"):
         assert path in listing, path
+    assert sorted(member.name.removeprefix("./") for member in members
+                  if member.name.startswith("./usr/share/gpud/") and member.isfile()) == MONITORING_FILES
 
 
 def test_files_are_in_their_places_with_sane_modes_and_nothing_left_by_a_build(packages):
@@ -438,6 +446,8 @@ def test_rpm_metadata_config_files_scriptlets_and_interpreter_dependency(package
     assert "postinstall scriptlet" in scripts and "groupadd --system gpud" in scripts
     files = query("-l").split()
     assert "/usr/lib/systemd/system/gpud.service" in files and "/usr/share/licenses/gpud/copyright" in files
+    assert sorted(path.lstrip("/") for path in files if path.startswith("/usr/share/gpud/")
+                  and path.endswith((".yaml", ".json"))) == MONITORING_FILES
     assert not [path for path in files if path.startswith("/opt")]
     assert f"- {__version__}" in query("--changelog")
     assert query("--qf", "%{GROUP}") == "System Environment/Daemons"

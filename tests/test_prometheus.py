@@ -7,18 +7,16 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
-from helpers import IN_CI, Running, answer_until, need, sim_config, start_daemon, stop_daemon, until_async
+from helpers import Running, answer_until, need, sim_config, start_daemon, stop_daemon, until_async
+from prometheus_server import PrometheusServer, free_port, tool
 
 from gpud.api.metrics_listener import HEAD_TIMEOUT_S, MAX_CONNECTIONS_PER_ADDRESS, MAX_HEADERS
 from gpud.config import ConfigError, listen_address, load_config, parse_config
@@ -28,22 +26,6 @@ TWO_GPUS = "A100-SXM4-40GB:2"
 # Label names spelt as dcgm-exporter spells them (its render_metrics.go, /work/shared/reference/health.md
 # §C2): kept for its dashboards, though Prometheus's lint prefers snake_case.
 DCGM_EXPORTER_LABELS = {"UUID", "modelName", "GPU_I_ID", "GPU_I_PROFILE", "DCGM_FI_DRIVER_VERSION"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"CI must have {name} (Debian's prometheus package; scripts/test-all installs it)")
-        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
-    return path
 
 
 def listening(tmp: Path, address: str, preset: str = TWO_GPUS):
@@ -400,22 +382,13 @@ async def test_promtool_parses_the_scrape_and_lints_only_dcgm_names(node):
 
 @pytest.mark.slow
 async def test_a_real_prometheus_scrapes_gpud(node, tmp_path):
-    prometheus = tool("prometheus")
-    web = f"127.0.0.1:{free_port()}"
-    (tmp_path / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        f"scrape_configs:\n  - job_name: gpud\n    static_configs:\n      - targets: ['{node.address}']\n")
-    log = (tmp_path / "prometheus.log").open("w")
-    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        target = await prometheus_answer(web, "/api/v1/targets", server, tmp_path,
-                                          lambda data: [t for t in data["activeTargets"] if t["health"] == "up"])
+    async with PrometheusServer(tmp_path, [node.address]) as prometheus:
+        target = await prometheus.answer("/api/v1/targets",
+                                         lambda data: [t for t in data["activeTargets"] if t["health"] == "up"])
         assert target[0]["labels"] == {"instance": node.address, "job": "gpud"}
         _, gpus = await node.get("/v1/gpus")
         expected = {gpu["uuid"]: gpu for gpu in gpus["gpus"]}
-        series = await prometheus_answer(web, "/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP", server, tmp_path,
+        series = await prometheus.answer("/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP",
                                          lambda data: len(data["result"]) >= len(expected) and data["result"])
         assert sorted(s["metric"]["UUID"] for s in series) == sorted(expected)
         for one in series:
@@ -424,37 +397,6 @@ async def test_a_real_prometheus_scrapes_gpud(node, tmp_path):
             assert labels["modelName"].endswith(gpu["name"].removeprefix("NVIDIA "))
             assert {"pci_bus_id", "device", "hostname", "instance"} <= set(labels)
             assert 0 < float(one["value"][1]) < 100  # a temperature in °C
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
-        log.close()
-
-
-async def prometheus_answer(web: str, path: str, server: subprocess.Popen, tmp_path: Path, wanted,
-                            timeout: float = 30.0):
-    """Prometheus's API answer's data once wanted(data) is truthy (it is starting, then scraping)."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        assert server.poll() is None, (tmp_path / "prometheus.log").read_text()
-        try:
-            last = await asyncio.to_thread(_get_json, f"http://{web}{path}")
-            found = wanted(last["data"])
-            if found:
-                return found
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"Prometheus never answered {path} as wanted: {last}\n"
-                         f"{(tmp_path / 'prometheus.log').read_text()[-3000:]}")
-
-
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
 
 
 # -- configuration, a port in use, reload ----------------------------------------------------

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from aiohttp import web
 
 from gpud.api.auth import admin_only
 from gpud.api.errors import read_any_json_object
 from gpud.api.responses import json_response
+from gpud.base.lifecycle import Component
+from gpud.base.samples import Family
 from gpud.config import KubernetesConfig
+from gpud.model.dcgm_labels import HOSTNAME
 
 # The agent's status is a summary (its node, its last actions, its errors), not a log.
 MAX_AGENT_STATUS_BYTES = 64 << 10
 
 
-class KubernetesAgentStatus:
+class KubernetesAgentStatus(Component):
     """The status the agent reported last, and when: served as it came, lost when gpud stops (the agent
-    reports again)."""
+    reports again). When is a series too, so an alert can say the agent stopped reporting."""
+
+    name = "kubernetes-agent"
 
     def __init__(self) -> None:
         self.status: dict[str, Any] | None = None
@@ -28,6 +33,15 @@ class KubernetesAgentStatus:
 
     def report(self, status: dict[str, Any]) -> None:
         self.status, self.reported_at = status, time.time()
+
+    def collect(self) -> Iterator[Family]:
+        """No series before the agent's first report: a node without the agent has nothing to alert on."""
+        reported = Family("gpud_kubernetes_agent_last_report_timestamp_seconds",
+                          "When gpud k8s-agent last reported its status (Unix time); it reports at least every minute.",
+                          "gauge")
+        if self.reported_at is not None:
+            reported.add({"hostname": HOSTNAME}, self.reported_at)
+        yield reported
 
 
 class KubernetesRoutes:

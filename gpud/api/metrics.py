@@ -77,15 +77,24 @@ class MetricsRoute:
         lines: list[str] = []
         pods = self.pod_labels() if with_pods else {}
         collectors = self.collectors()
+        # A family several collectors write (each file gpud keeps says whether it is written) is written
+        # once, where it first comes: the text format allows one TYPE line, and the samples of a family
+        # together (https://prometheus.io/docs/instrumenting/exposition_formats/).
+        families: dict[str, Family] = {}
         for name, collector in collectors.items():
             try:
-                families = list(collector.collect())
+                collected = list(collector.collect())
             except Exception as exc:  # a bug or a state mid-change: the other collectors still answer
                 self.errors[name] = self.errors.get(name, 0) + 1
                 log.error("metrics_collector_failed", collector=name, error=f"{type(exc).__name__}: {exc}")
                 continue
-            for family in families:
-                _write(lines, family, with_processes, pods)
+            for family in collected:
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = Family(family.name, family.help, family.kind, list(family.samples))
+        for family in families.values():
+            _write(lines, family, with_processes, pods)
         errors = Family("gpud_collector_errors_total",
                         "Renders of /metrics (each shared by the scrapes while it is fresh) that left a "
                         "collector's samples out: it failed.", "counter")

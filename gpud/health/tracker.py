@@ -203,6 +203,10 @@ class HealthTracker:
     def driver_action(self, gpu_uuid: str) -> str | None:
         return self._driver_actions.get(gpu_uuid)
 
+    def action_for(self, gpu_uuid: str) -> str:
+        """gpud's suggested action for the GPU, as /v1/health's suggested_action says it."""
+        return suggested_action(self._health_view(gpu_uuid)["reasons"])
+
     def subjects_view(self) -> tuple[dict, list[dict]]:
         """The node's health, and each other subject's (name, state, reasons), by name."""
         views = {name: {"name": name, **self._health_view_of(device)} for name, device in self._subjects.items()}

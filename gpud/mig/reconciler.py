@@ -33,7 +33,7 @@ from gpud.mig.layouts import Layout, LayoutsFile
 from gpud.mig.preflight import plan_layout, refuse_blocked_reset, refuse_busy_gpus
 from gpud.mig.status import ApplyState, ApplyStatus, GpuApplyState, GpuProgress
 from gpud.mig.sync import in_sync
-from gpud.mig.view import in_sync_family, mig_view
+from gpud.mig.view import mig_families, mig_view
 from gpud.model.inventory import Inventory
 from gpud.model.mig import GpuPlan
 from gpud.node_operations import NodeOperations, Operation
@@ -239,7 +239,7 @@ class MigReconciler(Component):
                         started=self._started, problem=self.problem, history=self._history.entries)
 
     def collect(self) -> Iterator[Family]:
-        return in_sync_family(self.view(self.inventory.current), self.desired)
+        return mig_families(self.view(self.inventory.current), self.desired)
 
 
 def _outcome(status: ApplyStatus) -> ApplyState:

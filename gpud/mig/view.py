@@ -1,5 +1,5 @@
 """What /v1/mig shows of the MIG layout (desired and actual per GPU, the apply's state, the history),
-and the in-sync gauge /metrics collects from it."""
+and the gauges /metrics collects from it: in sync, and the apply's state."""
 
 from __future__ import annotations
 
@@ -37,8 +37,24 @@ def mig_view(inventory: Inventory | None, desired: dict[str, GpuDesired], status
             "history": history}
 
 
+def mig_families(view: dict, desired: dict[str, GpuDesired]) -> Iterator[Family]:
+    """What /metrics collects of MIG: whether the GPUs are in sync, and the apply's state."""
+    yield from in_sync_family(view, desired)
+    yield from apply_state_family(view)
+
+
 def in_sync_family(view: dict, desired: dict[str, GpuDesired]) -> Iterator[Family]:
     """Whether the GPUs have the desired layout, for /metrics (no desired layout: nothing is out of sync)."""
     family = Family("gpud_mig_in_sync", "1 when every GPU has the desired MIG layout.", "gauge")
     family.add({"hostname": HOSTNAME}, 1 if view["in_sync"] or not desired else 0)
+    yield family
+
+
+def apply_state_family(view: dict) -> Iterator[Family]:
+    """The apply's state as /v1/mig says it, one series per state, 1 for the state it is in (a state set,
+    as kube-state-metrics writes kube_pod_status_phase): a change is a value, not a series that vanishes."""
+    family = Family("gpud_mig_apply_state", "1 for the MIG apply's state (/v1/mig's state), 0 for the others.",
+                    "gauge")
+    for state in ApplyState:
+        family.add({"hostname": HOSTNAME, "state": state.value}, 1 if view["state"] == state else 0)
     yield family

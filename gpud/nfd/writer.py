@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.safefs import KeptFile, UnsafePath
+from gpud.base.samples import Family
 from gpud.config import NfdConfig
 from gpud.events import CLOSED, OVERFLOW, EventBus
+from gpud.kept_writer import file_write_failing
 from gpud.nfd.labels import HEADER, feature_file
 
 log = get_logger("nfd")
@@ -73,6 +75,10 @@ class NfdWriter(Component):
 
     def problems(self) -> list[str]:
         return [self.problem] if self.problem else []
+
+    def collect(self) -> Iterator[Family]:
+        """Turned off, gpud keeps no file: no series."""
+        return file_write_failing(self.name, self.path if self.enabled else None, self._document["error"])
 
     async def start(self, tasks: Tasks) -> None:
         tasks.spawn(self.run(), "nfd")
