@@ -75,7 +75,7 @@ def one_instance(nvml, index: int, profile_constant: int):
 def two_samples(nvml, take, pause_s=0.15):
     first, second = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
     take(first)
-    time.sleep(pause_s)  # nvml.h: more than 100 ms between two samples
+    time.sleep(pause_s)  # fixed time: nvml.h wants more than 100 ms between two samples
     take(second)
     return first, second
 
@@ -183,7 +183,7 @@ def test_sampler_gives_dcgm_units_from_the_second_pass_and_says_no_gpm_once(sim)
     sampler = GpmSampler()
     with structlog.testing.capture_logs() as logged:
         assert sampler.sample(sim, targets) == {}  # one sample each: nothing to compare yet
-        time.sleep(0.15)
+        time.sleep(0.15)  # fixed time: nvml.h wants more than 100 ms between two samples
         profiles = sampler.sample(sim, targets)
         sampler.sample(sim, targets)
     model = gpm_model()
@@ -305,7 +305,7 @@ async def test_profiling_off_takes_no_samples_and_a_reset_frees_them(short_tmp):
     config = sim_config(short_tmp, "H100-SXM5-80GB:2")
     node = await start_daemon(config.with_overrides(**{"health.profiling": False}))
     try:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # fixed time: a pass that would sample has its chance; none must come
         assert not node.daemon.session.nvml._gpm_samples
         async with node.http.get("http://localhost/metrics") as response:
             assert "DCGM_FI_PROF_" not in await response.text()
