@@ -160,11 +160,16 @@ def binary_quantity(value: int) -> str:
     return str(value)
 
 
+def gpu_device_name(minor: int) -> str:
+    """A whole GPU's device name (deviceinfo.go GpuInfo.CanonicalName)."""
+    return f"gpu-{minor}"
+
+
 def mig_device_name(parent_minor: int, profile: str, gi_profile_id: int, placement_start: int) -> str:
     """mig.go ToCanonicalName: dots dropped from the profile, then toRFC1123Compliant (lower case, other
     characters '-', trimmed): "1g.10gb+me" -> "1g10gb-me"."""
     name = _NOT_RFC1123.sub("-", profile.replace(".", "").lower()).strip("-").removesuffix(".")
-    return f"gpu-{parent_minor}-mig-{name}-{gi_profile_id}-{placement_start}"
+    return f"{gpu_device_name(parent_minor)}-mig-{name}-{gi_profile_id}-{placement_start}"
 
 
 def pcie_root(sysfs: Path, bus_id: str) -> str | None:
@@ -244,7 +249,7 @@ def _counters(capacities: dict[str, int]) -> dict[str, str]:
 
 
 def _whole_gpu(gpu: dict, node: dict, sysfs: Path | None) -> DraDevice:
-    return DraDevice(f"gpu-{gpu['minor_number']}", GPU_TYPE, gpu["uuid"], gpu["uuid"], int(gpu["index"]),
+    return DraDevice(gpu_device_name(gpu["minor_number"]), GPU_TYPE, gpu["uuid"], gpu["uuid"], int(gpu["index"]),
                      int(gpu["minor_number"]), _gpu_attributes(gpu, node, sysfs),
                      _quantities({MEMORY: int(gpu["memory_total_mib"]) << 20}))
 
@@ -278,10 +283,11 @@ def _dynamic_gpu(gpu: dict, dynamic: dict, node: dict, sysfs: Path | None) -> li
     memory_slices = int(dynamic["memory_slices"])
     profiles = [(p, _profile_capacities(p)) for p in dynamic["profiles"]]
     maxima = {name: max(c[name] for _, c in profiles) for name in profiles[0][1]}
-    counter_set = CounterSet(f"gpu-{minor}-counter-set", {**_counters(maxima), **_slice_counters(0, memory_slices)})
+    counter_set = CounterSet(f"{gpu_device_name(minor)}-counter-set",
+                             {**_counters(maxima), **_slice_counters(0, memory_slices)})
     devices = []
     if dynamic["mig_mode"] == "disabled" or dynamic.get("mode_toggle_without_reset") is True:
-        devices.append(DraDevice(f"gpu-{minor}", GPU_TYPE, uuid, uuid, index, minor, _gpu_attributes(gpu, node, sysfs),
+        devices.append(DraDevice(gpu_device_name(minor), GPU_TYPE, uuid, uuid, index, minor, _gpu_attributes(gpu, node, sysfs),
                                  _quantities(maxima), counter_set=counter_set, consumes=counter_set.counters))
     for profile, capacities in profiles:
         gi_profile_id = int(profile["gi_profile_id"])
@@ -331,7 +337,7 @@ def _shared_gpu(gpu: dict, share: dict, policy: dict, node: dict, sysfs: Path | 
                                                  given(compute, "default", None))
     capacity = {MEMORY: {"value": binary_quantity(memory_max), "requestPolicy": memory_policy},
                 COMPUTE_CAPACITY: {"value": str(compute_max), "requestPolicy": compute_policy}}
-    return DraDevice(f"gpu-{gpu['minor_number']}", GPU_TYPE, gpu["uuid"], gpu["uuid"], int(gpu["index"]),
+    return DraDevice(gpu_device_name(gpu["minor_number"]), GPU_TYPE, gpu["uuid"], gpu["uuid"], int(gpu["index"]),
                      int(gpu["minor_number"]), _gpu_attributes(gpu, node, sysfs), capacity, kind=SHARE,
                      allow_multiple_allocations=True)
 

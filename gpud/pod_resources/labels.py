@@ -23,7 +23,7 @@ dra.go):
   (DRAResourceSliceManager.GetDeviceInfo keys it by parentUUID) and, as gpud has series per instance, on
   its instance's too. The exporter finds the device's UUID in the driver's ResourceSlices; gpud in its
   own claims ledger (the claim's devices, as gpud's DRA plugin holds them) and the names the plugin
-  publishes them by (gpud/dra/devices.py: `gpu-<minor>`, mig_device_name).
+  publishes them by (gpud/dra/devices.py: gpu_device_name, mig_device_name).
 - A device no container holds gets no label at all (Process leaves its series as they are).
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.claims import Hold
-from gpud.dra.devices import mig_device_name
+from gpud.dra.devices import gpu_device_name, mig_device_name
 from gpud.model.inventory import Gpu, Inventory, MigDevice
 from gpud.pod_resources.messages import Pod
 from gpud.sharing.resources import GPU_RESOURCE, MIG_RESOURCE_PREFIX
@@ -98,7 +98,7 @@ def _published_names(hold: Hold, inventory: Inventory) -> dict[str, tuple[Gpu, M
         if gpu.minor_number is None:  # the plugin publishes no device of it
             continue
         if gpu.uuid in hold.devices:
-            names[f"gpu-{gpu.minor_number}"] = (gpu, None)
+            names[gpu_device_name(gpu.minor_number)] = (gpu, None)
         for mig in gpu.mig.devices:
             if mig.uuid in hold.devices:
                 names[mig_device_name(gpu.minor_number, mig.profile, mig.gi_profile_id, mig.placement.start)] = (gpu, mig)
