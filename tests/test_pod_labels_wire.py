@@ -1,6 +1,7 @@
-"""gpud's own reading of the kubelet's PodResources List (gpud serve imports no grpc or protobuf): HPACK
-against RFC 7541's examples, protobuf's wire format against the protobuf library's encoding of the real
-proto, the gRPC call against scripted and hostile servers. No grpc here: these run on the pure tree too."""
+"""gpud's own reading of the kubelet's PodResources List (gpud serve imports no grpc or protobuf): protobuf's
+wire format against the protobuf library's encoding of the real proto, the gRPC call (HTTP/2 by h2) against
+scripted and hostile servers whose frames are built with hyperframe and hpack, the libraries under h2. No
+grpc here: these run on the pure tree too."""
 
 from __future__ import annotations
 
@@ -12,65 +13,17 @@ import time
 
 import pytest
 
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import RequestReceived
+from hpack import Encoder
+from hyperframe.frame import (ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame,
+                              SettingsFrame)
+
 from gpud.device_plugin import podresources_pb2 as pb
-from gpud.pod_resources import grpc_unary
-from gpud.pod_resources.grpc_unary import (CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PADDED,
-                                           RST_STREAM, SETTINGS, GrpcCallError, _frame, call)
-from gpud.pod_resources.hpack import Decoder, HpackError, encode_literals, huffman_decode
+from gpud.pod_resources.grpc_unary import GrpcCallError, call
 from gpud.pod_resources.messages import (ClaimResource, Container, ContainerDevices, DynamicResource,
                                          MalformedAnswer, Pod, parse_list_answer)
-
-# -- HPACK: RFC 7541 Appendix C ---------------------------------------------------------------------
-
-
-def test_hpack_decodes_rfc_7541s_requests_with_huffman_and_the_dynamic_table():
-    decoder = Decoder()  # C.4.1 - C.4.3: one connection's three requests
-    assert decoder.decode(bytes.fromhex("828684418cf1e3c2e5f23a6ba0ab90f4ff")) == [
-        (":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "www.example.com")]
-    assert decoder.decode(bytes.fromhex("828684be5886a8eb10649cbf"))[-1] == ("cache-control", "no-cache")
-    assert decoder.decode(bytes.fromhex("828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"))[-1] == (
-        "custom-key", "custom-value")
-    assert decoder.dynamic == [("custom-key", "custom-value"), ("cache-control", "no-cache"),
-                               (":authority", "www.example.com")]
-
-
-def test_hpack_evicts_as_rfc_7541s_responses_do():
-    decoder = Decoder(256)  # C.6: SETTINGS_HEADER_TABLE_SIZE 256
-    decoder.table_size = 256
-    first = decoder.decode(bytes.fromhex("488264025885aec3771a4b6196d07abe941054d444a8200595040b8166e082a62d1bff6e"
-                                         "919d29ad171863c78f0b97c8e9ae82ae43d3"))
-    assert first[0] == (":status", "302") and first[2] == ("date", "Mon, 21 Oct 2013 20:13:21 GMT")
-    second = decoder.decode(bytes.fromhex("4883640effc1c0bf"))  # C.6.2: ":status 307" evicts ":status 302"
-    assert second[0] == (":status", "307") and (":status", "302") not in decoder.dynamic
-    assert sum(len(n) + len(v) + 32 for n, v in decoder.dynamic) <= 256
-
-
-def test_hpack_literals_read_back():
-    fields = [(":path", "/v1.PodResourcesLister/List"), ("x-long", "v" * 300)]
-    assert Decoder().decode(encode_literals(fields)) == fields
-
-
-@pytest.mark.parametrize("block, why", [
-    (b"\xff", "ends inside an integer"),
-    (b"\xff\xff\xff\xff\xff\xff\x7f", "too large"),
-    (b"\xbe", "no table entry 62"),
-    (b"\x80", "no table entry 0"),
-    (b"\x00\x85ab", "ends inside a string"),
-    (b"\x00\x01a\x01\xff", "not UTF-8"),
-    (b"\x3f\xe2\x1f", "4097 above the 4096 allowed"),
-    (b"\x00\x81\x00\x00", "padding"),
-])
-def test_hpack_refuses_hostile_blocks(block, why):
-    with pytest.raises(HpackError, match=why):
-        Decoder().decode(block)
-
-
-def test_huffman_refuses_eos_and_long_padding():
-    with pytest.raises(HpackError, match="EOS"):
-        huffman_decode(b"\xff\xff\xff\xff")
-    with pytest.raises(HpackError, match="padding"):
-        huffman_decode(b"\x1f\xff")  # "a" then 11 bits of ones
-
 
 # -- the List answer --------------------------------------------------------------------------------
 
@@ -161,11 +114,26 @@ class Scripted:
         connection.close()
 
 
-def headers(fields, flags=END_HEADERS) -> bytes:
-    return _frame(HEADERS, flags, 1, encode_literals(fields))
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4
+
+
+def frame(kind, payload: bytes = b"", stream: int = 1, *flags: str, **fields) -> bytes:
+    made = kind(stream, flags=flags, **fields)
+    if payload:
+        made.data = payload
+    return made.serialize()
+
+
+def block(fields) -> bytes:
+    return Encoder().encode(fields)
+
+
+def headers(fields, *flags: str) -> bytes:
+    return frame(HeadersFrame, block(fields), 1, "END_HEADERS", *flags)
 
 
 OK_HEADERS = [(":status", "200"), ("content-type", "application/grpc")]
+SETTINGS = frame(SettingsFrame, stream=0)
 
 
 def message(body: bytes) -> bytes:
@@ -173,31 +141,35 @@ def message(body: bytes) -> bytes:
 
 
 def test_an_answer_in_pieces_padding_and_continuations_is_read(short_tmp):
-    block = encode_literals(OK_HEADERS)
-    padded = bytes([3]) + message(b"hello")[:4] + b"\x00" * 3
-    answer = (_frame(SETTINGS, 0, 0, b"") + _frame(HEADERS, PADDED, 1, bytes([2]) + block[:5] + b"\x00\x00")
-              + _frame(CONTINUATION, END_HEADERS, 1, block[5:]) + _frame(DATA, PADDED, 1, padded)
-              + _frame(DATA, 0, 1, message(b"hello")[4:]) + headers([("grpc-status", "0")], END_HEADERS | END_STREAM))
+    fields = block(OK_HEADERS)
+    answer = (SETTINGS + frame(HeadersFrame, fields[:5], 1, "PADDED", pad_length=2)
+              + frame(ContinuationFrame, fields[5:], 1, "END_HEADERS")
+              + frame(DataFrame, message(b"hello")[:4], 1, "PADDED", pad_length=3)
+              + frame(DataFrame, message(b"hello")[4:]) + headers([("grpc-status", "0")], "END_STREAM"))
     server = Scripted(short_tmp / "k.sock", answer)
     assert call(short_tmp / "k.sock", "/v1.PodResourcesLister/List", b"", 2.0, 1 << 20) == b"hello"
-    assert server.received.startswith(grpc_unary.PREFACE)
-    assert b"/v1.PodResourcesLister/List" in server.received and b"application/grpc" in server.received
+    assert server.received.startswith(PREFACE)
+    (request,) = [event for event in H2Connection(H2Configuration(client_side=False, header_encoding="utf-8"))
+                  .receive_data(bytes(server.received)) if isinstance(event, RequestReceived)]
+    sent = dict(request.headers)
+    assert (sent[":method"], sent[":path"], sent["content-type"], sent["te"]) == (
+        "POST", "/v1.PodResourcesLister/List", "application/grpc", "trailers")
 
 
 @pytest.mark.parametrize("answer, why", [
-    (headers([*OK_HEADERS, ("grpc-status", "14"), ("grpc-message", "kubelet%20down")], END_HEADERS | END_STREAM),
+    (headers([*OK_HEADERS, ("grpc-status", "14"), ("grpc-message", "kubelet%20down")], "END_STREAM"),
      "gRPC status 14: kubelet down"),
-    (headers([(":status", "404")], END_HEADERS | END_STREAM), "HTTP status 404"),
-    (headers(OK_HEADERS) + _frame(RST_STREAM, 0, 1, struct.pack(">I", 2)), "RST_STREAM, error code 2"),
-    (_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 11)), "GOAWAY, error code 11"),
-    (headers(OK_HEADERS) + _frame(DATA, 0, 1, message(b"x" * 100)), "closed the connection mid-answer"),
-    (headers(OK_HEADERS) + _frame(DATA, 0, 1, message(b"x" * 2000)), "larger than 1024 bytes"),
-    (headers(OK_HEADERS) + _frame(DATA, 0, 1, b"\x01\x00\x00\x00\x01x")
-     + headers([("grpc-status", "0")], END_HEADERS | END_STREAM), "no uncompressed message"),
-    (headers(OK_HEADERS) + _frame(DATA, 0, 1, message(b"abc")[:6])
-     + headers([("grpc-status", "0")], END_HEADERS | END_STREAM), "1 bytes where its prefix says 3"),
-    (_frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\xbe"), "undecodable headers"),
-    (b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(range(256)), "a frame of|closed the connection"),
+    (headers([(":status", "404")], "END_STREAM"), "HTTP status 404"),
+    (headers(OK_HEADERS) + frame(RstStreamFrame, error_code=2), "RST_STREAM, error code 2"),
+    (frame(GoAwayFrame, stream=0, last_stream_id=0, error_code=11), "GOAWAY, error code 11"),
+    (headers(OK_HEADERS) + frame(DataFrame, message(b"x" * 100)), "closed the connection mid-answer"),
+    (headers(OK_HEADERS) + frame(DataFrame, message(b"x" * 2000)), "larger than 1024 bytes"),
+    (headers(OK_HEADERS) + frame(DataFrame, b"\x01\x00\x00\x00\x01x") + headers([("grpc-status", "0")], "END_STREAM"),
+     "no uncompressed message"),
+    (headers(OK_HEADERS) + frame(DataFrame, message(b"abc")[:6]) + headers([("grpc-status", "0")], "END_STREAM"),
+     "1 bytes where its prefix says 3"),
+    (frame(HeadersFrame, b"\xbe", 1, "END_HEADERS", "END_STREAM"), "protocol error"),  # no table entry 62
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(range(256)), "protocol error|closed the connection"),
 ])
 def test_what_is_no_answer_is_said(short_tmp, answer, why):
     Scripted(short_tmp / "k.sock", answer)
@@ -206,7 +178,7 @@ def test_what_is_no_answer_is_said(short_tmp, answer, why):
 
 
 def test_a_silent_server_costs_the_deadline_and_no_more(short_tmp):
-    server = Scripted(short_tmp / "k.sock", _frame(SETTINGS, 0, 0, b""), close=False)
+    server = Scripted(short_tmp / "k.sock", SETTINGS, close=False)
     started = time.monotonic()
     with pytest.raises(GrpcCallError, match="no answer within 0.5 s"):
         call(short_tmp / "k.sock", "/v1.PodResourcesLister/List", b"", 0.5, 1024)
