@@ -277,13 +277,15 @@ class Daemon:
     def _kubernetes_config(self):
         return self.config.kubernetes
 
-    def _nfd_labels(self) -> dict[str, str] | None:
-        """The node's labels for NFD; None until the first inventory."""
+    async def _nfd_labels(self) -> dict[str, str] | None:
+        """The node's labels for NFD; None until the first inventory. The vGPU reading scans every PCI
+        device's sysfs files: a thread's work, not the event loop's."""
         inventory = self.inventory.current
         if inventory is None:
             return None
+        vgpu = await asyncio.to_thread(self._vgpu.reading, inventory)
         return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),
-                           self.health.view(), self._vgpu.reading(inventory))
+                           self.health.view(), vgpu)
 
     async def reload_from_files(self) -> str:
         """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.

@@ -246,7 +246,7 @@ async def test_infiniband_ports_are_subjects_with_node_exporters_metrics(short_t
         assert subject["state"] == "unhealthy" and subject["reasons"][0]["code"] == "port-down"
         # The node is unhealthy for its port; NFD's GPU health label is the GPUs' (and the node's own)
         assert (await health_view(node))["status"] == "unhealthy"
-        assert node.daemon._nfd_labels()["nvidia.com/gpu.health"] == "healthy"
+        assert (await node.daemon._nfd_labels())["nvidia.com/gpu.health"] == "healthy"
         shutil.rmtree(sysfs / "class" / "infiniband")  # the HCAs went away (driver unloaded)
         await health.check_node_once()
         view = await health_view(node)

@@ -271,11 +271,18 @@ def big_labels(variant: str, count: int) -> dict[str, str]:
     return {f"example.com/feature-{i:05d}.{'x' * 40}": f"{variant}-{i:05d}-{'y' * 30}" for i in range(count)}
 
 
+def answering(labels):
+    """The writer's labels source (the daemon's is a coroutine), answering what labels() gives."""
+    async def source():
+        return labels()
+    return source
+
+
 async def test_a_reader_never_sees_a_half_written_file(short_tmp):
     path = short_tmp / "features.d" / "gpud"
     variants = [big_labels(str(n), 600) for n in range(2)]
     current = {"labels": variants[0]}
-    writer = NfdWriter(path, lambda: current["labels"], EventBus())
+    writer = NfdWriter(path, answering(lambda: current["labels"]), EventBus())
     expires_at = time.time() + 600
     assert all(len(parse_feature_text(feature_file(labels, expires_at)[0])) == 600  # about 64 KiB, nothing cut
                for labels in variants)
@@ -305,7 +312,7 @@ async def test_a_reader_never_sees_a_half_written_file(short_tmp):
 
 async def test_an_unchanged_file_is_not_rewritten(short_tmp):
     path = short_tmp / "gpud"
-    writer = NfdWriter(path, lambda: {"nvidia.com/gpu.count": "1"}, EventBus())
+    writer = NfdWriter(path, answering(lambda: {"nvidia.com/gpu.count": "1"}), EventBus())
     await writer.write_if_changed()
     first = path.stat().st_ino, writer.view()["written_at"]
     await writer.write_if_changed()
@@ -316,7 +323,7 @@ async def test_without_nfds_directory_it_waits_for_it_and_reports_no_fault(short
     """NFD's default features.d missing means NFD is not installed: gpud neither makes it nor calls
     that a fault, and writes as soon as the directory appears."""
     path = short_tmp / "features.d" / "gpud"
-    writer = NfdWriter(path, lambda: {"nvidia.com/gpu.count": "1"}, EventBus(), create_directory=False)
+    writer = NfdWriter(path, answering(lambda: {"nvidia.com/gpu.count": "1"}), EventBus(), create_directory=False)
     await writer.write_if_changed()
     assert not path.parent.exists() and writer.problem is None
     assert "does not exist" in writer.view()["waiting"] and writer.view()["written_at"] is None
@@ -326,7 +333,7 @@ async def test_without_nfds_directory_it_waits_for_it_and_reports_no_fault(short
 
 
 async def test_nothing_is_written_before_the_first_inventory(short_tmp):
-    writer = NfdWriter(short_tmp / "gpud", lambda: None, EventBus())
+    writer = NfdWriter(short_tmp / "gpud", answering(lambda: None), EventBus())
     await writer.write_if_changed()
     assert not (short_tmp / "gpud").exists() and writer.view()["written_at"] is None
 
@@ -452,7 +459,7 @@ def expiry_of(text: str) -> datetime:
 async def test_every_label_expires_one_period_after_the_write(short_tmp):
     path = short_tmp / "gpud"
     labels = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.health": "healthy"}
-    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    writer = NfdWriter(path, answering(lambda: labels), EventBus(), expiry_s=600)
     await writer.write_if_changed()
     text, view = path.read_text(), writer.view()
     # one directive, before every label: it governs the lines after it (local.go parseFeatureFile)
@@ -471,7 +478,7 @@ async def test_the_file_is_rewritten_before_it_expires(short_tmp):
     """With nothing changing, the writer rewrites the file at half the period: the labels never lapse."""
     path = short_tmp / "gpud"
     labels = {"nvidia.com/gpu.count": "8"}
-    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=6)  # a rewrite at 3 s, 2 s or more before expiry
+    writer = NfdWriter(path, answering(lambda: labels), EventBus(), expiry_s=6)  # a rewrite at 3 s, 2 s or more before expiry
     task = asyncio.create_task(writer.run())
     try:
         first = await until_async(lambda: path.exists() and path.read_text(), what="the first write")
@@ -489,7 +496,7 @@ async def test_the_file_is_rewritten_before_it_expires(short_tmp):
 async def test_a_changed_label_is_written_at_once_with_a_fresh_expiry(short_tmp):
     path = short_tmp / "gpud"
     labels = {"nvidia.com/gpu.health": "healthy"}
-    writer = NfdWriter(path, lambda: labels, EventBus(), expiry_s=600)
+    writer = NfdWriter(path, answering(lambda: labels), EventBus(), expiry_s=600)
     await writer.write_if_changed()
     inode = path.stat().st_ino
     await writer.write_if_changed()  # nothing changed, the refresh not due: no write

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Awaitable, Callable, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
@@ -46,7 +46,7 @@ class NfdWriter(Component):
 
     name = "nfd"
 
-    def __init__(self, path: Path, labels: Callable[[], dict[str, str] | None], bus: EventBus, *,
+    def __init__(self, path: Path, labels: Callable[[], Awaitable[dict[str, str] | None]], bus: EventBus, *,
                  enabled: bool = True, create_directory: bool = True, expiry_s: float = NfdConfig.expiry_s):
         self.path = path
         self.enabled = enabled
@@ -119,7 +119,7 @@ class NfdWriter(Component):
 
     async def write_if_changed(self) -> None:
         """Writes the file when the labels changed or the refresh is due."""
-        labels = self._labels()
+        labels = await self._labels()
         if labels is None:
             return
         now = time.time()
