@@ -20,6 +20,7 @@ class ErrorKind(Enum):
     CONFLICT = "conflict"  # the node's state stands in the way (busy GPUs, an operation in progress)
     TIMED_OUT = "timed-out"  # the request itself did not arrive in time
     TOO_LARGE = "too-large"
+    RATE_LIMITED = "rate-limited"  # a limit of the node's own stands in the way until a time it says (retry_after_s)
     UNSUPPORTED = "unsupported"  # this gpud was not set up to do it
     UNAVAILABLE = "unavailable"  # not now: no NVML, not read yet
     FAILED = "failed"  # gpud failed to do it

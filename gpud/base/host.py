@@ -13,6 +13,8 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.base.hostfile import PROC_LIST_BYTES, read_host_text
+
 PROC = Path("/proc")
 DEV = Path("/dev")
 
@@ -44,7 +46,7 @@ def device_holders(device_paths: Iterable[str], *, exclude_pids: Container[int] 
 def loaded_modules(proc: Path = PROC) -> set[str]:
     """Names of the loaded kernel modules (first column of /proc/modules); empty if unreadable."""
     try:
-        lines = (proc / "modules").read_text().splitlines()
+        lines = read_host_text(proc / "modules", PROC_LIST_BYTES).splitlines()
     except OSError:
         return set()
     return {line.split()[0] for line in lines if line.strip()}
@@ -135,7 +137,7 @@ def _open_paths(fd_dir: Path) -> set[str]:
 
 def _process_name(pid_dir: Path) -> str:
     try:
-        return (pid_dir / "comm").read_text().strip()
+        return read_host_text(pid_dir / "comm").strip()
     except OSError:
         return "?"
 
@@ -144,6 +146,6 @@ def boot_id(procfs: Path) -> str:
     """The kernel's random id of this boot (proc(5) /proc/sys/kernel/random/boot_id); "" if unreadable.
     A simulated node's procfs has its own, which `sim reboot` changes."""
     try:
-        return (procfs / "sys" / "kernel" / "random" / "boot_id").read_text(encoding="ascii").strip()[:64]
+        return read_host_text(procfs / "sys" / "kernel" / "random" / "boot_id", encoding="ascii").strip()[:64]
     except (OSError, UnicodeDecodeError):
         return ""

@@ -16,6 +16,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from gpud.base.hostfile import read_up_to
 from gpud.base.lifecycle import Component, Tasks
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -99,6 +100,41 @@ def _open_secure_directory(path: Path, mode: int, owner: tuple[int, int] | None,
     return fd, created
 
 
+def check_trusted_file(path: Path, what: str) -> None:
+    """Raises UnsafePath, naming `what` (a kubeconfig, the CA it names, ...), the file or directory at
+    fault, its owner and mode, unless the file is a regular file root or gpud's user owns and no one
+    else can write, in a directory that is the same, on a way of directories open_secure_directory
+    trusts. A symlink is followed only where root or gpud's user made it in a directory no one else
+    can write. A file another user controls is one they can make gpud read what they like: an API
+    server of their choosing, or a credential plugin gpud would run as itself."""
+    path = Path.cwd() / path
+    for symlinks in range(41):
+        try:
+            fd = open_secure_directory(path.parent, 0o755, create=False)
+        except UnsafePath as exc:
+            raise UnsafePath(f"{what} {path}: {exc}") from None
+        try:
+            info = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISLNK(info.st_mode):
+                break
+            try:
+                path = path.parent / _trusted_symlink_target(fd, path.parent, path.name, symlinks)
+            except UnsafePath as exc:
+                raise UnsafePath(f"{what}: {exc}") from None
+        finally:
+            os.close(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafePath(f"{what} {path} is not a regular file (mode {stat.filemode(info.st_mode)})")
+    if info.st_uid not in (0, os.geteuid()):
+        raise UnsafePath(f"{what} {path} is owned by {_user(info.st_uid)} (mode {mode:04o}), not by root or "
+                         f"gpud's user (uid {os.geteuid()}): gpud does not use it; give it to root "
+                         f"(chown root: {path}) or name another file")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafePath(f"{what} {path} is writable by users other than its owner {_user(info.st_uid)} "
+                         f"(mode {mode:04o}): gpud does not use it; chmod go-w {path}")
+
+
 def _trusted_symlink_target(parent_fd: int, parent: Path, name: str, symlinks_so_far: int) -> str:
     info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     if not stat.S_ISLNK(info.st_mode):
@@ -177,7 +213,11 @@ class StateDirectory(Component):
 
     async def start(self, tasks: Tasks) -> None:
         secure_directory(self.path, 0o700)
-        self._lock = hold_lock(self.path / "gpud.lock", f"uses the state directory {self.path}")
+        try:
+            self._lock = hold_lock(self.path / "gpud.lock", f"uses the state directory {self.path}")
+        except InUse as exc:
+            raise InUse(f"{exc}: give this gpud a state directory of its own with --state-dir DIR (state_dir "
+                        "in its config)") from None
 
     async def stop(self) -> None:
         if self._lock is not None:
@@ -312,10 +352,6 @@ def _read_regular(directory: int, name: str, size: int) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        chunks, left = [], size
-        while left and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_up_to(fd, size)
     finally:
         os.close(fd)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from gpud.cli.arguments import UsageError
-from gpud.cli.output import EXIT_OK, EXIT_USAGE, CliError, drop_stdout, report_error
+from gpud.cli.arguments import UsageError, check_socket_option
+from gpud.cli.output import EXIT_USAGE, CliError, exit_code_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,24 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     from gpud.cli.parser import build_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
-    try:
-        args = build_parser().parse_args(argv)
-        as_json = getattr(args, "json", False)
-        args.json = as_json
-        return args.run(args)
-    except SystemExit as exc:  # --help, --version
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    except UsageError as exc:
-        if not as_json:
-            print(exc.usage, end="", file=sys.stderr)
-        command = exc.prog.removeprefix("gpud").strip()  # report_error says "gpud: " itself
-        return report_error(CliError(EXIT_USAGE, "usage", f"{command}: {exc.message}" if command else exc.message),
-                            as_json)
-    except CliError as exc:
-        return report_error(exc, as_json)
-    except BrokenPipeError:
-        drop_stdout()
-        return EXIT_OK
-    except KeyboardInterrupt:
-        return 130  # the shell's code for Ctrl-C
+    as_json = ["--json" in (argv[:argv.index("--")] if "--" in argv else argv)]  # the parsed answer, once known
+
+    def command() -> int:
+        try:
+            parser = build_parser(argv)
+            args = parser.parse_args(argv)
+            as_json[0] = args.json = getattr(args, "json", False)
+            check_socket_option(args, parser)
+            return args.run(args)
+        except SystemExit as exc:  # --help, --version
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        except UsageError as exc:
+            if not as_json[0]:
+                print(exc.usage, end="", file=sys.stderr)
+            command = exc.prog.removeprefix("gpud").strip()  # report_error says "gpud: " itself
+            raise CliError(EXIT_USAGE, "usage", f"{command}: {exc.message}" if command else exc.message) from None
+
+    return exit_code_of(command, lambda: as_json[0])

@@ -232,7 +232,28 @@ if (( ${${(s: :)gpud_files[$cmd]}[(Ie):positional]} )); then
     _files
 fi"""
 
-GENERATORS = {"man": man_page, "bash": bash_completion, "zsh": zsh_completion}
+def kubectl_gpud_man_page() -> str:
+    """kubectl-gpud.1: the kubectl plugin's commands, from its own parser."""
+    from gpud.kubectl_plugin.main import build_parser as plugin_parser
+
+    found: list[Command] = []
+    _walk(plugin_parser(), ("kubectl", "gpud"), "", found)
+    lines = [f'.TH KUBECTL-GPUD 1 "" "gpud {__version__}" "User Commands"', ".SH NAME",
+             f"kubectl-gpud \\- {_roff(found[0].help.rstrip('.'))}", ".SH SYNOPSIS", ".B kubectl gpud",
+             "\\fICOMMAND\\fR [\\fIOPTIONS\\fR]", ".SH DESCRIPTION",
+             _roff("A kubectl plugin: kubectl runs kubectl-gpud, found on the PATH, for `kubectl gpud`. It reads "
+                   "the cluster through kubectl ($KUBECTL_PATH, else kubectl on the PATH), with its kubeconfig."),
+             ".SH COMMANDS"]
+    for command in found[1:]:
+        lines += [f'.SS "{_roff(command.name)}"', _roff(" ".join(command.usage.split())), ".PP", _roff(command.help)]
+        for option in command.options:
+            lines += [".TP", _option_roff(option), _roff(option.help or "")]
+    lines += [".SH SEE ALSO", ".BR gpud (1),", ".BR kubectl (1)"]
+    return "\n".join(lines) + "\n"
+
+
+GENERATORS = {"man": man_page, "bash": bash_completion, "zsh": zsh_completion,
+              "kubectl-gpud-man": lambda _: kubectl_gpud_man_page()}
 
 
 def main(argv: list[str] | None = None) -> int:

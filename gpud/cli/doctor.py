@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-from gpud.cli.doctor_checks import cannot_run, examine
-from gpud.nvml import smi
-from gpud.nvml.session import NO_GPU_HINT, load_backend
+from gpud.cli.arguments import local_command
+from gpud.cli.commands import command_help
+
+TYPE_CHECKING = False  # NVML, the simulator and the checks are imported when the doctor runs, not for --help
+if TYPE_CHECKING:
+    from contextlib import ExitStack
+    from typing import Any
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2
 _EXIT_CODES = {"ok": EXIT_OK, "problems": EXIT_PROBLEMS, "cannot-run": EXIT_CANNOT_RUN}
@@ -29,24 +30,29 @@ _EXIT_CODES = {"ok": EXIT_OK, "problems": EXIT_PROBLEMS, "cannot-run": EXIT_CANN
 
 def add_doctor(subparsers: Any) -> None:
     """Adds `doctor` to the `gpud` command's subcommands."""
-    doctor = subparsers.add_parser("doctor", help="check this node read-only: driver, GPUs, nvidia-smi, resets, "
-                                                  "NVLink, permissions (exit 0 ok, 1 problems, 2 cannot run)")
-    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor = subparsers.add_parser("doctor", help=command_help("doctor"))
     doctor.add_argument("--simulate", metavar="PRESET", help="check a simulated node instead of the real NVML")
     doctor.add_argument("--sim-state", type=Path, help="the simulated node's state file (default: the one "
                                                        "`gpud serve --simulate PRESET` uses, if it exists)")
     doctor.add_argument("--sim-driver", metavar="VERSION", help="driver version the simulated node behaves as")
-    doctor.set_defaults(run=run)
+    local_command(doctor, run)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud")
     add_doctor(parser.add_subparsers())
     args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
+    args.json = getattr(args, "json", False)
     return args.run(args)
 
 
 def run(args: argparse.Namespace) -> int:
+    from contextlib import ExitStack
+
+    from gpud.cli.doctor_checks import cannot_run, examine
+    from gpud.nvml import smi
+    from gpud.nvml.session import NO_GPU_HINT
+
     with ExitStack() as stack:
         try:
             nvml = _backend(args, stack)
@@ -60,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _backend(args: argparse.Namespace, stack: ExitStack) -> Any:
+    from gpud.nvml.session import load_backend
+
     if not args.simulate:
         return load_backend(None, None)[0]
+    import tempfile
+
     from gpud.config import Config
 
     state = args.sim_state or Config(simulate=args.simulate).sim_state_path

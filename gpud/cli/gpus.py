@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from gpud.cli.arguments import CHANGE_TIMEOUT_S, add_client, client_options, quoted
+from gpud.cli.commands import command_help
 from gpud.cli.health import device_problems
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, reasons_text, table, terminal_columns
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 MIB = 1 << 20
 
 
 def add_gpus(commands: Any) -> None:
-    gpus = commands.add_parser("gpus", help="the GPUs, their MIG devices and health; show, reset, processes")
+    gpus = commands.add_parser("gpus", help=command_help("gpus"))
     client_options(gpus, _gpus)
     sub = gpus.add_subparsers(title="gpus commands", metavar="COMMAND")
     for name, run, text in (("show", _gpu_show, "one GPU with its health"),

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from gpud.cli.arguments import add_client, client_options, quoted
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, reasons_text, table
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 # The kinds of health reason gpud raises (gpud/health: checks, tracker, service); a test reads them there.
 HEALTH_REASON_KINDS = ("diag", "driver", "ecc", "fabric", "fabric-manager", "infiniband", "lost", "mps", "nvlink",
@@ -18,7 +23,7 @@ CHECK_TIMEOUT_S = 7200.0 + 60.0
 
 
 def add_health(commands: Any) -> None:
-    health = commands.add_parser("health", help="the health of each GPU and MIG device, with reasons")
+    health = commands.add_parser("health", help=command_help("health"))
     client_options(health, _health)
     clear = add_client(health.add_subparsers(title="health commands", metavar="COMMAND"), "clear",
                        _health_clear, "clear a device's health reasons (all, or one kind)")
@@ -28,9 +33,7 @@ def add_health(commands: Any) -> None:
 
 
 def add_check(commands: Any) -> None:
-    check = add_client(commands, "check", _check, "run DCGM's diagnostic on the GPUs now (dcgmi diag) "
-                                                  "and fold its verdict into health; exit 1 unless it "
-                                                  "passed", timeout=CHECK_TIMEOUT_S)
+    check = add_client(commands, "check", _check, command_help("check"), timeout=CHECK_TIMEOUT_S)
     check.add_argument("--level", type=int, choices=(1, 2), default=1,
                        help="1: quick (dcgmi diag -r 1, seconds), 2: medium (-r 2, about two minutes)")
     check.add_argument("--force", action="store_true", help="run even while compute processes use the GPUs")

@@ -4,30 +4,32 @@ k8s-agent, dra-plugin), and what they reported to it (kubernetes, claims)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from gpud.cli.arguments import add_client, local_command, refuse_json
+from gpud.base.places import LOG_FORMATS, LOG_LEVELS
+from gpud.cli.arguments import add_client, given_socket, local_command, refuse_json, socket_option
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, table
-from gpud.client import Client
-from gpud.config import LOG_FORMATS, LOG_LEVELS
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_device_plugin(commands: Any) -> None:
     from gpud.device_plugin import DEFAULT_KUBELET_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
-    plugin = commands.add_parser("device-plugin", help="run a kubelet device plugin that follows gpud's shared "
-                                                       "resources (a client of gpud's socket)",
+    plugin = commands.add_parser("device-plugin", help=command_help("device-plugin"),
                                  epilog="It needs grpcio's compiled module: on a Python that the package has no "
                                         "compiled libraries for (gpud runs on pure-Python ones there) it says so "
                                         "and exits 127.")
-    plugin.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
-                                                    "your own)")
+    socket_option(plugin)
     plugin.add_argument("--kubelet-dir", type=Path, default=DEFAULT_KUBELET_DIR,
                         help=f"where kubelet.sock is and the plugin's sockets go (default {DEFAULT_KUBELET_DIR})")
     plugin.add_argument("--unhealthy-after", type=_seconds, default=30.0, metavar="SECONDS",
@@ -58,7 +60,7 @@ def _device_plugin(args: argparse.Namespace) -> int:
     from gpud.device_plugin.plugin import run
 
     configure_logging(args.log_level, args.log_format)
-    return run(args.socket, args.kubelet_dir, args.unhealthy_after, args.device_list_strategy,
+    return run(given_socket(args), args.kubelet_dir, args.unhealthy_after, args.device_list_strategy,
                args.pod_resources_socket)
 
 
@@ -84,14 +86,12 @@ def _seconds(text: str) -> float:
 
 
 def add_k8s_agent(commands: Any) -> None:
-    agent = commands.add_parser("k8s-agent", help="run the Kubernetes node agent: node labels drive MIG layouts and "
-                                                  "sharing, health goes to the Node (a client of gpud's socket)")
+    agent = commands.add_parser("k8s-agent", help=command_help("k8s-agent"))
     agent.add_argument("--kubeconfig", type=Path, help="the cluster (default: $KUBECONFIG, else the service account "
                                                        "of the pod it runs in)")
     agent.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
                        help="this node's Node object (default: $NODE_NAME)")
-    agent.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
-                                                    "your own)")
+    socket_option(agent)
     agent.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     agent.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     local_command(agent, _k8s_agent)
@@ -104,24 +104,23 @@ def _need_node_name(args: argparse.Namespace) -> None:
 
 
 def _k8s_agent(args: argparse.Namespace) -> int:
+    import asyncio
+
     from gpud.kubernetes.agent import serve
     from gpud.base.logs import configure_logging
 
     refuse_json(args)
     _need_node_name(args)
     configure_logging(args.log_level, args.log_format)
-    return asyncio.run(serve(args.kubeconfig, args.node_name, args.socket))
+    return asyncio.run(serve(args.kubeconfig, args.node_name, given_socket(args)))
 
 
 def add_dra_plugin(commands: Any) -> None:
     from gpud.dra import DEFAULT_CDI_DIR, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_DIR
 
-    plugin = commands.add_parser("dra-plugin", help="run a Kubernetes DRA kubelet plugin: gpud's GPUs and MIG devices "
-                                                    "as ResourceSlices, claims prepared as CDI specs (a client of "
-                                                    "gpud's socket and of the Kubernetes API)",
+    plugin = commands.add_parser("dra-plugin", help=command_help("dra-plugin"),
                                  epilog="It needs grpcio's compiled module, as device-plugin does.")
-    plugin.add_argument("--socket", type=Path, help="gpud's socket (default: $GPUD_SOCKET, /run/gpud/gpud.sock, "
-                                                    "your own)")
+    socket_option(plugin)
     plugin.add_argument("--kubeconfig", type=Path, help="the cluster (default: $KUBECONFIG, else the service account "
                                                         "of the pod it runs in)")
     plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
@@ -165,7 +164,7 @@ def _dra_plugin(args: argparse.Namespace) -> int:
     from gpud.dra.plugin import run
 
     configure_logging(args.log_level, args.log_format)
-    return run(args.socket, args.kubeconfig, args.node_name, args.kubelet_dir, args.driver_name, args.cdi_dir,
+    return run(given_socket(args), args.kubeconfig, args.node_name, args.kubelet_dir, args.driver_name, args.cdi_dir,
                args.taint_no_execute, args.pod_resources_socket, args.unhealthy_after)
 
 
@@ -179,9 +178,7 @@ def _driver_name(text: str) -> str:
 
 
 def add_kubernetes(commands: Any) -> None:
-    add_client(commands, "kubernetes", _kubernetes, "what gpud k8s-agent last reported: the API server, "
-                                                    "the labels it acts on, the GPUHealthy condition, "
-                                                    "what it cannot do and why (exit 1 on a problem)")
+    add_client(commands, "kubernetes", _kubernetes, command_help("kubernetes"))
 
 
 AGENT_STALE_S = 180.0  # the agent reports at least every minute (gpud/kubernetes/agent.py STATUS_HEARTBEAT_S)
@@ -216,6 +213,10 @@ def _kubernetes(args: argparse.Namespace, client: Client) -> int:
           + (f": {sharing['outcome']}" if sharing.get("outcome") else ""))
     print(f"health:   GPUHealthy {health.get('condition') or '-'} ({health.get('reason') or '-'}), "
           f"taint {'on' if health.get('taint') else 'off'}")
+    remediation = agent.get("remediation") or {}
+    print("remediation: " + _remediation_line(remediation))
+    for step in (remediation.get("dry_run_plan") or []) if remediation.get("dry_run") else []:
+        print(f"  would {step}")
     print("requests: " + (", ".join(f"{verb} {count}" for verb, count in sorted((agent.get("requests") or {}).items()))
                           or "none"))
     for what, problem in sorted(problems.items()):
@@ -223,9 +224,20 @@ def _kubernetes(args: argparse.Namespace, client: Client) -> int:
     return code
 
 
+def _remediation_line(remediation: dict) -> str:
+    """The remediation loop as the agent reported it: off, idle, or its step and what it waits for."""
+    if not remediation.get("enabled"):
+        return "off (remediation.enabled)"
+    mode = "dry run, " if remediation.get("dry_run") else ""
+    if not remediation.get("step"):
+        return f"{mode}idle"
+    gpus = ", ".join(f"GPU {index}" for index in remediation.get("gpus") or []) or "-"
+    detail = remediation.get("detail") or remediation.get("why")
+    return f"{mode}{remediation['step'].upper()} {gpus}" + (f": {detail}" if detail else "")
+
+
 def add_claims(commands: Any) -> None:
-    add_client(commands, "claims", _claims, "the GPUs and MIG devices Kubernetes DRA claims hold on this "
-               "node, as gpud dra-plugin reported them (the device plugin hands none of them out)")
+    add_client(commands, "claims", _claims, command_help("claims"))
 
 
 def _claims(args: argparse.Namespace, client: Client) -> int:

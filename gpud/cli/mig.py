@@ -6,17 +6,22 @@ import argparse
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 from gpud.cli.arguments import CHANGE_TIMEOUT_S, add_client, group, local_command
+from gpud.cli.commands import command_help
 from gpud.cli.output import (EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, CliError, print_json, print_text, table,
                              terminal_columns, warn)
 from gpud.cli.validate import validate_file
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_mig(commands: Any) -> None:
-    mig = group(commands.add_parser("mig", help="MIG layouts: status, layouts, apply, export, validate"),
+    mig = group(commands.add_parser("mig", help=command_help("mig")),
                 "mig commands")
     add_client(mig, "status", _mig_status, "the desired layout and each GPU's state (exit 1 out of sync)")
     layouts = add_client(mig, "layouts", _mig_layouts, "the named layouts that fit this node, one line "
@@ -167,8 +172,8 @@ def devices_text(side: dict | None) -> str:
 
 
 def _mig_validate(args: argparse.Namespace) -> int:
-    from gpud.mig.layouts import LayoutError, check_layouts_file
+    from gpud.mig.layouts import LayoutError, check_layouts, check_layouts_file
 
-    return validate_file(args, check_layouts_file, LayoutError,
+    return validate_file(args, check_layouts_file, check_layouts, LayoutError,
                          lambda layouts: {"layouts": list(layouts)},
-                         lambda layouts: f"{len(layouts)} layouts: {', '.join(layouts)}")
+                         lambda layouts: f"{len(layouts)} layouts: {', '.join(layouts)}", "a MIG layouts file")

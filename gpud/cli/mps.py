@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 from gpud.cli.arguments import CHANGE_TIMEOUT_S, add_client, group, local_command, quoted
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, CliError, print_json, table, terminal_columns, warn
-from gpud.client import Client
-from gpud.config import Config, ConfigError, load_config
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_mps(commands: Any) -> None:
-    mps = group(commands.add_parser("mps", help="MPS control daemons: status, start, stop, restart, env"),
+    mps = group(commands.add_parser("mps", help=command_help("mps")),
                 "mps commands")
     add_client(mps, "status", _mps_status, "the MPS daemons and their limits (exit 1 if one is down)")
     for action in ("start", "stop", "restart"):
@@ -42,17 +45,57 @@ def _mps_status(args: argparse.Namespace, client: Client) -> int:
     if not view["enabled"]:
         print("MPS is not enabled (mps.enabled in gpud.yaml)")
         return EXIT_OK
-    if view["error"]:
-        print(f"error: {view['error']}")
-    rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", "DEVICES", "WHY")]
-    for daemon in view["daemons"]:
+    print(status_text(view, terminal_columns()))
+    return EXIT_OK if running else EXIT_PROBLEM
+
+
+def status_text(view: dict, width: int) -> str:
+    """The daemons' table for a terminal `width` columns wide: why a daemon is down on its row where that
+    fits; else the WHY column numbers the reasons, each written once below the table, wrapped between
+    words; and where the rows still do not fit, without the DEVICES column (the daemon's name says its
+    device; --json has the UUIDs)."""
+    reasons = list(dict.fromkeys(_why(daemon) for daemon in view["daemons"] if _why(daemon)))
+    lines = _wrapped_between_words(f"error: {view['error']}", width, "       ") \
+        if view["error"] and view["error"] not in reasons else []
+    inline = _status_table(view["daemons"], True, _why)
+    if _fits(inline, width):
+        return "\n".join([*lines, inline])
+    numbered = lambda daemon: str(reasons.index(_why(daemon)) + 1) if _why(daemon) else ""  # noqa: E731
+    rows = _status_table(view["daemons"], True, numbered)
+    devices = _fits(rows, width)
+    lines.append(rows if devices else _status_table(view["daemons"], False, numbered))
+    for number, reason in enumerate(reasons, 1):
+        lines += _wrapped_between_words(f"why {number}: {reason}", width, " " * len(f"why {number}: "))
+    if not devices:
+        lines.append(f"DEVICES left out to fit {width} columns (gpud mps status --json lists them)")
+    return "\n".join(lines)
+
+
+def _why(daemon: dict) -> str:
+    return "" if daemon["state"] == "running" else daemon["last_error"] or ""
+
+
+def _status_table(daemons: list[dict], devices: bool, why) -> str:
+    rows = [("NAME", "STATE", "PID", "RESTARTS", "THREADS %", "PINNED MiB", *(("DEVICES",) if devices else ()),
+             "WHY")]
+    for daemon in daemons:
         threads = daemon["active_thread_percentage"]
         rows.append((daemon["name"], daemon["state"], str(daemon["pid"] or "-"), str(daemon["restarts"]),
                      "-" if threads is None else f"{threads:g}",
                      ",".join("-" if m is None else str(m) for m in daemon["pinned_memory_limit_mib"]),
-                     ",".join(daemon["devices"]), "" if daemon["state"] == "running" else daemon["last_error"] or ""))
-    print(table(rows, terminal_columns()))
-    return EXIT_OK if running else EXIT_PROBLEM
+                     *((",".join(daemon["devices"]),) if devices else ()), why(daemon)))
+    return table(rows)
+
+
+def _fits(text: str, width: int) -> bool:
+    return all(len(line) <= width for line in text.splitlines())
+
+
+def _wrapped_between_words(text: str, width: int, indent: str) -> list[str]:
+    """A word longer than the line (a path) stays whole: the terminal wraps it, but nothing splits it here."""
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def _mps_control(args: argparse.Namespace, client: Client) -> int:
@@ -83,6 +126,10 @@ def _mps_env(args: argparse.Namespace, client: Client) -> int:
 
 def _mps_quit_all(args: argparse.Namespace) -> int:
     """Where the config cannot be read, its defaults: only root's pipe directories are acted on then."""
+    import asyncio
+    import pwd
+
+    from gpud.config import Config, ConfigError, load_config
     from gpud.mps.removal import quit_all
 
     try:
@@ -90,13 +137,19 @@ def _mps_quit_all(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         warn(f"{exc}: acting on the default MPS pipe root, and on root's daemons only")
         config = Config()
+    try:
+        if config.mps.user:
+            pwd.getpwnam(config.mps.user)
+    except KeyError:
+        warn(f"mps.user {config.mps.user!r} does not exist: acting on root's daemons only")
     outcomes = asyncio.run(quit_all(config.mps_pipe_root, config.mps_log_root, config.mps.control_binary,
                                     config.mps.user))
     if args.json:
-        print_json([{"name": outcome.name, "refused": outcome.refused} for outcome in outcomes])
+        print_json([{"name": outcome.name, "refused": outcome.refused, "was_running": outcome.was_running}
+                    for outcome in outcomes])
     for outcome in outcomes:
         if outcome.refused is not None:
             warn(f"left running: {outcome.name}: {outcome.refused}")
         elif not args.json:
-            print(f"quit: {outcome.name}")
+            print(f"{'quit' if outcome.was_running else 'not running'}: {outcome.name}")
     return EXIT_OK if all(outcome.refused is None for outcome in outcomes) else EXIT_PROBLEM

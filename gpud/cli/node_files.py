@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 from gpud.cli.arguments import add_client
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, table, warn
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_nfd(commands: Any) -> None:
-    add_client(commands, "nfd", _nfd, "the labels gpud writes for Node Feature Discovery (exit 1 if the "
-                                      "file could not be written)")
+    add_client(commands, "nfd", _nfd, command_help("nfd"))
 
 
 def _nfd(args: argparse.Namespace, client: Client) -> int:
@@ -41,8 +45,7 @@ def _nfd(args: argparse.Namespace, client: Client) -> int:
 
 
 def add_cdi(commands: Any) -> None:
-    add_client(commands, "cdi", _cdi, "the CDI spec gpud writes for container runtimes: its path, kind "
-                                      "and device names (exit 1 if it could not be written)")
+    add_client(commands, "cdi", _cdi, command_help("cdi"))
 
 
 def _cdi(args: argparse.Namespace, client: Client) -> int:

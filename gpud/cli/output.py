@@ -1,15 +1,18 @@
 """What the `gpud` command prints and how it exits: exit codes, errors (text or JSON on stderr),
-tables that fit the terminal. Standard library only: the CLI starts fast."""
+tables that fit the terminal. Standard library only, and only what every command needs (textwrap when
+a table wraps, no shutil, no typing): the CLI starts fast."""
 
 from __future__ import annotations
 
 import json
 import os
 import select
-import shutil
 import sys
-import textwrap
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_CODES = (
@@ -22,8 +25,8 @@ EXIT_CODES = (
                        "away mid-answer"),
 )
 SOCKET_ORDER = ("--socket PATH", "$GPUD_SOCKET", "/run/gpud/gpud.sock when it exists (the system gpud)",
-                "your own runtime directory ($XDG_RUNTIME_DIR/gpud/gpud.sock, /run/gpud as root), only if "
-                "no other user can write there")
+                "your own runtime directory: $XDG_RUNTIME_DIR/gpud/gpud.sock, or /tmp/gpud-UID/gpud.sock where "
+                "XDG_RUNTIME_DIR is unset (/run/gpud as root), only if no other user can write there")
 NARROWEST_WRAPPED_COLUMN = 24
 
 
@@ -33,6 +36,20 @@ class CliError(Exception):
     def __init__(self, exit_code: int, code: str, message: str, **details: Any):
         super().__init__(message)
         self.exit_code, self.code, self.message, self.details = exit_code, code, message, details
+
+
+def exit_code_of(body: Callable[[], int], as_json: Callable[[], bool]) -> int:
+    """body's exit code, or the one for how it ended: its error said (as JSON when as_json() says so at
+    that point), the reader of stdout gone, Ctrl-C. Shared by `gpud` and `kubectl gpud`."""
+    try:
+        return body()
+    except CliError as exc:
+        return report_error(exc, as_json())
+    except BrokenPipeError:
+        drop_stdout()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return 130  # the shell's code for Ctrl-C
 
 
 def exit_for_status(status: int) -> int:
@@ -102,9 +119,16 @@ def warn(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr)
 
 
-def terminal_columns() -> int:
-    """The terminal's width ($COLUMNS first); 100 when the output is not a terminal."""
-    return shutil.get_terminal_size((100, 24)).columns
+def terminal_columns(fallback: int = 100) -> int:
+    """The terminal's width ($COLUMNS first); fallback when the output is not a terminal: what
+    shutil.get_terminal_size((fallback, 24)) answers, without importing shutil (and its compressors)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or fallback
+    except (AttributeError, ValueError, OSError):
+        return fallback
 
 
 def table(rows: list[tuple[str, ...]], width: int | None = None) -> str:
@@ -121,6 +145,8 @@ def table(rows: list[tuple[str, ...]], width: int | None = None) -> str:
 
 
 def _wrapped(text: str, width: int) -> list[str]:
+    import textwrap
+
     pieces = [line for paragraph in text.split("\n")
               for line in (textwrap.wrap(paragraph, width, break_on_hyphens=False) or [""])]
     return pieces or [""]

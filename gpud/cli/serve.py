@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-from pathlib import Path
-from typing import Any
 
-from gpud.cli.arguments import CHANGE_TIMEOUT_S, add_client, group, local_command, refuse_json
+from gpud.base.places import DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS
+from gpud.cli.arguments import (CHANGE_TIMEOUT_S, add_client, given_socket, group, local_command, path_argument,
+                                refuse_json, socket_option)
+from gpud.cli.commands import command_help
 from gpud.cli.health import device_problems
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, CliError, print_json, print_text, reasons_text
-from gpud.client import Client
-from gpud.config import LOG_FORMATS, LOG_LEVELS, Config, ConfigError, load_config
+
+TYPE_CHECKING = False  # the config model (YAML) and the daemon are imported by the commands that use them
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
+    from gpud.config import Config
 
 
 class _ServeHelp(argparse.HelpFormatter):
@@ -28,13 +33,13 @@ class _ServeHelp(argparse.HelpFormatter):
 
 
 def add_serve(commands: Any) -> None:
-    serve = commands.add_parser("serve", help="run the daemon", formatter_class=_ServeHelp)
-    serve.add_argument("--config", type=Path, help="config file (default /etc/gpud/gpud.yaml, if present)")
-    serve.add_argument("--socket", help="API socket path (default /run/gpud/gpud.sock as root, "
-                                        "else $XDG_RUNTIME_DIR/gpud/gpud.sock, or /tmp/gpud-UID/gpud.sock "
-                                        "where XDG_RUNTIME_DIR is unset)")
-    serve.add_argument("--state-dir", help="persisted state (default /var/lib/gpud as root, "
-                                           "$XDG_STATE_HOME/gpud otherwise)")
+    serve = commands.add_parser("serve", help=command_help("serve"), formatter_class=_ServeHelp)
+    serve.add_argument("--config", type=path_argument, help="config file (default /etc/gpud/gpud.yaml, if present)")
+    socket_option(serve, "API socket path (default /run/gpud/gpud.sock as root, else "
+                         "$XDG_RUNTIME_DIR/gpud/gpud.sock, or /tmp/gpud-UID/gpud.sock where XDG_RUNTIME_DIR is unset)")
+    serve.add_argument("--state-dir", help="persisted state, held by one gpud at a time (default /var/lib/gpud "
+                                           "as root, $XDG_STATE_HOME/gpud otherwise); on a simulated node also "
+                                           "its CDI spec and NFD file, unless cdi.spec_dir or nfd.features_file")
     serve.add_argument("--simulate", metavar="PRESET", help="run on a simulated node")
     serve.add_argument("--sim-state", help="file holding the simulated GPUs' state (default: in the runtime dir)")
     serve.add_argument("--sim-driver", metavar="VERSION",
@@ -46,11 +51,14 @@ def add_serve(commands: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from gpud import daemon
     from gpud.base.logs import configure_logging
+    from gpud.config import load_config
 
     refuse_json(args)
-    overrides = {"api.socket": args.socket, "state_dir": args.state_dir, "simulate": args.simulate,
+    overrides = {"api.socket": given_socket(args), "state_dir": args.state_dir, "simulate": args.simulate,
                  "sim_state": args.sim_state, "sim_driver": args.sim_driver, "log.level": args.log_level,
                  "log.format": args.log_format}
     config = _checked_config(lambda: load_config(args.config).with_overrides(**overrides))
@@ -64,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _checked_config(load) -> Config:
     """The config, with the simulated node it names (preset and driver) checked too."""
+    from gpud.config import ConfigError
     from gpud.nvml.sim import PresetError, SimError, parse_preset
     from gpud.nvml.sim.drivers import parse_driver
 
@@ -72,13 +81,18 @@ def _checked_config(load) -> Config:
         if config.simulate:
             parse_preset(config.simulate)
             parse_driver(config.sim_driver)
-    except (ConfigError, PresetError, SimError) as exc:
+    except ConfigError as exc:  # each error with its line and key; several: one a line, under a count
+        errors = [str(error) for error in exc.errors]
+        if len(errors) == 1:
+            raise CliError(EXIT_USAGE, "config-invalid", errors[0]) from None
+        raise CliError(EXIT_USAGE, "config-invalid", f"{exc.source}: {len(errors)} errors", errors=errors) from None
+    except (PresetError, SimError) as exc:
         raise CliError(EXIT_USAGE, "config-invalid", str(exc)) from None
     return config
 
 
 def add_status(commands: Any) -> None:
-    add_client(commands, "status", _overview, "the daemon, the node and its health (exit 1 if not healthy)")
+    add_client(commands, "status", _overview, command_help("status"))
 
 
 def _overview(args: argparse.Namespace, client: Client) -> int:
@@ -114,7 +128,7 @@ def _verdict(health: dict, gpu_health: dict, unhealthy: int) -> str:
 
 
 def add_reload(commands: Any) -> None:
-    add_client(commands, "reload", _reload, "re-read the config files, as systemctl reload does",
+    add_client(commands, "reload", _reload, command_help("reload"),
                timeout=CHANGE_TIMEOUT_S)
 
 
@@ -128,7 +142,7 @@ def _reload(args: argparse.Namespace, client: Client) -> int:
 
 
 def add_metrics(commands: Any) -> None:
-    add_client(commands, "metrics", _metrics, "the Prometheus metrics gpud serves")
+    add_client(commands, "metrics", _metrics, command_help("metrics"))
 
 
 def _metrics(args: argparse.Namespace, client: Client) -> int:
@@ -138,13 +152,15 @@ def _metrics(args: argparse.Namespace, client: Client) -> int:
 
 
 def add_config(commands: Any) -> None:
-    config = group(commands.add_parser("config", help="work with config files"), "config commands")
+    config = group(commands.add_parser("config", help=command_help("config")), "config commands")
     validate = config.add_parser("validate", help="check a config file without starting anything (exit 2 invalid)")
-    validate.add_argument("path", nargs="?", type=Path, default=Path("/etc/gpud/gpud.yaml"))
+    validate.add_argument("path", nargs="?", type=path_argument, default=DEFAULT_CONFIG_PATH)
     local_command(validate, _config_validate)
 
 
 def _config_validate(args: argparse.Namespace) -> int:
+    from gpud.config import load_config
+
     _checked_config(lambda: load_config(args.path))
     if args.json:
         print_json({"path": str(args.path), "valid": True})

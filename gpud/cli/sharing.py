@@ -6,17 +6,21 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
 
 from gpud.cli.arguments import CHANGE_TIMEOUT_S, add_client, client_options, local_command
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, table, warn
 from gpud.cli.validate import validate_file
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_sharing(commands: Any) -> None:
-    sharing = commands.add_parser("sharing", help="shared resources (time-slicing, MPS replicas), the config in "
-                                                  "force and why; use, validate")
+    sharing = commands.add_parser("sharing", help=command_help("sharing"))
     client_options(sharing, _sharing)
     sub = sharing.add_subparsers(title="sharing commands", metavar="COMMAND")
     use = add_client(sub, "use", _sharing_use, "put a named config of sharing.configs_dir in force "
@@ -107,8 +111,9 @@ def _config_in_force(config: dict) -> str:
 
 
 def _sharing_validate(args: argparse.Namespace) -> int:
-    from gpud.sharing.config import SharingConfigError, check_sharing_file
+    from gpud.sharing.config import SharingConfigError, check_sharing, check_sharing_file
 
-    return validate_file(args, check_sharing_file, SharingConfigError,
+    return validate_file(args, check_sharing_file, check_sharing, SharingConfigError,
                          lambda config: {"strategy": config.strategy, "mig_strategy": config.mig_strategy},
-                         lambda config: f"strategy {config.strategy}, MIG strategy {config.mig_strategy}")
+                         lambda config: f"strategy {config.strategy}, MIG strategy {config.mig_strategy}",
+                         "a sharing config")

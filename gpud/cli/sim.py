@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from gpud.cli.arguments import add_client, group
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, print_json
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_sim(commands: Any) -> None:
-    sim = group(commands.add_parser("sim", help="fault drills on a simulated node (gpud serve --simulate)"),
+    sim = group(commands.add_parser("sim", help=command_help("sim")),
                 "sim commands")
     xid = add_client(sim, "xid", _sim_xid, "raise an XID event on a GPU or MIG device")
     xid.add_argument("gpu", help="GPU index or UUID")

@@ -4,16 +4,21 @@ health check)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from gpud.cli.arguments import add_client, group, local_command
+from gpud.cli.arguments import add_client, group, local_command, socket_option
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, print_json, warn
-from gpud.client import Client
 from gpud.slurm import health as slurm_health
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_slurm(commands: Any) -> None:
-    slurm = group(commands.add_parser("slurm", help="Slurm: the gres.conf of this node's GPUs; drain and resume it by health"), "slurm commands")
+    slurm = group(commands.add_parser("slurm", help=command_help("slurm")), "slurm commands")
     gres = add_client(slurm, "gres", _slurm_gres, "the gres.conf gpud builds for this node (slurm.gres_file "
                                                   "holds it, if set; exit 1 if it could not be written)")
     gres.add_argument("--node-line", action="store_true",
@@ -22,6 +27,7 @@ def add_slurm(commands: Any) -> None:
            "once healthy if gpud drained it"
     health = slurm.add_parser("health", help=text, description=text, epilog=slurm_health.epilog(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    socket_option(health)  # before or after the command, as every command's (gpud.cli.arguments)
     slurm_health.add_arguments(health)
     local_command(health, _slurm_health)
 

@@ -12,16 +12,20 @@ import stat
 import sys
 import threading
 import urllib.parse
-from typing import Any
 
 from gpud.cli.arguments import add_client
+from gpud.cli.commands import command_help
 from gpud.cli.output import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, CliError, drop_stdout, stdout_reader_gone
-from gpud.client import Client
+
+TYPE_CHECKING = False  # annotations only: typing and the client are imported where used
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpud.client import Client
 
 
 def add_watch(commands: Any) -> None:
-    watch = add_client(commands, "watch", _watch, "follow the event stream, one line per event "
-                                                  "(exit 3 when gpud goes away)")
+    watch = add_client(commands, "watch", _watch, command_help("watch"))
     watch.add_argument("--since", type=int, help="replay events after this sequence number first")
     watch.add_argument("--epoch", help="the gpud run that sequence number is of (each event's 'epoch'): "
                                        "after a restart, gpud says so and replays the new run from its start")
@@ -59,9 +63,12 @@ def _end_when_the_reader_goes() -> None:
 def _watch(args: argparse.Namespace, client: Client) -> int:
     query = urllib.parse.urlencode({key: value for key, value in (("since", args.since), ("epoch", args.epoch),
                                                                    ("types", args.types)) if value is not None})
+    from gpud.client import BadAnswer, DaemonUnreachable
+
     epoch, seq = args.epoch, args.since
     _end_when_the_reader_goes()
-    events = client.stream(f"/v1/watch?{query}" if query else "/v1/watch", _said_watching(args, client))
+    opened: list[bool] = []
+    events = client.stream(f"/v1/watch?{query}" if query else "/v1/watch", _said_watching(args, client, opened))
     try:
         # closed here, not when the generator is collected: its connection's clean-up then runs where
         # the reader's going is caught
@@ -84,16 +91,22 @@ def _watch(args: argparse.Namespace, client: Client) -> int:
     except (_ReaderGone, BrokenPipeError):
         drop_stdout()
         return EXIT_OK
-    # The stream only ends when gpud does; a cut-off chunked stream reads as its end in http.client.
+    except BadAnswer:
+        raise
+    except DaemonUnreachable:
+        if not opened:  # never reached: said as any command says it
+            raise
+    # The stream only ends when gpud does: at its last chunk when gpud stops, cut off when it is killed.
     resume = f" (resume with --since {seq} --epoch {epoch})" if epoch is not None and seq is not None else ""
     raise CliError(EXIT_UNREACHABLE, "daemon-gone", f"gpud on {client.socket_path} went away: the event stream "
                                                     f"ended (gpud stopped, restarted or was killed){resume}")
 
 
-def _said_watching(args: argparse.Namespace, client: Client):
-    """What runs once gpud has accepted the watch: in text, a first line at once (events may be minutes
-    apart; `gpud watch | head -1` ends with it); --json prints gpud's events only."""
+def _said_watching(args: argparse.Namespace, client: Client, opened: list[bool]):
+    """What runs once gpud has accepted the watch (noted in opened): in text, a first line at once
+    (events may be minutes apart; `gpud watch | head -1` ends with it); --json prints gpud's events only."""
     def say() -> None:
+        opened.append(True)
         if not args.json:
             print(f"# watching gpud on {client.socket_path}: one line per event", flush=True)
     return say
