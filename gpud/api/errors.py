@@ -17,6 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from gpud.api.responses import json_response
+from gpud.base import bounded_json
 from gpud.base.errors import ErrorKind, GpudError
 
 MAX_BODY_BYTES = 1 << 20
@@ -63,6 +64,7 @@ ERROR_STATUS: dict[ErrorKind, int] = {
     ErrorKind.CONFLICT: 409,
     ErrorKind.TOO_LARGE: 413,
     ErrorKind.REFUSED: 422,
+    ErrorKind.RATE_LIMITED: 429,
     ErrorKind.FAILED: 500,
     ErrorKind.UNSUPPORTED: 501,
     ErrorKind.TOOL_FAILED: 502,
@@ -76,6 +78,8 @@ def gpud_error_response(exc: GpudError) -> web.Response:
     response = error_response(ERROR_STATUS[exc.kind], exc.code, exc.message, **exc.details)
     if exc.kind is ErrorKind.TIMED_OUT:
         response.force_close()  # the rest of a stalled body is not worth waiting for
+    if isinstance(exc.details.get("retry_after_s"), (int, float)):  # RFC 9110 10.2.3: whole seconds
+        response.headers["Retry-After"] = str(math.ceil(exc.details["retry_after_s"]))
     return response
 
 
@@ -213,14 +217,12 @@ def _parsed_object(raw: bytes, max_values: int = MAX_BODY_VALUES) -> dict:
                        f"the request body has {values} brackets and commas; request bodies "
                        f"are limited to {max_values}{why}")
     try:
-        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite) if raw.strip() else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(ErrorKind.INVALID, "invalid-json", f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json's C parser counts its depth against Python's recursion limit
+        body = bounded_json.loads(raw, what="the request body", max_depth=MAX_BODY_DEPTH, parse_constant=_not_json,
+                                  parse_float=_finite) if raw.strip() else None
+    except bounded_json.JsonTooDeep:
         raise _too_deep() from None
-    # Only a body with that many brackets can nest that deep: others are not walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _nesting_exceeds(body, MAX_BODY_DEPTH):
-        raise _too_deep()
+    except ValueError as exc:
+        raise ApiError(ErrorKind.INVALID, "invalid-json", str(exc)) from None
     if not isinstance(body, dict):
         raise ApiError(ErrorKind.INVALID, "invalid-body", "the request body must be a JSON object")
     return body
@@ -236,17 +238,6 @@ def _finite(text: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{text[:40]} is too large a number")
     return number
-
-
-def _nesting_exceeds(value: Any, levels: int) -> bool:
-    """Whether lists and objects nest more than `levels` deep in value. A body within the limit is
-    safe to walk, encode and quote recursively anywhere in gpud, however deep its stack already is."""
-    if not isinstance(value, (list, dict)):
-        return False
-    if levels == 0:
-        return True
-    items = value.values() if isinstance(value, dict) else value
-    return any(_nesting_exceeds(item, levels - 1) for item in items if isinstance(item, (list, dict)))
 
 
 _JSON_TYPES = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false",

@@ -44,6 +44,7 @@ class MetricsRoute:
                  max_age_s: float = MAX_AGE_S, pod_labels: Callable[[], PodLabels] = dict):
         self.collectors = collectors  # name (the label of its errors) -> collector, in the order written
         self.errors: dict[str, int] = {}
+        self._said_left_out: set[tuple[str, str]] = set()
         self.changes = changes  # a value that differs whenever the collectors' data may have changed
         self.max_age_s = max_age_s
         self.pod_labels = pod_labels  # read once per render
@@ -89,10 +90,13 @@ class MetricsRoute:
                 log.error("metrics_collector_failed", collector=name, error=f"{type(exc).__name__}: {exc}")
                 continue
             for family in collected:
+                samples = [sample for sample in family.samples if _renderable(sample.value)]
+                if len(samples) < len(family.samples):
+                    self._left_out(name, family, samples)
                 if family.name in families:
-                    families[family.name].samples.extend(family.samples)
+                    families[family.name].samples.extend(samples)
                 else:
-                    families[family.name] = Family(family.name, family.help, family.kind, list(family.samples))
+                    families[family.name] = Family(family.name, family.help, family.kind, samples)
         for family in families.values():
             _write(lines, family, with_processes, pods)
         errors = Family("gpud_collector_errors_total",
@@ -102,6 +106,26 @@ class MetricsRoute:
             errors.add({"collector": name}, self.errors.get(name, 0))
         _write(lines, errors, with_processes, {})
         return "\n".join(lines) + "\n"
+
+
+    def _left_out(self, collector: str, family: Family, kept: list) -> None:
+        """A sample whose value is no number Prometheus takes (a bug, or a host file gone wrong) is left
+        out, and its collector counted as failed: one bad value never breaks the scrape
+        (node_exporter's rule: a collector's error fails that collector only)."""
+        self.errors[collector] = self.errors.get(collector, 0) + 1
+        bad = next(sample for sample in family.samples if not _renderable(sample.value))
+        if (collector, family.name) not in self._said_left_out:
+            self._said_left_out.add((collector, family.name))
+            log.error("metrics_sample_left_out", collector=collector, family=family.name,
+                      samples=len(family.samples) - len(kept), value=repr(bad.value)[:80],
+                      why="not a number the text format can carry")
+
+
+def _renderable(value: object) -> bool:
+    """A float, or an int a float can hold (a counter read from a file can be any length of digits)."""
+    if not isinstance(value, (int, float)):  # bool is an int
+        return False
+    return isinstance(value, float) or abs(value) < 2 ** 1023
 
 
 def _write(lines: list[str], family: Family, with_processes: bool, pods: PodLabels) -> None:

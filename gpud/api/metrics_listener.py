@@ -11,15 +11,18 @@ metrics.listen_pod_labels is.
 
 Any local user can connect, from any of 127.0.0.0/8's addresses, so its slots are kept for those
 who scrape (Slots): a new connection must send its whole request head within HEAD_TIMEOUT_S; when
-every slot is taken, or its address holds its share, a connection from an address that still waits
-for a head of its own is refused, and any other's takes the place of the connection that has done
-least (one still to complete a request before one that completed a scrape; among those, one of the
-address holding most; then the oldest); and each address's requests take turns.
+every slot is taken, or its address holds its share, a newcomer that has sent a whole request head
+(a scraper sends its at once) takes the place of the connection that has done least (one still to
+complete a request before one that completed a scrape; among those, one of the address holding
+most; then the oldest), and one that has not is given DECIDE_WITHIN_S to send it, or is closed; and
+each address's requests take turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from gpud.api.connections import FairTurns, follow_connections
 from gpud.api.errors import REQUEST_ERROR_LOG, answer_malformed_requests_with_json, error_response
 from gpud.api.latency import RequestLatency
 from gpud.api.metrics import MetricsRoute
+from gpud.api.server import ShallowRouter
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.config import listen_address
@@ -47,6 +51,14 @@ HEAD_TIMEOUT_S = 2.0
 # aiohttp's 8190 bytes, so a head is at most ~256 KiB, and all the slots together ~16 MiB.
 MAX_HEADERS = 32
 SHED_LOGGED_EVERY_S = 10.0
+# A newcomer beyond a cap from an address whose other connections still wait for their heads wins a
+# place only with a whole head of its own, looked for (MSG_PEEK, unread) in what it sent: a scraper
+# writes its request as it connects, a trickler never completes one. Its bytes can land just after
+# gpud accepts, so it is looked at again every DECIDE_EVERY_S for DECIDE_WITHIN_S before it is
+# closed; at most the address's share wait so at once, reading paused.
+DECIDE_WITHIN_S = 0.1
+DECIDE_EVERY_S = 0.01
+HEAD_PEEK_BYTES = 16384  # Prometheus's head is some 300 bytes; one longer is not a scraper's
 NO_BODY_BYTES = 1024  # no route here reads a body
 
 
@@ -80,6 +92,8 @@ class MetricsListener(Component):
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=NO_BODY_BYTES)
+        app.router.__class__ = ShallowRouter  # the socket's: an unknown query parameter is refused, here too
+        app.router.query_parameters = {("/metrics", "GET"): frozenset()}
         app.router.add_get("/metrics", self.metrics)  # HEAD too (aiohttp's allow_head)
         app.router.add_route("*", "/{path:.*}", _nothing_else)
         return app
@@ -170,18 +184,41 @@ class Slot:
     handling: bool = False  # a request of it is being answered: never closed for room
 
 
+@dataclass(eq=False)
+class _Deciding:
+    address: str
+    transport: asyncio.Transport
+    until: float
+
+
+def _whole_head_sent(transport: asyncio.Transport) -> bool:
+    """Whether the peer has sent a whole request head, as yet unread: looked at through a duplicate of
+    the socket, with MSG_PEEK, so that aiohttp still reads every byte."""
+    transport_socket = transport.get_extra_info("socket")
+    if transport_socket is None:
+        return False
+    try:
+        with socket.socket(fileno=os.dup(transport_socket.fileno())) as peek:
+            sent = peek.recv(HEAD_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing yet (EAGAIN), or the peer is gone
+        return False
+    return b"\r\n\r\n" in sent
+
+
 class Slots:
     """Connections open at once, in all and per peer IP address. TCP peers have no credentials to
     weigh (connections.py weighs the socket's), and one local user can connect from every address
     of 127.0.0.0/8; so a connection beyond a cap is not simply refused: it takes the slot of the
-    connection that has done least (see shed_for). It is closed as soon as it is accepted only when
-    its address still waits for a head of its own (a reconnecting trickler would otherwise push its
-    own connections out in a loop) or every slot is answering a request. A connection that has not sent its first request head
-    within head_timeout_s is closed. Each address's requests take turns (FairTurns)."""
+    connection that has done least (see shed_for). When its address still waits for a head of its
+    own, it must show a whole head first (a reconnecting trickler would otherwise push its own
+    connections out in a loop, and a scraper beside it would lose to it): it is closed when it does
+    not within DECIDE_WITHIN_S, and whenever every slot is answering a request. A connection that has
+    not sent its first request head within head_timeout_s is closed. Each address's requests take turns (FairTurns)."""
 
     def __init__(self, max_connections: int, per_address: int, head_timeout_s: float):
         self.max_connections, self.per_address, self.head_timeout_s = max_connections, per_address, head_timeout_s
         self._slots: dict[RequestHandler, Slot] = {}
+        self._deciding: dict[RequestHandler, _Deciding] = {}  # newcomers looked at again before a place
         self._by_address: Counter[str] = Counter()
         self._shed_unlogged: Counter[str] = Counter()  # why -> connections closed since the last log line
         self._shed_logged_at = -SHED_LOGGED_EVERY_S
@@ -208,18 +245,57 @@ class Slots:
     def _admit(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "unknown"
-        if len(self._slots) >= self.max_connections or self._by_address[address] >= self.per_address:
-            # An address still waiting for a head of its own gets no other's slot: a peer that
-            # reconnects whatever is closed would otherwise push its own connections out in a loop.
-            victim = None if self._waits_for_head(address) else self.shed_for(address)
-            if victim is None:
-                transport.close()
-                self._log_shed("refused", address)
+        if self._full_for(address) and self._waits_for_head(address) and not _whole_head_sent(transport):
+            # Its address's other connections still wait for their heads: it may be one more of a
+            # peer that reconnects whatever is closed, and pushing out one of them would only make
+            # that peer connect again. It gets a place only once it shows a whole head (_decide).
+            if sum(waiting.address == address for waiting in self._deciding.values()) >= self.per_address:
+                self._refuse(transport, address)
+                return
+            transport.pause_reading()
+            self._deciding[handler] = _Deciding(address, transport, time.monotonic() + DECIDE_WITHIN_S)
+            asyncio.get_running_loop().call_later(DECIDE_EVERY_S, self._decide, handler)
+            return
+        self._take_place(handler, transport, address)
+
+    def _refuse(self, transport: asyncio.Transport, address: str) -> None:
+        # Closed from the next turn of the loop, once aiohttp has started the connection's handler:
+        # closed in connection_made, on Python < 3.12 the handler starts on a lost connection and its
+        # task fails (aiohttp's web_protocol.py RequestHandler.start, "assert manager is not None"),
+        # logged with a traceback for every refusal: 17,514 lines, 13 MB in 11 s under a flood.
+        asyncio.get_running_loop().call_soon(transport.abort)
+        self._log_shed("refused", address)
+
+    def _full_for(self, address: str) -> bool:
+        return len(self._slots) >= self.max_connections or self._by_address[address] >= self.per_address
+
+    def _take_place(self, handler: RequestHandler, transport: asyncio.Transport, address: str) -> None:
+        if self._full_for(address):
+            victim = self.shed_for(address)
+            if victim is None:  # every slot is answering a request
+                self._refuse(transport, address)
                 return
             self._close(victim, "closed_for_room")
         timer = asyncio.get_running_loop().call_later(self.head_timeout_s, self._head_overdue, handler)
         self._slots[handler] = Slot(address, transport, time.monotonic(), timer)
         self._by_address[address] += 1
+
+    def _decide(self, handler: RequestHandler) -> None:
+        deciding = self._deciding.get(handler)
+        if deciding is None:  # it closed meanwhile
+            return
+        if _whole_head_sent(deciding.transport) or not self._full_for(deciding.address) \
+                or not self._waits_for_head(deciding.address):
+            del self._deciding[handler]
+            self._take_place(handler, deciding.transport, deciding.address)
+            if handler in self._slots:
+                deciding.transport.resume_reading()
+        elif time.monotonic() >= deciding.until:
+            del self._deciding[handler]
+            deciding.transport.abort()
+            self._log_shed("refused", deciding.address)
+        else:
+            asyncio.get_running_loop().call_later(DECIDE_EVERY_S, self._decide, handler)
 
     def shed_for(self, address: str) -> RequestHandler | None:
         """The connection to close for a new one from address: among its own address's when that
@@ -247,6 +323,7 @@ class Slots:
         self._log_shed(why, slot.address)
 
     def _release(self, handler: RequestHandler) -> None:
+        self._deciding.pop(handler, None)
         slot = self._slots.pop(handler, None)
         if slot is None:
             return

@@ -38,9 +38,32 @@ def load_openapi() -> dict:
     return yaml.safe_load(importlib.resources.files("gpud.api").joinpath("openapi.yaml").read_text())
 
 
+def query_parameters(openapi: dict) -> dict[tuple[str, str], frozenset[str]]:
+    """The query parameters each route and method takes, as the OpenAPI document lists them."""
+    known: dict[tuple[str, str], frozenset[str]] = {}
+    for path, item in openapi["paths"].items():
+        shared = [p for p in item.get("parameters", []) if p.get("in") == "query"]
+        for method, operation in item.items():
+            if method == "parameters":
+                continue
+            listed = shared + [p for p in operation.get("parameters", []) if p.get("in") == "query"]
+            known[(path, method.upper())] = frozenset(p["name"] for p in listed)
+    return known
+
+
+def _bad_request(code: str, message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=encode({"error": {"code": code, "message": message}}).decode(),
+                              content_type="application/json")
+
+
 class ShallowRouter(ErrorTableRouter):
     """gpud's router (every route answers a GpudError by the table), except that a path deeper than
-    every route goes to the catch-all at once.
+    every route goes to the catch-all at once, and a query parameter the route does not take is
+    refused before its handler runs.
+
+    A parameter gpud ignored could change what a request does without a word: `PUT
+    /v1/mig?dry_run=true` applied the layout. The known ones are the OpenAPI document's, so the
+    document and the routes cannot drift apart.
 
     aiohttp looks a path up under each of its prefixes in turn, a segment shorter each time: work
     quadratic in the number of segments (an unknown 8 KiB path of 4,000 segments cost 45 short ones).
@@ -49,6 +72,7 @@ class ShallowRouter(ErrorTableRouter):
     """
 
     _deepest = 0
+    query_parameters: dict[tuple[str, str], frozenset[str]] = {}
 
     def freeze(self) -> None:
         super().freeze()
@@ -59,15 +83,31 @@ class ShallowRouter(ErrorTableRouter):
         if request.version > HttpVersion11:
             # llhttp refuses "HTTP/9.9" itself; aiohttp's Python parser (the package's pure-Python tree,
             # packaging/README.md "Interpreters") takes it as a request: refused the same, and closed.
-            refusal = web.HTTPBadRequest(text=encode({"error": {
-                "code": "bad-request", "message": "unsupported HTTP version: gpud speaks HTTP/1.0 and 1.1"}}).decode(),
-                content_type="application/json")
+            refusal = _bad_request("bad-request", "unsupported HTTP version: gpud speaks HTTP/1.0 and 1.1")
             refusal.force_close()
             return MatchInfoError(refusal)
         if request.rel_url.path_safe.count("/") > self._deepest:
             match_info, _allowed = await self._resources[-1].resolve(request)
             return match_info
-        return await super().resolve(request)
+        match_info = await super().resolve(request)
+        if request.rel_url.query_string and match_info.route.resource is not self._resources[-1]:
+            return self._refuse_unknown_parameters(request, match_info)
+        return match_info
+
+    def _refuse_unknown_parameters(self, request: web.Request,
+                                   match_info: UrlMappingMatchInfo) -> UrlMappingMatchInfo:
+        route = match_info.route.resource.canonical
+        method = "GET" if request.method == "HEAD" else request.method
+        known = self.query_parameters.get((route, method), frozenset())
+        unknown = sorted(set(request.query) - known)
+        if not unknown:
+            return match_info
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        return MatchInfoError(_bad_request(
+            "unknown-query-parameter",
+            f"{request.method} {route} does not take the query parameter"
+            f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(name[:64]) for name in unknown[:8])}; {takes} "
+            "(GET /v1/openapi.json lists each route's)"))
 
 
 class SocketInUse(RuntimeError):
@@ -88,7 +128,9 @@ class Api:
         self.node_base = node_base
         self.rendered: RenderedInventory | None = None
         self._node_body = encode(node_view(None, node_base))
-        self._openapi = encode(load_openapi())
+        openapi = load_openapi()
+        self._openapi = encode(openapi)
+        self._query_parameters = query_parameters(openapi)
         self._runner: web.AppRunner | None = None
         inventory.subscribe(self._render)
 
@@ -99,6 +141,7 @@ class Api:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.__class__ = ShallowRouter  # aiohttp's Application takes no router of another class
+        app.router.query_parameters = self._query_parameters
         app[ADMIN_POLICY] = self.admin_policy
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/node", self.node)
