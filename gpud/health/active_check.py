@@ -8,6 +8,7 @@ document is kept in the state directory for `gpud check --last`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ class ActiveCheck:
         self.store = DiagStore(store_path)
         self._running = asyncio.Lock()
 
-    async def run(self, level: int, force: bool) -> dict:
-        """The run's document; GpudError when it cannot start (a conflict: busy GPUs or a run in
-        progress; unavailable without NVML). A run that failed to complete is a document too, with its error."""
+    async def run(self, level: int, force: bool, indices: Collection[int] | None = None) -> dict:
+        """The run's document, on the GPUs of `indices` (None: every GPU); GpudError when it cannot start
+        (a conflict: busy GPUs or a run in progress; unavailable without NVML). A run that failed to
+        complete is a document too, with its error."""
         if self._running.locked():
             raise GpudError(ErrorKind.CONFLICT, "check-in-progress",
                             "a check is running already: wait for it (gpud check --last "
@@ -40,7 +42,7 @@ class ActiveCheck:
             inventory = self.health.inventory.current
             if inventory is None:
                 raise nvml_unavailable(self.health.session.error or "no inventory yet")
-            gpus = [gpu for gpu in inventory.gpus if not gpu.lost]
+            gpus = [gpu for gpu in inventory.gpus if not gpu.lost and (indices is None or gpu.index in indices)]
             busy = {}
             for gpu in gpus:
                 pids = await self.health.session.call(compute_pids, gpu.index)

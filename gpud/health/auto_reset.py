@@ -1,18 +1,18 @@
 """health.auto_reset: a GPU whose driver asks for a reset is reset when nothing holds it, one GPU at a
-time and at most health.auto_reset_max_per_hour times an hour (the times persisted, so the limit holds
-across restarts). Each attempt's result is logged, counted and on the watch stream."""
+time, each attempt drawn from the node's reset budget (gpud.health.reset_budget: at most
+health.auto_reset_max_per_hour an hour, persisted, shared with remediations). Each attempt's result is
+logged, counted and on the watch stream."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Awaitable, Callable
 
 from gpud.base.logs import get_logger
-from gpud.config import HealthConfig
 from gpud.events import EventBus
 from gpud.gpu_reset import ResetBlocked
 from gpud.health.driver_actions import RESET_ACTIONS
+from gpud.health.reset_budget import ResetBudget
 from gpud.health.tracker import HealthTracker
 from gpud.model.inventory import Gpu, Inventory
 from gpud.model.named import Named
@@ -28,14 +28,12 @@ class AutoResetResult(Named):
 
 
 class AutoReset:
-    def __init__(self, tracker: HealthTracker, bus: EventBus, settings: HealthConfig,
-                 reset_gpu: Callable[[int, str], Awaitable[object]] | None, attempted: Callable[[], None]):
+    def __init__(self, tracker: HealthTracker, bus: EventBus, budget: ResetBudget,
+                 reset_gpu: Callable[[int, str], Awaitable[object]] | None):
         self._tracker = tracker
         self.bus = bus
-        self.settings = settings
+        self.budget = budget
         self.reset_gpu = reset_gpu
-        self._attempted = attempted  # told when an attempt is added to `attempts` (to save them)
-        self.attempts: list[float] = []  # when gpud reset a GPU by itself
         self.results: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self._last_said: tuple[str, str] | None = None
@@ -49,15 +47,11 @@ class AutoReset:
         if not wanting:
             return
         gpu = wanting[0]
-        now = time.time()
-        self.attempts = [when for when in self.attempts if now - when < 3600]
-        if len(self.attempts) >= self.settings.auto_reset_max_per_hour:
-            self._said(gpu, AutoResetResult.RATE_LIMITED, f"{len(self.attempts)} automatic resets in the last hour "
-                                                          f"already (health.auto_reset_max_per_hour): reset it by hand",
-                       once=True)
+        if not self.budget.draw():
+            self._said(gpu, AutoResetResult.RATE_LIMITED, f"{self.budget.used()} GPU resets in the last hour already "
+                                                          "(health.auto_reset_max_per_hour, shared with "
+                                                          "remediations): reset it by hand", once=True)
             return
-        self.attempts.append(now)
-        self._attempted()
         self._task = asyncio.ensure_future(self._reset(gpu))
 
     def stop(self) -> None:

@@ -19,22 +19,19 @@ What dcgmi prints and how it exits is DCGM 4's (NVIDIA/DCGM on GitHub), read fro
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import shutil
-import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from gpud.base import bounded_json, child
 from gpud.base.logs import get_logger
 
 log = get_logger("diag")
 
 LEVELS = (1, 2)
 MAX_OUTPUT_BYTES = 256 * 1024
-READ_CHUNK = 64 * 1024
 INSTALL_HINT = "install datacenter-gpu-manager and start nvidia-dcgm"
 
 # dcgm_structs.h dcgmReturn_t, as the byte a process exits with (main_dcgmi.cpp returns the enum from main).
@@ -113,82 +110,37 @@ async def run_diag(dcgmi: str | None, level: int, gpu_indices: Sequence[int], *,
                        f"DCGM is not installed (dcgmi not found): gpud would have run {would}; {INSTALL_HINT}", "")
     command = diag_command(dcgmi, level, gpu_indices)
     try:
-        process = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)  # its own group: killed whole at the timeout
+        run = await child.run(command, timeout_s=timeout_s, output_cap=MAX_OUTPUT_BYTES)
     except OSError as exc:
         return DiagRun(level, command, started, time.time(), None, "error", (),
                        f"could not start {dcgmi}: {exc.strerror or exc}", "")
-    budget = _OutputBudget()
-    readers = asyncio.gather(budget.drain(process.stdout, "stdout"), budget.drain(process.stderr, "stderr"))
-    try:
-        await asyncio.wait_for(asyncio.shield(readers), timeout_s)
-        exit_code = await asyncio.wait_for(process.wait(), timeout_s)
-    except asyncio.TimeoutError:
-        await _kill_group(process, readers)
+    if run.timed_out:
         return DiagRun(level, command, started, time.time(), None, "error", (),
                        f"dcgmi diag -r {level} did not finish within {timeout_s:g} s; gpud killed it and its "
-                       f"process group", budget.text())
-    except BaseException:  # cancelled (gpud stopping): the diagnostic does not outlive its caller
-        await _kill_group(process, readers)
-        raise
-    return _read_run(level, command, started, time.time(), exit_code, budget)
+                       f"process group", _output(run))
+    if run.overflowed:  # the rest is not read: a dcgmi that floods is ended, not drained for hours
+        return DiagRun(level, command, started, time.time(), None, "error", (),
+                       f"dcgmi diag printed more than {MAX_OUTPUT_BYTES} bytes; gpud stopped reading and killed "
+                       "it, its JSON unread", _output(run))
+    return _read_run(level, command, started, time.time(), run.exit_code, run)
 
 
-class _OutputBudget:
-    """dcgmi's output as it is read, kept up to MAX_OUTPUT_BYTES in all; the rest is read (so dcgmi never
-    blocks on a full pipe) and counted, not kept."""
-
-    def __init__(self) -> None:
-        self.kept: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
-        self.dropped: dict[str, int] = {"stdout": 0, "stderr": 0}
-
-    async def drain(self, stream: asyncio.StreamReader, name: str) -> None:
-        while chunk := await stream.read(READ_CHUNK):
-            room = MAX_OUTPUT_BYTES - sum(len(kept) for kept in self.kept.values())
-            self.kept[name] += chunk[:max(room, 0)]
-            self.dropped[name] += max(len(chunk) - max(room, 0), 0)
-
-    def stdout(self) -> str:
-        return self.kept["stdout"].decode("utf-8", "replace")
-
-    def text(self) -> str:
-        text = self.stdout() + self.kept["stderr"].decode("utf-8", "replace")
-        dropped = sum(self.dropped.values())
-        if dropped:
-            text += (f"\n[gpud: output cut at {MAX_OUTPUT_BYTES} bytes; {self.dropped['stdout']} more bytes of "
-                     f"stdout and {self.dropped['stderr']} of stderr were not kept]")
-        return text
-
-
-async def _kill_group(process: asyncio.subprocess.Process, readers: asyncio.Future) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        await asyncio.wait_for(process.wait(), 10)
-        # a grandchild that left the group could hold the pipes open: the readers are not waited on forever
-        await asyncio.wait_for(asyncio.shield(readers), 5)
-    except asyncio.TimeoutError:
-        readers.cancel()
-        log.error("diag_not_reaped", pid=process.pid, why="dcgmi or a child kept running after SIGKILL")
+def _output(run: child.ChildRun) -> str:
+    text = run.text()
+    return text + (f"\n[gpud: output cut at {MAX_OUTPUT_BYTES} bytes]" if run.overflowed else "")
 
 
 def _read_run(level: int, command: tuple[str, ...], started: float, finished: float, exit_code: int,
-              budget: _OutputBudget) -> DiagRun:
-    output = budget.text()
+              run: child.ChildRun) -> DiagRun:
+    output = _output(run)
     meaning = EXIT_MEANINGS.get(exit_code, "an exit status dcgmi does not document")
     said = _first_line(output)
 
     def error_run(why: str) -> DiagRun:
         return DiagRun(level, command, started, finished, exit_code, "error", (), why, output)
 
-    if budget.dropped["stdout"]:
-        return error_run(f"dcgmi diag printed more than {MAX_OUTPUT_BYTES} bytes; its JSON could not be read "
-                         f"whole (exit status {exit_code}: {meaning})")
     try:
-        document = json.loads(budget.stdout())
+        document = bounded_json.loads(run.stdout, what="dcgmi diag's JSON")
     except ValueError as exc:
         return error_run(f"dcgmi diag exited {exit_code} ({meaning}) and its output is not the JSON -j asks for "
                          f"({exc}): {said or 'it printed nothing'}")

@@ -35,3 +35,19 @@ def driver_action_name(value: int | None) -> str | None:
 
 def driver_action_reason(action: str) -> tuple[Health, Action, str]:
     return _REASONS.get(action, (Health.UNHEALTHY, Action.RESET_GPU, f"the driver asks for recovery action {action!r}"))
+
+
+def remedy(action: str, driver: str | None) -> str | None:
+    """What brings a GPU back, from gpud's strongest suggested action for it and its MIG devices and the
+    driver's recovery action: inspect-hardware, reboot, reset-gpu, or None when none of them. A remediation
+    (gpud.health.remediation, the k8s agent, `gpud slurm health`) goes by it. Where the driver reports its
+    recovery action (R565 and later) it decides reset or reboot (NVIDIA's "Error Recovery and Response
+    Flags"), over the XID catalog's action: an XID 48 is a reboot in the catalog, a reset where the driver
+    says a reset mends it."""
+    if action == Action.INSPECT_HARDWARE:
+        return action
+    if driver in REBOOT_ACTIONS or (action == Action.REBOOT and driver not in RESET_ACTIONS):
+        return Action.REBOOT
+    if driver in RESET_ACTIONS or action == Action.RESET_GPU:
+        return Action.RESET_GPU
+    return None

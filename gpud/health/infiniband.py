@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from gpud.base.hostfile import NotARegularFile, read_host_file
+
 Problem = tuple[str, str, str] | None  # (severity, action, message), as gpud.health.checks
 KIND = "infiniband"
 
@@ -63,6 +65,8 @@ class IbPort:
     # counter file name (counters/ and counters_ext/, whose names differ) -> value as the file says it:
     # port_rcv_data and port_xmit_data are in 4-byte words there; the metrics turn them into bytes.
     counters: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # "state: a FIFO, not a regular file": what is at a port's file names and cannot be read as one
+    unreadable: tuple[str, ...] = ()
 
     @property
     def subject(self) -> str:
@@ -89,33 +93,45 @@ def _entries(directory: Path) -> list[Path]:
 
 
 def _read_port(device: str, number: int, path: Path) -> IbPort:
-    state_id, state = _parse_state(_read_text(path / "state"))
-    phys_state_id, phys_state = _parse_state(_read_text(path / "phys_state"))
-    link_layer = _read_text(path / "link_layer")
+    unreadable: list[str] = []
+
+    def read(file: Path) -> str | None:
+        return _read_text(file, unreadable)
+
+    state_id, state = _parse_state(read(path / "state"))
+    phys_state_id, phys_state = _parse_state(read(path / "phys_state"))
+    link_layer = read(path / "link_layer")
     counters: dict[str, int] = {}
     for directory in ("counters", "counters_ext"):
         for counter in _files(path / directory):
-            value = _parse_counter(_read_text(counter))
+            text = read(counter)
+            value = _parse_counter(text)
             if value is not None:
                 counters[counter.name] = value
+            elif text and text.isdigit():
+                unreadable.append(f"{counter.name}: a number of {len(text)} digits, over 64 bits")
     return IbPort(device=device, port=number, state=state, state_id=state_id, phys_state=phys_state,
-                  phys_state_id=phys_state_id, rate_gbps=_parse_rate(_read_text(path / "rate")),
-                  link_layer=link_layer or None, counters=counters)
+                  phys_state_id=phys_state_id, rate_gbps=_parse_rate(read(path / "rate")),
+                  link_layer=link_layer or None, counters=counters, unreadable=tuple(unreadable))
 
 
 def _files(directory: Path) -> list[Path]:
+    """The names in a counters directory; a FIFO or a device there is listed, so that it is reported."""
     try:
-        return sorted(entry for entry in directory.iterdir() if entry.is_file())
+        return sorted(entry for entry in directory.iterdir() if not entry.is_dir())
     except OSError:
         return []
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's one line, or None where it cannot be read or is not ASCII (sysfs files are)."""
+def _read_text(path: Path, unreadable: list[str]) -> str | None:
+    """The file's one line, or None where it cannot be read or is not ASCII (sysfs files are). Something
+    other than a regular file at the name is noted in unreadable: it is not the kernel's."""
     try:
-        with open(path, "rb") as file:
-            raw = file.read(4096)  # a sysfs attribute is at most a page
-    except OSError:  # missing, a directory, EINVAL from the driver, permission
+        raw = read_host_file(path)
+    except NotARegularFile as exc:
+        unreadable.append(f"{path.name}: {exc.strerror}")
+        return None
+    except OSError:  # missing, EINVAL from the driver, permission
         return None
     try:
         return raw.decode("ascii").strip()
@@ -143,10 +159,16 @@ def _parse_rate(text: str | None) -> float | None:
     return float(match.group(1)) if match else None
 
 
+# The kernel prints a port counter from a u64 at most (drivers/infiniband/core/sysfs.c show_pma_counter,
+# "%llu"): a longer number is not the kernel's, and one that large breaks whatever renders it.
+_COUNTER_DIGITS = len(str(2**64 - 1))
+
+
 def _parse_counter(text: str | None) -> int | None:
-    if text is None or not text.isdigit() or not text.isascii():
-        return None  # "N/A (no PMA)", empty, garbage
-    return int(text)
+    if text is None or not text.isdigit() or not text.isascii() or len(text) > _COUNTER_DIGITS:
+        return None  # "N/A (no PMA)", empty, garbage, more than 64 bits
+    value = int(text)
+    return value if value < 2**64 else None
 
 
 # ----------------------------------------------------------------------------------------------- health
@@ -183,6 +205,11 @@ class IbHealth:
                 grown = _growth(port.counters.get(counter), seen.counters.get(counter) if seen else None)
                 problems[(KIND, code)] = None if grown <= self.error_deltas[code] else \
                     ("degraded", "inspect-hardware", message.format(n=grown))
+            problems[(KIND, "port-unreadable")] = None if not port.unreadable else (
+                "degraded", "inspect-hardware",
+                f"{port.device} port {port.port} cannot be judged whole: {'; '.join(port.unreadable[:4])}"
+                f"{f' (and {len(port.unreadable) - 4} more)' if len(port.unreadable) > 4 else ''}: these "
+                "are not the kernel's port files; check what is mounted over sysfs")
             results[port.subject] = problems
             self._seen[port.subject] = _Seen(dict(port.counters), ever_active)
         return results
@@ -231,6 +258,7 @@ def _port_down(port: IbPort, was_active: bool) -> Problem:
 # says "Open Kernel Module", NVIDIA's kernel_open README) and RDMA dma-buf memory registration, in Linux
 # since 5.12 (the requirement oneCCL's "Enabling OFI/verbs/dmabuf Support" states for the same path).
 DMABUF_KERNEL = (5, 12)
+PROC_MODULES_BYTES = 1 << 20  # a line per loaded module, some 60 bytes each
 
 
 def peermem_problem(procfs: Path, ports: Sequence[IbPort]) -> str | None:
@@ -240,13 +268,14 @@ def peermem_problem(procfs: Path, ports: Sequence[IbPort]) -> str | None:
     if not ports:
         return None
     try:
-        modules = {line.split(" ", 1)[0] for line in (Path(procfs) / "modules").read_text().splitlines()}
+        text = read_host_file(Path(procfs) / "modules", PROC_MODULES_BYTES).decode()
+        modules = {line.split(" ", 1)[0] for line in text.splitlines()}
     except (OSError, UnicodeDecodeError):
         return None
     if "nvidia" not in modules or "nvidia_peermem" in modules:
         return None
-    open_modules = "Open Kernel Module" in (_read_text(Path(procfs) / "driver" / "nvidia" / "version") or "")
-    kernel = _kernel_version(_read_text(Path(procfs) / "sys" / "kernel" / "osrelease"))
+    open_modules = "Open Kernel Module" in (_read_text(Path(procfs) / "driver" / "nvidia" / "version", []) or "")
+    kernel = _kernel_version(_read_text(Path(procfs) / "sys" / "kernel" / "osrelease", []))
     if open_modules and kernel is not None and kernel >= DMABUF_KERNEL:
         return None
     devices = ", ".join(sorted({port.device for port in ports}))

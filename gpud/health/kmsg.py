@@ -9,17 +9,18 @@ the same way (the simulator's kernel log, tests), like `tail -f`. Only the kerne
 
 from __future__ import annotations
 
+import collections
 import os
 import select
-import stat
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+from gpud.base.hostfile import read_host_text
 from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_json_atomic
-from gpud.health.kmsg_records import KERNEL_FACILITY, KernelXid, parse_xid, read_record
+from gpud.health.kmsg_records import KERNEL_FACILITY, KernelXid, parse_cursor, parse_xid, read_record, source_kind
 
 log = get_logger("kmsg")
 
@@ -27,26 +28,20 @@ log = get_logger("kmsg")
 # record, and the reader does not hold unbounded garbage waiting for its newline.
 MAX_RECORD_BYTES = 16 * 1024
 RETRY_OPEN_S = 5.0  # a missing or forbidden kernel log is tried again this often
+# /dev/kmsg gives a record per read, numbered upwards (Documentation/ABI/testing/dev-kmsg): reads in a row
+MAX_NON_RECORDS = 64  # that are not records tell another source; a number seen again is a repeated line
+SEEN_SEQS = 4096
 CURSOR_EVERY_S = 1.0  # the cursor is written at most this often while records arrive
 
 
 def _read_boot_id(path: Path) -> str | None:
     try:
-        text = path.read_text(encoding="ascii", errors="replace").strip()
+        text = read_host_text(path, encoding="ascii", errors="replace").strip()
     except OSError as exc:
         log.warning("boot_id_unreadable", path=str(path), error=exc.strerror or str(exc),
                     consequence="every record in the kernel log is taken as new")
         return None
     return text or None
-
-
-def _parse_cursor(document) -> tuple[str | None, int]:
-    boot_id, seq = document["boot_id"], document["seq"]
-    if boot_id is not None and not isinstance(boot_id, str):
-        raise TypeError("boot_id is not a string")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise ValueError("seq is not a non-negative integer")
-    return boot_id, seq
 
 
 class _Reopen(Exception):
@@ -83,6 +78,9 @@ class KernelLogFollower:
         self._boot_id: str | None = None
         self._skip_through: int | None = None  # records up to this seq were handled before a restart
         self._last_seq: int | None = None  # the last record handled, this run
+        self._seen_seqs: collections.deque[int] = collections.deque(maxlen=SEEN_SEQS)  # in this source
+        self._non_records = 0  # reads in a row that yielded no record
+        self._device = False  # following /dev/kmsg, whose numbers only grow within a boot
         self._cursor_dirty = False
         self._cursor_written_at = 0.0
         self._cursor_lock = threading.Lock()  # the thread's own saves and save_cursor's from the event loop
@@ -107,7 +105,7 @@ class KernelLogFollower:
     def _load_cursor(self) -> None:
         if self.cursor_path is None:
             return
-        cursor, self.corrupt_cursor = read_json(self.cursor_path, _parse_cursor)
+        cursor, self.corrupt_cursor = read_json(self.cursor_path, parse_cursor)
         if cursor is None:
             return
         boot_id, seq = cursor
@@ -181,62 +179,65 @@ class KernelLogFollower:
         raise AssertionError("unreachable")  # _unreadable raises
 
     def _follow(self) -> None:
-        try:
-            mode = os.stat(self.path).st_mode
-        except OSError as exc:
-            self._unreadable(exc)
-        if stat.S_ISCHR(mode):
-            self._follow_device()
-        else:
-            self._follow_file()
-
-    def _follow_device(self) -> None:
+        # opened first, without blocking, then judged: what is judged is what is read (no FIFO swapped in)
         fd = self._open(os.O_NONBLOCK)
         try:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            self.problem = None
-            while not self._stopping.is_set():
-                while not self._stopping.is_set():
-                    try:
-                        record = os.read(fd, MAX_RECORD_BYTES)
-                    except BlockingIOError:  # EAGAIN: nothing new
-                        break
-                    except BrokenPipeError:  # EPIPE: the ring buffer overwrote records before we read them
-                        log.warning("kmsg_records_lost", why="the kernel's ring buffer overwrote them first",
-                                    consequence="XIDs among them are not seen here")
-                        continue
-                    except OSError as exc:
-                        self._unreadable(exc, "read failed: ")
-                    if not record:
-                        break
-                    self._handle(record)
-                self._save_cursor(now=False)
-                poller.poll(self.poll_s * 1000)  # a timeout, so that stop() is prompt
+            opened = os.fstat(fd)
+            kind, problem = source_kind(self.path, opened)
+            if problem:
+                self._fail(problem)
+            self._seen_seqs.clear()
+            self._non_records, self._device = 0, kind == "device"
+            self._follow_device(fd) if self._device else self._follow_file(fd, opened)
         finally:
             os.close(fd)
 
-    def _follow_file(self) -> None:
-        fd = self._open(0)
-        try:
-            opened = os.fstat(fd)
-            self.problem = None
-            offset, pending, oversized = 0, b"", False
+    def _follow_device(self, fd: int) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        self.problem = None
+        said_readable = False
+        while not self._stopping.is_set():
+            records = 0
             while not self._stopping.is_set():
                 try:
-                    chunk = os.read(fd, 65536)
+                    record = os.read(fd, MAX_RECORD_BYTES)
+                except BlockingIOError:  # EAGAIN: nothing new
+                    break
+                except BrokenPipeError:  # EPIPE: the ring buffer overwrote records before we read them
+                    log.warning("kmsg_records_lost", why="the kernel's ring buffer overwrote them first",
+                                consequence="XIDs among them are not seen here")
+                    continue
                 except OSError as exc:
                     self._unreadable(exc, "read failed: ")
-                if chunk:
-                    offset += len(chunk)
-                    pending, oversized = self._lines(pending + chunk, oversized)
-                    self._save_cursor(now=False)
-                    continue
-                self._save_cursor(now=False)
-                self._check_replaced(opened, offset)
+                if not record:
+                    break
+                records += 1
+                self._handle(record)
+                if self._non_records >= MAX_NON_RECORDS:
+                    self._fail(f"{self.path} gave {self._non_records} reads in a row that are not kernel "
+                               "log records: set host.kmsg to /dev/kmsg")
+            self._save_cursor(now=False)
+            if said_readable and not records:  # /dev/kmsg polls readable with a record only
                 self._stopping.wait(self.poll_s)
-        finally:
-            os.close(fd)
+            said_readable = bool(poller.poll(self.poll_s * 1000))  # a timeout: stop() is prompt
+
+    def _follow_file(self, fd: int, opened: os.stat_result) -> None:
+        self.problem = None
+        offset, pending, oversized = 0, b"", False
+        while not self._stopping.is_set():
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError as exc:
+                self._unreadable(exc, "read failed: ")
+            if chunk:
+                offset += len(chunk)
+                pending, oversized = self._lines(pending + chunk, oversized)
+                self._save_cursor(now=False)
+                continue
+            self._save_cursor(now=False)
+            self._check_replaced(opened, offset)
+            self._stopping.wait(self.poll_s)
 
     def _check_replaced(self, opened: os.stat_result, offset: int) -> None:
         try:
@@ -281,9 +282,14 @@ class KernelLogFollower:
     def _handle(self, raw: bytes) -> None:
         record = read_record(raw)
         if record is None:
+            self._non_records += 1
             log.debug("kmsg_not_a_record", start=raw[:80].decode("ascii", "backslashreplace"))
             return
+        self._non_records = 0
         self.lines_read += 1
+        if record.seq in self._seen_seqs or (self._device and record.seq <= (self._last_seq or -1)):
+            return  # a repeated line of a file, or the ring buffer replayed by a reopen: handled once
+        self._seen_seqs.append(record.seq)
         if self._last_seq is not None and record.seq <= self._last_seq and self._skip_through is None:
             # within one source the kernel's numbers only grow: the log was replaced
             log.info("kmsg_sequence_went_back", seq=record.seq, after=self._last_seq,

@@ -12,9 +12,13 @@ facility (PRIORITY >> 3) tells the driver's records (0) from injected ones; only
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 
+from gpud.base.hostfile import kind_of
 from gpud.model.inventory import normal_bus_id
 
 KERNEL_FACILITY = 0  # LOG_KERN: what the kernel and its modules write; userspace never gets it
@@ -84,3 +88,35 @@ def parse_xid(message: str) -> tuple[str, int, str] | None:
         return None
     detail = (rest or "").strip()[:MAX_DETAIL_CHARS]
     return bus_id, xid, detail
+
+
+# /dev/kmsg is character device 1:11 (Linux Documentation/admin-guide/devices.txt, "1 char Memory
+# devices ... 11 = /dev/kmsg"). Another device at host.kmsg is not the kernel log: /dev/null is always
+# readable with nothing in it and /dev/zero never ends; followed, either spun a core for ever while
+# health said the kernel log was read.
+KMSG_DEVICE = (1, 11)
+
+
+def source_kind(path: Path, info: os.stat_result) -> tuple[str | None, str | None]:
+    """("device", None) for the kernel log device, ("file", None) for a regular file of its records
+    (the simulator's, tests), else (None, why it is neither)."""
+    if stat.S_ISCHR(info.st_mode):
+        numbers = (os.major(info.st_rdev), os.minor(info.st_rdev))
+        if numbers == KMSG_DEVICE:
+            return "device", None
+        return None, (f"{path} is character device {numbers[0]}:{numbers[1]}, not the kernel log (/dev/kmsg is "
+                      f"{KMSG_DEVICE[0]}:{KMSG_DEVICE[1]}): set host.kmsg to /dev/kmsg")
+    if stat.S_ISREG(info.st_mode):
+        return "file", None
+    return None, (f"{path} is {kind_of(info.st_mode)}, neither the kernel log device nor a regular file of "
+                  "its records: set host.kmsg to /dev/kmsg")
+
+
+def parse_cursor(document) -> tuple[str | None, int]:
+    """The kernel log reader's cursor file: the boot it is of, and the last record handled in it."""
+    boot_id, seq = document["boot_id"], document["seq"]
+    if boot_id is not None and not isinstance(boot_id, str):
+        raise TypeError("boot_id is not a string")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ValueError("seq is not a non-negative integer")
+    return boot_id, seq

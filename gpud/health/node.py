@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from gpud.base import child
+from gpud.base.hostfile import PROC_MAPS_BYTES, read_host_text
 from gpud.base.logs import get_logger
 
 log = get_logger("health")
@@ -30,13 +31,14 @@ _MODULE_VERSION = re.compile(r"^NVRM version: .*?\s(\d{3,4}\.\d{1,3}(?:\.\d{1,3}
 # versioned file; libnvidia-ml.so.1 links to it).
 _LIBRARY_VERSION = re.compile(r"/libnvidia-ml\.so\.(\d{3,4}\.\d{1,3}(?:\.\d{1,3})?)$")
 SYSTEMCTL_TIMEOUT_S = 5.0
+SYSTEMCTL_OUTPUT_CAP = 65536  # four properties, a line each
 
 
 def module_version(procfs: Path) -> str | None:
     """The loaded kernel module's version; None when no module is loaded (no file), the file cannot be
     read, or it says no version gpud can recognise."""
     try:
-        text = (procfs / "driver" / "nvidia" / "version").read_text(encoding="utf-8", errors="replace")
+        text = read_host_text(procfs / "driver" / "nvidia" / "version", errors="replace")
     except OSError:
         return None
     match = _MODULE_VERSION.search(text[:4096])
@@ -50,7 +52,7 @@ def library_version(nvml: Any, maps: Path = Path("/proc/self/maps")) -> str | No
     if hasattr(nvml, "sim_library_version"):
         return nvml.sim_library_version()
     try:
-        lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_host_text(maps, PROC_MAPS_BYTES, errors="replace").splitlines()
     except OSError:
         return None
     for line in lines:
@@ -86,14 +88,19 @@ def fabric_manager_unit(unit: str) -> dict[str, str] | None:
     if systemctl is None:
         return None
     try:
-        result = subprocess.run([systemctl, "show", "--property=LoadState,ActiveState,SubState,Result", "--", unit],
-                                capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        result = child.run_sync([systemctl, "show", "--property=LoadState,ActiveState,SubState,Result", "--", unit],
+                                timeout_s=SYSTEMCTL_TIMEOUT_S, output_cap=SYSTEMCTL_OUTPUT_CAP)
+    except OSError as exc:
         log.warning("systemctl_failed", unit=unit, error=str(exc))
         return None
-    if result.returncode != 0:
+    failure = result.failure(SYSTEMCTL_TIMEOUT_S, SYSTEMCTL_OUTPUT_CAP)
+    if failure:
+        log.warning("systemctl_failed", unit=unit, error=failure)
         return None
-    properties = dict(line.partition("=")[::2] for line in result.stdout.splitlines() if "=" in line)
+    if result.exit_code != 0:
+        return None
+    text = result.stdout.decode(errors="replace")
+    properties = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
     return properties if "ActiveState" in properties else None
 
 

@@ -1,8 +1,9 @@
 """What health keeps across restarts. health.json: each device's reasons, the XID counts and the last
-XID of each GPU, the boot they were saved in, the boots in which a GPU needed a reboot and the
-automatic resets (so the hourly limit holds across restarts); saved on every change, so a GPU unhealthy
-before a restart is unhealthy after it, for the same reasons, and what was cleared stays so. And the
-NVLink links seen up on each GPU, where only those count when down."""
+XID of each GPU, the boot they were saved in, the boots in which a GPU needed a reboot and the resets
+drawn from the reset budget, automatic or remediations' (so the hourly limit holds across restarts);
+saved on every change, so a GPU unhealthy before a restart is unhealthy after it, for the same
+reasons, and what was cleared stays so. And the NVLink links seen up on each GPU, where only those
+count when down."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from gpud.health.auto_reset import AutoReset
 from gpud.health.catalog import XidCatalog
 from gpud.health.collectors import device_health, gpu_readings, node_health, profiling, recovery, xid_errors
 from gpud.health.reasons import Change
+from gpud.health.reset_budget import ResetBudget
 from gpud.health.sources.gpu_checks import GpuChecks
 from gpud.health.sources.kernel_log import KernelLogXids
 from gpud.health.sources.node_checks import NodeChecks
@@ -78,7 +79,8 @@ class HealthService(Component):
         self.corrupt_files: list[CorruptFile] = []  # persisted files that could not be read back
         self.saver = persistence.HealthSaver(state_path, self._document, self._save_cursor)
         self.xids = XidCounter(catalog, self.tracker, self._publish, self.saver.soon)
-        self.auto_reset = AutoReset(self.tracker, bus, settings, reset_gpu, self.saver.soon)
+        self.reset_budget = ResetBudget(settings.auto_reset_max_per_hour, self.saver.soon)
+        self.auto_reset = AutoReset(self.tracker, bus, self.reset_budget, reset_gpu)
         self.gpu_checks = GpuChecks(session, inventory, self.tracker, mps_failures=mps_failures,
                                     nvlinks_path=nvlinks_path, corrupt_files=self.corrupt_files)
         paths = host or HostPaths()
@@ -99,7 +101,7 @@ class HealthService(Component):
             earlier_boot = bool(self.boot_id and restored.boot_id and restored.boot_id != self.boot_id)
             self.tracker.restore(restored.reasons, earlier_boot=earlier_boot, reboot_needs=restored.reboot_needs)
             self.xids.counts, self.xids.last_xid = restored.xid_counts, restored.last_xid
-            self.auto_reset.attempts = restored.auto_resets
+            self.reset_budget.times = restored.auto_resets
             log.info("health_restored", path=str(state_path), devices=len(restored.reasons), earlier_boot=earlier_boot)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -124,8 +126,8 @@ class HealthService(Component):
         self.start_kernel_log()
 
     def problems(self) -> list[str]:
-        return [problem for problem in (self.events_problem, self.kernel_log_problem) if problem] + \
-            [file.message() for file in self.corrupt_files]
+        return [problem for problem in (self.events_problem, self.kernel_log_problem, self.node_checks.stuck)
+                if problem] + [file.message() for file in self.corrupt_files]
 
     def use_resetter(self, reset_gpu: Callable[[int, str], Awaitable[object]]) -> None:
         """health.auto_reset's way to reset a GPU. The resetter is made after health, whose reasons it
@@ -213,6 +215,11 @@ class HealthService(Component):
                 changes += self.tracker.observe(uuid, kind, "dcgm", problem)
         self._publish(changes, "gpud check (DCGM diagnostic)")
 
+    def mps_changed(self) -> None:
+        """An MPS daemon started, stopped or failed: a failed one is its devices' problem at once, not at the
+        next periodic check (which counts the passes that clear it)."""
+        self._publish(self.gpu_checks.observe_mps_failures(), "MPS daemon failed")
+
     def gpu_was_reset(self, uuid: str) -> None:
         self._publish(self.tracker.record_reset(uuid), "GPU reset")
 
@@ -263,7 +270,7 @@ class HealthService(Component):
         return persistence.health_document(reasons=self.tracker.export(), xid_counts=self.xids.counts,
                                            last_xid=self.xids.last_xid, boot_id=self.boot_id,
                                            reboot_needs=self.tracker.reboot_needs,
-                                           auto_resets=self.auto_reset.attempts)
+                                           auto_resets=self.reset_budget.times)
 
     async def _save_cursor(self) -> None:
         await self.kernel_log.save_cursor()

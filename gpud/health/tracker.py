@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 
 from gpud.health.catalog import Severity, XidInfo
-from gpud.health.driver_actions import REBOOT_ACTIONS, driver_action_reason
+from gpud.health.driver_actions import REBOOT_ACTIONS, driver_action_reason, remedy
 from gpud.health.reasons import Change, Key, Reason, TrackedDevice, suggested_action, worst
-from gpud.health.states import Action, Clears, Health
+from gpud.health.states import ACTION_RANK, Action, Clears, Health
 from gpud.model.inventory import Gpu, Inventory
 
 LOST_MESSAGE = "the GPU is lost: it fell off the bus or stopped responding"
@@ -207,6 +207,11 @@ class HealthTracker:
         """gpud's suggested action for the GPU, as /v1/health's suggested_action says it."""
         return suggested_action(self._health_view(gpu_uuid)["reasons"])
 
+    def worst_action(self, gpu: Gpu) -> str:
+        """gpud's suggested action for the GPU and its MIG devices, the strongest."""
+        return max((self.action_for(uuid) for uuid in (gpu.uuid, *(device.uuid for device in gpu.mig.devices))),
+                   key=ACTION_RANK.index)
+
     def subjects_view(self) -> tuple[dict, list[dict]]:
         """The node's health, and each other subject's (name, state, reasons), by name."""
         views = {name: {"name": name, **self._health_view_of(device)} for name, device in self._subjects.items()}
@@ -217,9 +222,9 @@ class HealthTracker:
     def _gpu_view(self, gpu: Gpu) -> dict:
         mig_devices = [{"uuid": mig.uuid, "profile": mig.profile, "gi_id": mig.gi_id, "ci_id": mig.ci_id,
                         **self._health_view(mig.uuid)} for mig in gpu.mig.devices]
-        view = self._health_view(gpu.uuid)
+        view, driver = self._health_view(gpu.uuid), self._driver_actions.get(gpu.uuid)
         return {"index": gpu.index, "uuid": gpu.uuid, **view, "suggested_action": suggested_action(view["reasons"]),
-                "driver_action": self._driver_actions.get(gpu.uuid), "mig_devices": mig_devices}
+                "driver_action": driver, "remedy": remedy(self.worst_action(gpu), driver), "mig_devices": mig_devices}
 
     def _health_view(self, uuid: str) -> dict:
         """State and reasons; a device not learned yet has nothing recorded against it."""

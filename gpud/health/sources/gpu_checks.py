@@ -80,6 +80,13 @@ class GpuChecks:
         failures = self._mps_failures()
         for device in self._mps_watched - set(failures):
             changes += self._tracker.observe(device, "mps", "daemon", None)  # passes count toward clearing
+        return changes + self.observe_mps_failures(failures)
+
+    def observe_mps_failures(self, failures: dict[str, str] | None = None) -> list[Change]:
+        """The MPS daemons down now, as problems of their devices (also at once when one fails, between
+        two periodic checks)."""
+        changes: list[Change] = []
+        failures = self._mps_failures() if failures is None else failures
         for device, why in failures.items():
             changes += self._tracker.observe(device, "mps", "daemon", (Health.DEGRADED, Action.RESTART_APP, why))
         self._mps_watched |= set(failures)

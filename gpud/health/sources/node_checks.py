@@ -16,6 +16,10 @@ from gpud.health.tracker import NODE, HealthTracker
 from gpud.nvml.session import NvmlSession
 
 FABRIC_MANAGER_EVERY_S = 30.0  # systemctl is asked at most this often
+# A port reading takes milliseconds: every file is read non-blocking (gpud.base.hostfile). One that
+# still has not finished by then (a hung filesystem under host.sysfs) is reported, and waited on
+# rather than started again beside itself.
+IB_READ_DEADLINE_S = 10.0
 
 
 class NodeChecks:
@@ -27,6 +31,9 @@ class NodeChecks:
         self._procfs, self._sysfs = procfs, sysfs
         self.ib_ports: list[infiniband.IbPort] = []
         self._ib = infiniband.IbHealth()
+        self._ib_reading: asyncio.Future | None = None
+        self._ib_reading_since = 0.0
+        self.stuck: str | None = None  # a reading that has not finished, for /healthz
         self._fabric_manager_checked = 0.0
         self.driver_versions: dict[str, str | None] = {"kernel_module": None, "library": None}
 
@@ -44,8 +51,21 @@ class NodeChecks:
         return changes
 
     async def _check_infiniband(self) -> list[Change]:
-        self.ib_ports = await asyncio.to_thread(infiniband.read_ports, self._sysfs)
-        changes = self._tracker.set_subjects("ib:", [port.subject for port in self.ib_ports])
+        if self._ib_reading is None:
+            self._ib_reading = asyncio.ensure_future(asyncio.to_thread(infiniband.read_ports, self._sysfs))
+            self._ib_reading_since = time.monotonic()
+        left = self._ib_reading_since + IB_READ_DEADLINE_S - time.monotonic()
+        done, _ = await asyncio.wait({self._ib_reading}, timeout=max(left, 0.0))
+        if not done:  # said on node and in /healthz: a check that cannot finish is not hidden
+            self.stuck = (f"reading the InfiniBand ports under {self._sysfs / 'class' / 'infiniband'} has not "
+                          f"finished in {time.monotonic() - self._ib_reading_since:.0f} s: their health is "
+                          "unknown; look for a hung filesystem or a FIFO mounted there")
+            return self._tracker.observe(NODE, "infiniband", "read-stuck",
+                                         (Health.DEGRADED, Action.INSPECT_HARDWARE, self.stuck))
+        reading, self._ib_reading, self.stuck = self._ib_reading, None, None
+        self.ib_ports = reading.result()
+        changes = self._tracker.observe(NODE, "infiniband", "read-stuck", None)
+        changes += self._tracker.set_subjects("ib:", [port.subject for port in self.ib_ports])
         for subject, problems in self._ib.check(self.ib_ports).items():
             for (kind, code), problem in problems.items():
                 changes += self._tracker.observe(subject, kind, code, problem)
