@@ -32,6 +32,7 @@ from gpud.kubernetes import (CONDITION_TYPE, MIG_CONFIG_LABEL, MIG_STATE_LABEL, 
                              TAINT_KEY, TAINT_VALUE)
 from gpud.kubernetes.health import Verdict, unknown, verdict
 from gpud.kubernetes.node_api import KubeError, NodeApi, now_rfc3339
+from gpud.kubernetes.remediation import Remediation
 
 log = get_logger("k8s_agent")
 
@@ -40,6 +41,7 @@ MIG_APPLY_TIMEOUT_S = 3600.0  # PUT /v1/mig?wait=true answers when the apply end
 WATCH_FROM_THE_START = "/v1/watch?since=0&epoch=gpud-k8s-agent"  # as the device plugin's: a `gap` line first
 GPUD_UNREACHABLE_GRACE_S = 30.0  # then GPUHealthy says Unknown: a gpud restart takes seconds
 BACKOFF_S = (1.0, 60.0)  # first and longest wait before retrying a failed call to the API server
+SHORT_WATCH_S = 1.0  # client-go's reflector: a watch ended sooner with no event is a failure
 MIG_RETRY_S = 10.0  # while MIG devices are busy, or gpud is in another apply
 HEALTH_COALESCE_S = 0.05  # a burst of health events (an XID on 8 GPUs) becomes one read and one patch
 STATUS_EVERY_S = 1.0  # the agent's status goes to gpud at most this often
@@ -129,8 +131,11 @@ class Agent:
             "mig": {"label": None, "state": None, "detail": None},
             "sharing": {"label": None, "outcome": None},
             "health": {"condition": None, "reason": None, "taint": False},
+            "remediation": {"enabled": False, "step": None},
             "requests": {}, "problems": {},
         }
+        self._publishing = asyncio.Lock()  # the health loop and the remediation loop both publish
+        self.remediation = Remediation(self)
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -141,7 +146,7 @@ class Agent:
                                self._on_gpud_disconnect)).start()
         tasks = [asyncio.create_task(coro) for coro in (
             self._follow_node(), self._mig_loop(), self._sharing_loop(), self._health_loop(),
-            self._gpud_grace_loop(), self._status_loop())]
+            self._gpud_grace_loop(), self._status_loop(), self.remediation.run())]
         log.info("k8s_agent_starting", node=self.node_name, gpud_socket=str(self.gpud.socket_path),
                  api_server=self.api.client.configuration.host)
         try:
@@ -242,7 +247,9 @@ class Agent:
                     self._on_node(await self.api.read_node())
                     resource_version = self.node["metadata"]["resourceVersion"]
                     self._kube_ok("read node")
+                watched, events = time.monotonic(), 0
                 async for kind, obj in self.api.watch(None if from_now else resource_version):
+                    events += 1
                     resource_version = obj.get("metadata", {}).get("resourceVersion") or resource_version
                     from_now = False
                     expired.reset()
@@ -253,8 +260,19 @@ class Agent:
                         self.node, resource_version = None, None
                         break
                     self._note("watch", resource_version=resource_version)
+                lasted = time.monotonic() - watched
+                if lasted < SHORT_WATCH_S and not events:
+                    # client-go's reflector: a watch the server ends within a second with no event is an
+                    # error ("very short watch", tools/cache/reflector.go watchHandler), retried with its
+                    # backoff (800 ms doubling to 30 s), not at once: an API server (or a proxy) that
+                    # answers every watch with an empty 200 made the agent spin a core.
+                    raise KubeError(f"watch node {self.node_name}", None, "very short watch: the API server "
+                                    f"ended it after {lasted:.2f} s with no event")
                 self._kube_ok("watch node")
-                backoff.reset()
+                if lasted < SHORT_WATCH_S:  # events (a bookmark), but ended at once again: waited on as a failure
+                    await asyncio.sleep(backoff.next())
+                else:
+                    backoff.reset()
             except KubeError as exc:
                 if exc.status == 410:
                     log.info("node_watch_expired", node=self.node_name, resource_version=resource_version)
@@ -486,8 +504,10 @@ class Agent:
             self._health_dirty.set()
             self._mig_changed.set()  # a reboot may have finished a change that waited for it
             self._status_dirty.set()
+            self.remediation.wake.set()
         if kind in ("health", "inventory"):
             self._health_dirty.set()
+            self.remediation.wake.set()
         elif kind == "kubernetes":
             self._apply_settings(event.get("data") or {})
         if kind in ("mig", "inventory") and self.status["mig"]["state"] in ("rebooting", "pending"):
@@ -536,16 +556,20 @@ class Agent:
             if self.node is None:
                 continue  # set again once the Node is read
             try:
-                seen = await self._gpud_verdict()
+                await self._publish_health()
+                backoff.reset()
             except DaemonUnreachable:
                 continue  # the grace loop sets the flag again
-            try:
-                await self._publish(seen)
-                backoff.reset()
             except KubeError as exc:
                 self._kube_failed("write condition or taint", exc)
                 await asyncio.sleep(backoff.next())
                 self._health_dirty.set()
+
+    async def _publish_health(self) -> None:
+        """gpud's health, as a remediation under way says it, onto the Node: condition and taint."""
+        async with self._publishing:
+            seen = self.remediation.condition(await self._gpud_verdict())
+            await self._publish(seen)
 
     async def _gpud_verdict(self) -> Verdict:
         try:
@@ -570,12 +594,14 @@ class Agent:
                                   "GPUsHealthy" if seen.status == "True" else seen.reason, seen.message)
         self._published = seen
         self._note("health", condition=seen.status, reason=seen.reason)
-        await self._reconcile_taint(seen.taint and bool(self.settings["taint_unhealthy"]))
+        await self._reconcile_taint(self._taint_wanted())
 
     # -- the taint -----------------------------------------------------------------------------------
 
     def _taint_wanted(self) -> bool:
-        return bool(self._published and self._published.taint and self.settings["taint_unhealthy"])
+        """The opt-in taint while a GPU needs a person or a reset; always while a remediation holds the node."""
+        return bool(self._published and self._published.taint
+                    and (self.settings["taint_unhealthy"] or self.remediation.holds_taint()))
 
     def _taint_wrong(self, node: dict) -> bool:
         if self._published is None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime
-import json
 import os
 import random
 import secrets
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +25,9 @@ from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpud.base import bounded_json
+from gpud.base.safefs import check_trusted_file
+from gpud.base.yamlfile import at_line, load_yaml, read_yaml_text
 from gpud.kubernetes import COMPONENT
 
 REQUEST_TIMEOUT_S = 30.0
@@ -34,6 +37,12 @@ REQUEST_TIMEOUT_S = 30.0
 # noticed. The client gives up WATCH_GRACE_S after that.
 WATCH_TIMEOUT_S = (300.0, 600.0)
 WATCH_GRACE_S = 30.0
+# A watch with bookmarks hears from the server every minute while nothing changes (the watch cache
+# sends each watcher a bookmark each minute: k8s.io/apiserver cacher.go defaultBookmarkFrequency). A watch
+# silent for longer, or trickling bytes that never make an event, is dropped and made again rather
+# than held until its timeout. One event is one line of at most aiohttp's read buffer limit (a
+# longer one is an error, ValueError "Line is too long"): a Node is some tens of KiB.
+WATCH_IDLE_S = 150.0
 # Kubernetes Events: core/v1 Event.message has no limit, events.k8s.io/v1's note is 1 kB
 # (pkg/apis/core/validation/events.go, NoteLengthLimit); the agent keeps to the smaller one.
 EVENT_MESSAGE_LIMIT = 1024
@@ -55,9 +64,9 @@ def _error(action: str, exc: BaseException) -> KubeError:
     if isinstance(exc, ApiException):
         message = exc.reason or ""
         try:
-            status_object = json.loads(exc.body) if exc.body else {}
+            status_object = bounded_json.loads(exc.body, what="the API server's error") if exc.body else {}
             message = status_object.get("message") or message
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):
             pass
         return KubeError(action, exc.status or None, message)
     return KubeError(action, None, f"{type(exc).__name__}: {exc}".rstrip(": "))
@@ -71,8 +80,9 @@ async def api_client(kubeconfig: Path | None) -> k8s.ApiClient:
     """A client as kubectl finds its cluster: --kubeconfig, else $KUBECONFIG, else the service account
     Kubernetes mounts into a pod (KUBERNETES_SERVICE_HOST and /var/run/secrets/kubernetes.io)."""
     configuration = k8s.Configuration()
-    path = kubeconfig or (Path(os.environ["KUBECONFIG"]) if os.environ.get("KUBECONFIG") else None)
+    path = str(kubeconfig) if kubeconfig else os.environ.get("KUBECONFIG") or None  # a list as kubectl takes
     if path is not None:
+        await asyncio.to_thread(check_kubeconfig, path)
         await k8s_config.load_kube_config(config_file=str(path), client_configuration=configuration)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=configuration)
@@ -82,12 +92,73 @@ async def api_client(kubeconfig: Path | None) -> k8s.ApiClient:
     return k8s.ApiClient(configuration)
 
 
+# A kubeconfig's keys that name files, relative to its own directory (client-go clientcmd/loader.go
+# ResolveLocalPaths; kubernetes_asyncio config/kube_config.py joins them to the file's directory).
+_CLUSTER_FILES = ("certificate-authority",)
+_USER_FILES = ("client-certificate", "client-key", "tokenFile")
+
+
+def check_kubeconfig(path: Path | str) -> None:
+    """Raises UnsafePath unless each kubeconfig (a list as $KUBECONFIG gives, split as kubectl does),
+    each file its clusters and users name, and each credential program it would run (an exec plugin,
+    a gcp auth-provider's cmd-path) is a file only root or gpud's user controls (safefs's rules for
+    gpud's own files). Another user who can write any of them points the agent at an API server of
+    their choosing, whose answers steer MIG and sharing; one who can write a plugin runs code as the
+    agent. Every entry is checked, not only the current context's. ValueError when a file is not a
+    kubeconfig gpud can read."""
+    parts = [part for part in str(path).split(os.pathsep) if part]
+    for part in parts:
+        if len(parts) == 1 or os.path.exists(part):  # kubectl skips a listed file that is missing
+            _check_one_kubeconfig(Path(part))
+
+
+def _check_one_kubeconfig(path: Path) -> None:
+    check_trusted_file(path, "the kubeconfig")
+
+    def fail(reason: str, line: int | None) -> Exception:
+        return ValueError(at_line(str(path), line, reason))
+
+    document = load_yaml(read_yaml_text(path, fail), fail) or {}
+    if not isinstance(document, dict):
+        raise ValueError(f"{path} is not a kubeconfig: a YAML mapping is expected")
+    base = path.parent
+    for section, inner, keys in (("clusters", "cluster", _CLUSTER_FILES), ("users", "user", _USER_FILES)):
+        for entry in document.get(section) or []:
+            named = entry.get(inner) if isinstance(entry, dict) else None
+            if not isinstance(named, dict):
+                continue
+            for key in keys:
+                if isinstance(named.get(key), str) and named[key]:
+                    check_trusted_file(base / named[key], f"the kubeconfig's {key}")
+            if inner == "user":
+                _check_programs(named)
+
+
+def _check_programs(user: dict) -> None:
+    """The programs kubernetes_asyncio runs for a user's credentials: an exec plugin (looked up on
+    PATH, the plugin's own env's PATH first) and a gcp auth-provider's cmd-path."""
+    plugin = user.get("exec")
+    if isinstance(plugin, dict) and isinstance(plugin.get("command"), str) and plugin["command"]:
+        env = {item.get("name"): item.get("value") for item in plugin.get("env") or [] if isinstance(item, dict)}
+        search = env.get("PATH") if isinstance(env.get("PATH"), str) else os.environ.get("PATH", os.defpath)
+        command = shutil.which(plugin["command"], path=search)
+        if command is not None:
+            check_trusted_file(Path(command), "the kubeconfig's exec credential plugin")
+    provider = user.get("auth-provider")
+    config = provider.get("config") if isinstance(provider, dict) else None
+    if isinstance(config, dict) and isinstance(config.get("cmd-path"), str) and config["cmd-path"]:
+        command = shutil.which(config["cmd-path"])
+        if command is not None:
+            check_trusted_file(Path(command), "the kubeconfig's auth-provider cmd-path")
+
+
 class NodeApi:
     """The calls, each counted by verb (the agent's status and the benchmark report them)."""
 
     def __init__(self, client: k8s.ApiClient, node_name: str):
         self.client = client
         self.core = k8s.CoreV1Api(client)
+        self.coordination = k8s.CoordinationV1Api(client)
         self.node_name = node_name
         self.requests: collections.Counter[str] = collections.Counter()
 
@@ -115,10 +186,20 @@ class NodeApi:
         stream = k8s_watch.Watch().stream(
             self.core.list_node, field_selector=f"metadata.name={self.node_name}", allow_watch_bookmarks=True,
             timeout_seconds=timeout, _request_timeout=timeout + WATCH_GRACE_S, **since)
+        events = stream.__aiter__()
         try:
-            async for event in stream:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.__anext__(), WATCH_IDLE_S)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise KubeError(action, None, f"no event nor bookmark in {WATCH_IDLE_S:g} s: the watch is "
+                                                  "dropped and made again") from None
                 yield event["type"], event["raw_object"]
-        except (ApiException, OSError, asyncio.TimeoutError, ValueError) as exc:
+        except KubeError:
+            raise
+        except (ApiException, OSError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
             raise _error(action, exc) from None
         except Exception as exc:  # noqa: BLE001 - as in _call
             raise _error(action, exc) from None
@@ -145,6 +226,43 @@ class NodeApi:
         return await self._call("patch", f"patch taints of node {self.node_name}", self.core.patch_node(
             self.node_name, {"metadata": {"resourceVersion": resource_version}, "spec": {"taints": taints}},
             _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_S))
+
+    async def patch_annotations(self, annotations: dict[str, str | None]) -> dict:
+        """Sets (None: removes) these annotations and no others, as patch_labels does labels."""
+        return await self._call("patch", f"patch annotations of node {self.node_name}", self.core.patch_node(
+            self.node_name, {"metadata": {"annotations": annotations}}, _content_type=MERGE_PATCH,
+            _request_timeout=REQUEST_TIMEOUT_S))
+
+    async def list_pods(self) -> list[dict]:
+        """The pods bound to this node, in every namespace: a field selector, never the cluster's pods."""
+        listed = await self._call("list", f"list pods of node {self.node_name}", self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node_name}", _request_timeout=REQUEST_TIMEOUT_S))
+        return listed.get("items") or []
+
+    async def evict(self, namespace: str, name: str, grace_period_s: int | None) -> None:
+        """The Eviction API (policy/v1), which keeps PodDisruptionBudgets: KubeError 429 while one forbids it
+        (k8s.io/kubernetes pkg/registry/core/pod/storage/eviction.go)."""
+        options = k8s.V1DeleteOptions(grace_period_seconds=grace_period_s) if grace_period_s is not None else None
+        body = k8s.V1Eviction(api_version="policy/v1", kind="Eviction", delete_options=options,
+                              metadata=k8s.V1ObjectMeta(name=name, namespace=namespace))
+        await self._call("create", f"evict pod {namespace}/{name}", self.core.create_namespaced_pod_eviction(
+            name, namespace, body, _request_timeout=REQUEST_TIMEOUT_S))
+
+    async def read_lease(self, namespace: str, name: str) -> dict:
+        return await self._call("get", f"get lease {namespace}/{name}", self.coordination.read_namespaced_lease(
+            name, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+
+    async def create_lease(self, namespace: str, lease: dict) -> dict:
+        return await self._call("create", f"create lease {namespace}/{lease['metadata']['name']}",
+                                self.coordination.create_namespaced_lease(namespace, lease,
+                                                                          _request_timeout=REQUEST_TIMEOUT_S))
+
+    async def replace_lease(self, namespace: str, lease: dict) -> dict:
+        """An update carrying the resourceVersion it read: 409 when another holder wrote it meanwhile (the
+        compare-and-swap client-go's resourcelock.LeaseLock relies on)."""
+        return await self._call("update", f"update lease {namespace}/{lease['metadata']['name']}",
+                                self.coordination.replace_namespaced_lease(lease["metadata"]["name"], namespace, lease,
+                                                                           _request_timeout=REQUEST_TIMEOUT_S))
 
     async def create_event(self, node: dict, event_type: str, reason: str, message: str) -> None:
         """A core/v1 Event on the Node, in namespace default: where events of cluster-scoped objects go
