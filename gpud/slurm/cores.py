@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpud.base.hostfile import read_host_text
 from gpud.model.inventory import format_cpulist
 
 
@@ -20,8 +21,8 @@ def read_core_indexes(sysfs: Path) -> dict[int, int]:
     for entry in (sysfs / "devices" / "system" / "cpu").glob("cpu[0-9]*"):
         try:
             cpu = int(entry.name[3:])
-            core_of_cpu[cpu] = (int((entry / "topology" / "physical_package_id").read_text()),
-                                int((entry / "topology" / "core_id").read_text()))
+            core_of_cpu[cpu] = (int(read_host_text(entry / "topology" / "physical_package_id")),
+                                int(read_host_text(entry / "topology" / "core_id")))
         except (OSError, ValueError):
             continue
     first_cpu: dict[tuple[int, int], int] = {}

@@ -49,6 +49,7 @@ def build_gres(inventory: Inventory, sharing_document: dict | None, mig_minors: 
     records: list[dict] = []
     unavailable: list[dict] = []
     files: dict[str, str] = {}  # UUID of a whole GPU with a record -> its device file
+    in_mig_mode: dict[str, int] = {}  # UUID of a GPU in MIG mode -> its index
     notes: dict[int, str] = {}  # position of a GPU's first record -> the comment line before it
     by_bus = _by_bus_id(inventory)
     for gpu in inventory.gpus:
@@ -60,12 +61,13 @@ def build_gres(inventory: Inventory, sharing_document: dict | None, mig_minors: 
             notes[len(records)] = (f"# GPU {gpu.index} is {'lost' if gpu.lost else 'unreadable'} ({gpu.error}): its "
                                    f"records stay as last seen, so Slurm's count stays (gpud slurm health drains the node)")
         if gpu.mig.mode == "enabled":
+            in_mig_mode[gpu.uuid] = gpu.index
             records += _mig_records(gpu, mig_minors, cores, unavailable)
         else:
             files[gpu.uuid] = f"/dev/nvidia{gpu.minor_number}"
             records.append(_record("gpu", str(gpu.index), gpu.uuid, type=gpu_type(gpu.name), file=files[gpu.uuid],
                                    cores=cores(gpu.cpu_affinity), links=_links(gpu, by_bus)))
-    records += _shared_records(sharing_document, files, unavailable)
+    records += _shared_records(sharing_document, files, in_mig_mode, unavailable)
     lines = [(notes[position] + "\n" if position in notes else "") +
              " ".join(f"{key}={record[field]}" for field, key in _KEYS if record.get(field) is not None) + "\n"
              for position, record in enumerate(records)]
@@ -126,10 +128,12 @@ def _links(gpu: Gpu, by_bus: list[Gpu]) -> str | None:
     return ",".join("-1" if other.index == gpu.index else str(counts.get(other.index, 0)) for other in by_bus)
 
 
-def _shared_records(sharing_document: dict | None, files: dict[str, str], unavailable: list[dict]) -> list[dict]:
+def _shared_records(sharing_document: dict | None, files: dict[str, str], in_mig_mode: dict[str, int],
+                    unavailable: list[dict]) -> list[dict]:
     """shard (time-slicing) and mps records, per whole GPU, by GPU index. A shared GRES names its GPU by the
     GPU's File (gres.conf(5), Count: "each GPU would be identified by device file using the File parameter");
-    a MIG device has no File of its own (MultipleFiles), so its replicas cannot be said to Slurm."""
+    a MIG device has no File of its own (MultipleFiles), so its replicas cannot be said to Slurm, nor can
+    those of a GPU in MIG mode shared whole (migStrategy none), which has no gpu record of its own."""
     replicas: dict[str, tuple[int, int, str]] = {}  # device UUID -> (GPU index, replicas, strategy)
     for resource in (sharing_document or {}).get("resources", []):
         strategy = resource["strategy"]
@@ -142,13 +146,22 @@ def _shared_records(sharing_document: dict | None, files: dict[str, str], unavai
     for uuid, (gpu_index, count, strategy) in sorted(replicas.items(), key=lambda item: (item[1][0], item[0])):
         gres = _SHARED_GRES[strategy]
         if uuid not in files:
-            why = ("a MIG device: Slurm's shard and mps name a GPU by its File, which a MIG device lacks"
-                   if uuid.startswith("MIG-") else "its GPU is unavailable")
+            why = _not_shareable(uuid, in_mig_mode)
             unavailable.append({"device": f"{gres}:{uuid}", "reason": f"{strategy} replicas of {uuid} left out: {why}"})
             continue
         records.append(_record(gres, str(gpu_index), uuid, count=MPS_COUNT if gres == "mps" else count,
                                file=files[uuid]))
     return records
+
+
+def _not_shareable(uuid: str, in_mig_mode: dict[str, int]) -> str:
+    """Why a shared device's replicas have no shard or mps record."""
+    if uuid.startswith("MIG-"):
+        return "a MIG device: Slurm's shard and mps name a GPU by its File, which a MIG device lacks"
+    if uuid in in_mig_mode:
+        return (f"GPU {in_mig_mode[uuid]} is in MIG mode: Slurm's shard and mps name a GPU by the File of its "
+                "gpu record, and a GPU in MIG mode has none (gres.conf lists its MIG devices, by MultipleFiles)")
+    return "its GPU is unavailable (left out above)"
 
 
 def _node_gres(records: list[dict]) -> str:

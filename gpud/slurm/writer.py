@@ -12,6 +12,8 @@ import asyncio
 import time
 from pathlib import Path
 
+from gpud.base import child
+from gpud.base.hostfile import PROC_LIST_BYTES, read_host_text
 from gpud.base.logs import get_logger
 from gpud.base.safefs import KeptFile
 from gpud.cdi.spec import parse_mig_minors
@@ -25,6 +27,7 @@ from gpud.slurm.gres import Gres, build_gres
 
 log = get_logger("slurm")
 OUTPUT_LIMIT = 4096  # characters of scontrol's output kept for the view: enough for its error message
+OUTPUT_CAP = 64 * 1024  # bytes of it read at most: scontrol reconfigure prints a line or two
 
 
 class GresWriter(KeptFileWriter):
@@ -42,16 +45,18 @@ class GresWriter(KeptFileWriter):
         self._mig_minors_path = mig_minors_path
         self._cores = CoreIndex(sysfs)
         self._sharing = sharing
-        self.gres: Gres | None = None
+        self.gres: Gres | None = None  # what the file holds (the view)
+        self._built: Gres | None = None
         self.reconfigure_enabled = reconfigure
         self._scontrol = scontrol
         self._reconfigure_timeout_s = reconfigure_timeout_s
         self.last_reconfigure: dict | None = None  # {"at", "argv", "returncode", "output"} of the last run
         self._reconfigure_wanted = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def view(self) -> dict:
-        """GET /v1/slurm/gres."""
-        gres = self.gres
+        """GET /v1/slurm/gres: what the file holds, or what could not be written (error says why)."""
+        gres = self._built if self.error else self.gres
         return {"path": str(self.path) if self.path else None, "text": gres.text if gres else None,
                 "node_gres": gres.node_gres if gres else None, "records": gres.records if gres else [],
                 "unavailable": gres.unavailable if gres else [], "written_at": self.written_at,
@@ -60,23 +65,26 @@ class GresWriter(KeptFileWriter):
 
     def build(self, inventory: Inventory) -> str:
         try:
-            minors = parse_mig_minors(self._mig_minors_path.read_text())
+            minors = parse_mig_minors(read_host_text(self._mig_minors_path, PROC_LIST_BYTES))
         except OSError:
             minors = {}  # no table: a host without MIG support, as gpud's CDI spec reads it
-        self.gres = build_gres(inventory, self._sharing.document, minors, self._cores)
-        return self.gres.text
+        # shown (view) once written: a build runs on a thread, and the view and the file agree
+        self._built = build_gres(inventory, self._sharing.document, minors, self._cores)
+        return self._built.text
 
     def write(self, file: KeptFile, text: str) -> None:
         file.write(text.encode())
 
     def written(self, text: str, reason: str) -> None:
-        gres = self.gres
-        log.info("slurm_gres_built" if self.path is None else "slurm_gres_written", path=str(self.path),
+        gres = self.gres = self._built
+        log.info("slurm_gres_built" if self.path is None else "slurm_gres_written",
+                 path=None if self.path is None else str(self.path),
                  reason=reason, node_gres=gres.node_gres, records=len(gres.records), unavailable=len(gres.unavailable))
-        if self.path is not None and self.reconfigure_enabled:
-            self._reconfigure_wanted.set()
+        if self.path is not None and self.reconfigure_enabled and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._reconfigure_wanted.set)  # written() runs on a thread
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
         reconfigurer = asyncio.create_task(self._reconfigure_after_writes(), name="slurm-reconfigure")
         try:
             await super().run()
@@ -96,20 +104,15 @@ class GresWriter(KeptFileWriter):
         argv = [self._scontrol, "reconfigure"]
         started = time.time()
         try:
-            process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                           stdout=asyncio.subprocess.PIPE,
-                                                           stderr=asyncio.subprocess.STDOUT)
+            run = await child.run(argv, timeout_s=self._reconfigure_timeout_s, output_cap=OUTPUT_CAP,
+                                  merge_stderr=True)
         except OSError as exc:
             returncode, output = None, f"cannot run {self._scontrol}: {exc.strerror or exc}"
         else:
-            try:
-                out, _ = await asyncio.wait_for(process.communicate(), self._reconfigure_timeout_s)
-                returncode, output = process.returncode, out.decode(errors="replace")
-            except asyncio.TimeoutError:
-                process.kill()
-                await process.wait()
-                returncode, output = None, f"no answer in {self._reconfigure_timeout_s:g} s (slurm.reconfigure_timeout_s): killed"
-        output = output if len(output) <= OUTPUT_LIMIT else output[:OUTPUT_LIMIT] + "... (cut)"
+            returncode, output = run.exit_code, run.text(OUTPUT_LIMIT)
+            why = run.failure(self._reconfigure_timeout_s, OUTPUT_CAP)
+            if why:
+                output = f"{why} (slurm.reconfigure_timeout_s {self._reconfigure_timeout_s:g} s): {output}"
         self.last_reconfigure = {"at": started, "argv": argv, "returncode": returncode, "output": output}
         if returncode == 0:
             log.info("slurm_reconfigured", argv=argv, path=str(self.path))
