@@ -14,21 +14,19 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
+from gpud.base.places import (DEFAULT_CONFIG_PATH, LOG_FORMATS, LOG_LEVELS, SYSTEM_STATE_DIR,
+                              user_runtime_dir)
 from gpud.base.quantity import parse_quantity
 from gpud.base.yamlfile import compose_yaml, read_yaml_text
 from gpud.model.driver import driver_branch
-from gpud.model.names import check_config_name, check_extended_resource_name
+from gpud.model.names import (check_config_name, check_dns_label, check_extended_resource_name,
+                              check_qualified_name)
 
-DEFAULT_CONFIG_PATH = Path("/etc/gpud/gpud.yaml")
-SYSTEM_RUNTIME_DIR = Path("/run/gpud")
-SYSTEM_STATE_DIR = Path("/var/lib/gpud")
 NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/gpud")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("auto", "json", "console")
 
 
 class ConfigError(Exception):
@@ -42,6 +40,27 @@ class ConfigError(Exception):
         if key:
             where += f", key '{key}'"
         super().__init__(f"{where}: {message}")
+        self.errors = [self]
+
+
+class ConfigErrors(ConfigError):
+    """Every error found in one file (more than one), in the file's order: the first one's source, key
+    and line are this error's, the message lists them all, one a line."""
+
+    def __init__(self, errors: list[ConfigError]):
+        first = errors[0]
+        self.source, self.key, self.line, self.reason = first.source, first.key, first.line, first.reason
+        self.errors = errors
+        Exception.__init__(self, f"{first.source}: {len(errors)} errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def config_error(errors: list[ConfigError]) -> ConfigError:
+    """The one error to raise for errors: itself when there is one."""
+    return errors[0] if len(errors) == 1 else ConfigErrors(errors)
+
+
+class _SectionInvalid(Exception):
+    """A section had errors, each already recorded in the list being collected."""
 
 
 def _bounded(low: float | None = None, high: float | None = None, choices: tuple = ()) -> dict:
@@ -254,6 +273,44 @@ class KubernetesConfig:
     mig_busy_timeout_s: float = field(default=3600.0, metadata=_bounded(0, 7 * 86400))
 
 
+def absolute_path(text: str) -> str:
+    """The path, or ValueError when it is not absolute (a file another program looks for by its path)."""
+    if not text.startswith("/"):
+        raise ValueError(f"must be an absolute path; got {text[:80]!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class RemediationConfig:
+    # A GPU that needs a reset brought back to service without a person: `gpud k8s-agent` and `gpud slurm
+    # health` read these settings from GET /v1/remediation and remediate only when enabled.
+    enabled: bool = False
+    # Log (and show) every step the loop would take, and take none.
+    dry_run: bool = False
+    # gpu: evict the pods that use the sick GPU; node: every pod kubectl drain would evict.
+    evict: str = field(default="gpu", metadata=_bounded(choices=("gpu", "node")))
+    # The evictions' deleteOptions.gracePeriodSeconds; unset: each pod's own.
+    grace_period_s: int | None = field(default=None, metadata=_bounded(0, 86400))
+    # A pod with this annotation set to "true" is waited for, never evicted.
+    opt_out_annotation: str = field(default="nvidia.com/gpu.remediation-opt-out",
+                                    metadata={"check": check_qualified_name})
+    # Waiting longer than this for the GPU to be free escalates.
+    drain_timeout_s: float = field(default=3600.0, metadata=_bounded(5, 7 * 86400))
+    # At most this many nodes of a pool remediate at once, each holding a Lease of lease_namespace.
+    max_nodes: int = field(default=1, metadata=_bounded(1, 1000))
+    # The node label whose value names the node's pool; unset: the cluster is one pool.
+    pool_label: str | None = field(default=None, metadata={"check": check_qualified_name})
+    lease_namespace: str = field(default="gpud-system", metadata={"check": check_dns_label})
+    # A node that dies holding a slot loses it this long after its last renewal.
+    lease_duration_s: int = field(default=60, metadata=_bounded(10, 3600))
+    # How a GPU that needs a reboot marks its node for the operators' reboot manager: none, annotation
+    # (nvidia.com/gpu.reboot-required on the node) or kured (kured's sentinel file, reboot_sentinel).
+    reboot_marker: str = field(default="none", metadata=_bounded(choices=("none", "annotation", "kured")))
+    reboot_sentinel: str = field(default="/var/run/reboot-required", metadata={"check": absolute_path})
+    # Slurm: `scontrol reboot ASAP nextstate=RESUME reason=...` when a GPU needs a reboot.
+    slurm_reboot: bool = False
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     # host:port ("[::1]:9400" for IPv6) of a read-only TCP listener serving only GET /metrics, for
@@ -332,8 +389,9 @@ class CdiConfig:
     # Write a CDI spec (gpud-gpu.json, kind gpud/gpu) of the node's GPUs, MIG devices and replicas,
     # rewritten on every change, so container runtimes can be handed `--device gpud/gpu=<name>`.
     enabled: bool = True
-    # The directory runtimes read specs from. Unset: /var/run/cdi; on a simulated node <runtime dir>/cdi,
-    # so simulated devices never reach the host's runtimes unless this is set.
+    # The directory runtimes read specs from. Unset: /var/run/cdi; on a simulated node <state dir>/cdi, so
+    # simulated devices never reach the host's runtimes unless this is set, and two simulated nodes of one
+    # user (each its own state directory, which one gpud at a time holds) never write one spec.
     spec_dir: str | None = None
     # The host root device nodes are found under (/dev/nvidia0 is <dev_root>/dev/nvidia0); the
     # container path stays /dev/... Only nodes that exist there go in the spec. Unset: /; on a
@@ -358,8 +416,8 @@ class NfdConfig:
     # Write Node Feature Discovery's local feature file (nvidia.com/... labels: sharing, MIG layout
     # and its state, health), rewritten on every change. false: none, and gpud's old file is removed.
     enabled: bool = True
-    # Unset: NFD's features.d/gpud; on a simulated node <runtime dir>/nfd/gpud, so simulated GPUs
-    # never label the host unless this is set.
+    # Unset: NFD's features.d/gpud; on a simulated node <state dir>/nfd/gpud, so simulated GPUs never
+    # label the host unless this is set, and two simulated nodes never write one file (as cdi.spec_dir).
     features_file: str | None = None
     # Seconds NFD keeps the labels after gpud's last write (the file's `# +expiry-time`). gpud rewrites
     # the file every half of it, so only a gpud that stopped lets its labels expire.
@@ -395,6 +453,7 @@ class Config:
     nfd: NfdConfig = NfdConfig()
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
+    remediation: RemediationConfig = RemediationConfig()
     state_dir: str | None = None
     # A simulated node instead of the real NVML (a preset name or a spec such as "A100-SXM4-40GB:2,T4:1").
     simulate: str | None = None
@@ -427,18 +486,18 @@ class Config:
     def runtime_dir(self) -> Path:
         if self.api.socket:
             return Path(self.api.socket).parent
-        return user_runtime_dir()
+        return Path(user_runtime_dir())
 
     @property
     def socket_path(self) -> Path:
-        return Path(self.api.socket) if self.api.socket else user_runtime_dir() / "gpud.sock"
+        return Path(self.api.socket) if self.api.socket else Path(user_runtime_dir(), "gpud.sock")
 
     @property
     def state_path(self) -> Path:
         if self.state_dir:
             return Path(self.state_dir)
         if os.geteuid() == 0:
-            return SYSTEM_STATE_DIR
+            return Path(SYSTEM_STATE_DIR)
         base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         return Path(base) / "gpud"
 
@@ -456,7 +515,7 @@ class Config:
     def cdi_spec_path(self) -> Path:
         if self.cdi.spec_dir:
             return Path(self.cdi.spec_dir)
-        return self.runtime_dir / "cdi" if self.simulate else Path("/var/run/cdi")
+        return self.state_path / "cdi" if self.simulate else Path("/var/run/cdi")
 
     @property
     def pod_resources_socket_path(self) -> Path | None:
@@ -512,7 +571,7 @@ class Config:
     def nfd_features_path(self) -> Path:
         if self.nfd.features_file:
             return Path(self.nfd.features_file)
-        return self.runtime_dir / "nfd" / "gpud" if self.simulate else NFD_FEATURES_FILE
+        return self.state_path / "nfd" / "gpud" if self.simulate else NFD_FEATURES_FILE
 
     @property
     def sim_state_path(self) -> Path | None:
@@ -524,23 +583,15 @@ class Config:
         return self.runtime_dir / f"sim-{slug}.json"
 
 
-def user_runtime_dir() -> Path:
-    """/run/gpud for root; $XDG_RUNTIME_DIR/gpud (or a private /tmp directory) for anyone else."""
-    if os.geteuid() == 0:
-        return SYSTEM_RUNTIME_DIR
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "gpud" if xdg else Path(f"/tmp/gpud-{os.geteuid()}")
-
-
 # -- loading ---------------------------------------------------------------------------------
 
 
 def load_config(path: Path | None) -> Config:
     """Reads the config file. path None = the default file, which may be absent (defaults apply)."""
     if path is None:
-        if not DEFAULT_CONFIG_PATH.exists():
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
             return Config()
-        path = DEFAULT_CONFIG_PATH
+        path = Path(DEFAULT_CONFIG_PATH)
     source = str(path)
     try:
         text = read_yaml_text(Path(path), lambda reason, line: ConfigError(source, None, reason, line))
@@ -556,7 +607,16 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     if data is None:
         return Config()
     lines = _key_lines(node)
-    return _check_consistency(_build(Config, data, (), source, lines), source)
+    errors: list[ConfigError] = []
+    try:
+        config = _build(Config, data, (), source, lines, errors)
+    except ConfigError as exc:  # the document itself is not a mapping
+        errors.append(exc)
+    except _SectionInvalid:
+        pass
+    if errors:
+        raise config_error(errors)
+    return _check_consistency(config, source)
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
@@ -570,28 +630,38 @@ def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
     return lines
 
 
-def _build(cls: type, data: Any, path: tuple, source: str, lines: dict[tuple, int]) -> Any:
+def _build(cls: type, data: Any, path: tuple, source: str, lines: dict[tuple, int], errors: list[ConfigError]) -> Any:
+    """The section, or _SectionInvalid with each of its keys' errors added to errors (every key is checked)."""
     dotted = ".".join(path) or None
     if not isinstance(data, dict):
         raise ConfigError(source, dotted, f"expected a mapping, got {_type_name(data)}", lines.get(path))
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
+    found = len(errors)
     for key, value in data.items():
         key_path = path + (str(key),)
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(
-                source, ".".join(key_path), f"unknown key (known keys here: {known})", lines.get(key_path)
-            )
-        values[key] = _convert(hints[key], fields[key], value, key_path, source, lines)
+        try:
+            if key not in fields:
+                known = ", ".join(sorted(fields))
+                raise ConfigError(
+                    source, ".".join(key_path), f"unknown key (known keys here: {known})", lines.get(key_path)
+                )
+            values[key] = _convert(hints[key], fields[key], value, key_path, source, lines, errors)
+        except ConfigError as exc:
+            errors.append(exc)
+        except _SectionInvalid:
+            pass
+    if len(errors) > found:
+        raise _SectionInvalid
     return cls(**values)
 
 
-def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source: str, lines: dict) -> Any:
+def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source: str, lines: dict,
+             errors: list[ConfigError]) -> Any:
     dotted, line = ".".join(path), lines.get(path)
     if dataclasses.is_dataclass(hint):  # a section whose keys are all commented out is its defaults
-        return _build(hint, {} if value is None else value, path, source, lines)
+        return _build(hint, {} if value is None else value, path, source, lines, errors)
     lists = [t for t in _allowed_types(hint) if typing.get_origin(t) is tuple]
     if lists:  # tuple[X, ...], optionally `| None`
         if value is None and type(None) in _allowed_types(hint):
@@ -604,6 +674,7 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
         if type(None) in allowed:
             return None
         raise ConfigError(source, dotted, "must have a value", line)
+    written = value  # as the file has it, for messages: 150, not the float 150.0 it becomes
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not any(isinstance(value, t) and not (t is not bool and isinstance(value, bool)) for t in allowed):
@@ -614,7 +685,7 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
         raise ConfigError(source, dotted, f"must be one of {', '.join(bounds['choices'])}; got {value!r}", line)
     low, high = bounds.get("low"), bounds.get("high")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ConfigError(source, dotted, f"must be between {low:g} and {high:g}; got {value!r}", line)
+        raise ConfigError(source, dotted, f"must be between {low:g} and {high:g}; got {written!r}", line)
     if isinstance(value, str) and not value.strip():
         raise ConfigError(source, dotted, "must not be empty", line)
     if "check" in bounds:  # a value with a syntax of its own: the check's ValueError says what is wrong
@@ -626,25 +697,33 @@ def _convert(hint: Any, fld: dataclasses.Field, value: Any, path: tuple, source:
 
 
 def _check_consistency(config: Config, source: str) -> Config:
+    """The config, or every rule between keys it breaks as one error (config_error)."""
+    errors = []
+
+    def broken(key: str, message: str) -> None:
+        errors.append(ConfigError(source, key, message))
+
     if config.mps.pinned_memory_limit_mib is not None and config.mps.pinned_memory_limit_percent is not None:
-        raise ConfigError(source, "mps.pinned_memory_limit_percent",
-                          "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
+        broken("mps.pinned_memory_limit_percent",
+               "set mps.pinned_memory_limit_mib or mps.pinned_memory_limit_percent, not both")
     if not config.gpu_memory.devices:
-        raise ConfigError(source, "gpu_memory.devices", "names no device: give `all` or a list of GPU indices, "
-                                                        "GPU UUIDs and MIG device UUIDs")
-    _check_share_policies(config.dra, source)
+        broken("gpu_memory.devices", "names no device: give `all` or a list of GPU indices, GPU UUIDs and MIG "
+                                     "device UUIDs")
+    _check_share_policies(config.dra, broken)
     if config.api.admin_reserved_connections >= config.api.max_connections:
-        raise ConfigError(source, "api.admin_reserved_connections", "must be less than api.max_connections")
+        broken("api.admin_reserved_connections", "must be less than api.max_connections")
     if config.nvml.init_retry_initial_s > config.nvml.init_retry_max_s:
-        raise ConfigError(source, "nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
+        broken("nvml.init_retry_initial_s", "must not exceed nvml.init_retry_max_s")
     if config.sysfs and config.host.sysfs:
-        raise ConfigError(source, "sysfs", "is the older name of host.sysfs: give one of the two")
+        broken("sysfs", "is the older name of host.sysfs: give one of the two")
     if config.sim_driver is not None and driver_branch(config.sim_driver) is None:
-        raise ConfigError(source, "sim_driver", f"not a driver version such as 535.183.01; got {config.sim_driver!r}")
+        broken("sim_driver", f"not a driver version such as 535.183.01; got {config.sim_driver!r}")
+    if errors:
+        raise config_error(errors)
     return config
 
 
-def _check_share_policies(dra: DraConfig, source: str) -> None:
+def _check_share_policies(dra: DraConfig, broken: Callable[[str, str], None]) -> None:
     """A request policy the API server takes (k8s.io/api resource/v1 types.go CapacityRequestPolicyRange:
     default at least min, and a multiple of step)."""
     memory, compute = dra.share_memory, dra.share_compute
@@ -653,10 +732,9 @@ def _check_share_policies(dra: DraConfig, source: str) -> None:
                 ("dra.share_compute", compute.min, compute.step, compute.default, "percent")]
     for key, low, step, default, unit in policies:
         if default is not None and default < low:
-            raise ConfigError(source, f"{key}.default", f"{default} {unit} is less than {key}.min ({low} {unit})")
-        if default is not None and default % step:
-            raise ConfigError(source, f"{key}.default", f"{default} {unit} is not a multiple of {key}.step "
-                                                        f"({step} {unit})")
+            broken(f"{key}.default", f"{default} {unit} is less than {key}.min ({low} {unit})")
+        elif default is not None and default % step:
+            broken(f"{key}.default", f"{default} {unit} is not a multiple of {key}.step ({step} {unit})")
 
 
 def _convert_list(item_hint: Any, value: Any, dotted: str, source: str, line: int | None) -> tuple:

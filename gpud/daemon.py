@@ -25,6 +25,7 @@ from gpud.api.mig import MigRoutes
 from gpud.api.mps import MpsRoutes
 from gpud.api.nfd import NfdRoutes
 from gpud.api.reload import ReloadRoute
+from gpud.api.remediation import RemediationRoutes
 from gpud.api.server import Api, SocketInUse, UnixSocketListener
 from gpud.api.serving import ApiServing, SocketClaim
 from gpud.api.sharing import AllocationRoutes, SharingRoutes
@@ -43,6 +44,7 @@ from gpud.events import EventBus, EventType
 from gpud.gpu_reset import GpuResetter
 from gpud.health.active_check import ActiveCheck
 from gpud.health.catalog import load_catalog
+from gpud.health.remediation import Remediation
 from gpud.health.service import HealthService, HostPaths
 from gpud.inventory import InventoryService
 from gpud.mig.desired import DesiredStore
@@ -52,7 +54,7 @@ from gpud.mig.dynamic_records import DynamicRecords
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import LayoutsFile
 from gpud.mig.reconciler import MigReconciler
-from gpud.mps.manager import DaemonRunState, MpsManager
+from gpud.mps.manager import MpsManager
 from gpud.nfd.labels import machine_type, node_labels
 from gpud.nfd.writer import NfdWriter
 from gpud.node_operations import NodeOperations
@@ -104,9 +106,9 @@ class Daemon:
         self.api = self._api(config)
         self.lifecycle = Lifecycle([
             SocketClaim(self._listener), StateDirectory(config.state_path), self.session, self.bus, self.inventory,
-            *self._simulated_host_files(config), self.claims, self.health, self.processes, self.mig,
-            self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency, self.kubernetes_agent,
-            self.nfd, self.cdi, self.slurm_gres, self.pod_resources, self.metrics_listener,
+            *self._simulated_host_files(config), self.claims, self.health, self.remediation, self.processes,
+            self.mig, self.dynamic_mig, self.sharing_control, self.mps, self.gpu_memory, self.latency,
+            self.kubernetes_agent, self.nfd, self.cdi, self.slurm_gres, self.pod_resources, self.metrics_listener,
             ApiServing(self._listener, self.api, self.latency, config.api),
             SystemdStatus(self.notifier, self._ready, self.status_line)], self._gpus_ready)
 
@@ -117,12 +119,18 @@ class Daemon:
         self.gpu_memory = GpuMemory(config.gpu_memory, notify=self.bus.publish)
         self.mps = MpsManager(self.session, self.inventory, config.mps, config.mps_pipe_root, config.mps_log_root,
                               replicas=self.sharing_configs.mps_replicas, per_client=(self.gpu_memory.per_client_devices,),
-                              notify=self.bus.publish, restarts_path=config.state_path / "mps-restarts.json")
+                              notify=self._mps_changed, restarts_path=config.state_path / "mps-restarts.json")
         self.claims = ClaimRegistry(config.state_path / "dra-claims.json", self.inventory,
                                     partial(boot_id, config.procfs_path), notify=self.bus.publish,
                                     converge_mps=self.mps.converge, set_time_slice=claim_time_slice,
                                     gpu_memory=self.gpu_memory, dra=config.dra)
         self.mps.add_per_client(self.claims.mps_devices)
+
+    def _mps_changed(self, kind: str, daemon: dict) -> None:
+        """An MPS daemon started, stopped or failed: on the watch stream, and in its devices' health at once
+        (a reload's status line would call the node healthy until health's next check otherwise)."""
+        self.bus.publish(kind, daemon)
+        self.health.mps_changed()
 
     def _health_and_mig(self, config: Config) -> None:
         health, hooks = config.health, config.mig.hooks
@@ -150,6 +158,7 @@ class Daemon:
                                     health_reasons=self.health.reasons_by_device, on_gpu_reset=self.health.gpu_was_reset,
                                     restore=mig_instances.restore_after_reset)
         self.health.use_resetter(self.resetter.reset_gpu)
+        self.remediation = Remediation(self.health, self.resetter, self.active_check)
         self.mig = MigReconciler(self.session, self.inventory, mig_desired, mig_instances, self.resetter,
                                  self.node_operations, allow_reset=config.mig.allow_gpu_reset, dynamic=dynamic_gpus,
                                  pre_apply=hooks.pre_apply, post_apply=hooks.post_apply, hook_timeout_s=hooks.timeout_s,
@@ -207,7 +216,9 @@ class Daemon:
         mig_routes = MigRoutes(self.mig, self.inventory, self.mig.layouts, body_timeout_s)
         return Api(self.session, self.inventory, node_base, more_routes=(
             sim_routes, mig_routes.register,
-            GpuRoutes(self.resetter, self.inventory, body_timeout_s, self.processes).register,
+            GpuRoutes(self.resetter, self.inventory, body_timeout_s, self.processes,
+                      self.pod_resources.pods_holding).register,
+            RemediationRoutes(self.remediation, self._remediation_config, self.inventory, body_timeout_s).register,
             MpsRoutes(self.mps).register,
             SharingRoutes(self.sharing, self.sharing_control.choose, body_timeout_s).register,
             AllocationRoutes(self.gpu_memory, body_timeout_s).register,
@@ -277,6 +288,9 @@ class Daemon:
     def _kubernetes_config(self):
         return self.config.kubernetes
 
+    def _remediation_config(self):
+        return self.config.remediation
+
     async def _nfd_labels(self) -> dict[str, str] | None:
         """The node's labels for NFD; None until the first inventory. The vGPU reading scans every PCI
         device's sysfs files: a thread's work, not the event loop's."""
@@ -287,6 +301,12 @@ class Daemon:
         return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),
                            self.health.view(), vgpu)
 
+    def _reread_checked(self) -> Config:
+        config = self._reread()
+        if config.sharing.configs_dir is None:  # a named config that is invalid is reported instead
+            read_sharing_file(Path(config.sharing.file))
+        return config
+
     async def reload_from_files(self) -> str:
         """SIGHUP and POST /v1/reload: re-reads the config and applies it; returns the status line.
         Every file is read and checked before anything is applied, so one that is invalid changes
@@ -294,10 +314,8 @@ class Daemon:
         RELOADING=1 either way, or it would wait for the reload to time out."""
         self.notifier.reloading()
         try:
-            try:
-                config = self._reread()
-                if config.sharing.configs_dir is None:  # a named config that is invalid is reported instead
-                    read_sharing_file(Path(config.sharing.file))
+            try:  # on a thread: a large sharing file takes seconds to read, every client would wait
+                config = await asyncio.to_thread(self._reread_checked)
             except (ConfigError, SharingConfigError, OSError) as exc:
                 log.error("reload_refused", error=str(exc), why="a config file is invalid; the running config stays")
                 raise GpudError(ErrorKind.REFUSED, "config-invalid", f"{exc}; the running config stays") from None
@@ -317,9 +335,9 @@ class Daemon:
             parts.append(f"MIG {mig['layout']} " + ("in sync" if mig["in_sync"] else mig["state"]))
         if self.mig.problem:
             parts.append(f"MIG desired state lost: {self.mig.problem}")
-        running = sum(d.state is DaemonRunState.RUNNING for d in self.mps.daemons.values())
-        if self.mps.daemons:
-            parts.append(f"{running}/{len(self.mps.daemons)} MPS daemons")
+        mps = self.mps.summary()
+        if mps:
+            parts.append(mps)
         parts.append(self.health.view()["status"])
         return " · ".join(parts)
 
@@ -344,7 +362,11 @@ class Daemon:
         if config.kubernetes != self.config.kubernetes:
             self.bus.publish(EventType.KUBERNETES, asdict(config.kubernetes))
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing,
-                              metrics=config.metrics, kubernetes=config.kubernetes)
+                              metrics=config.metrics, kubernetes=config.kubernetes, remediation=config.remediation)
+        if isinstance(self.cdi, CdiWriter):
+            # The spec runtimes read follows the new sharing config and MPS daemons before the answer, not
+            # a moment after it (its writer's debounce): a `gpud cdi` typed next shows what a runtime gets.
+            await asyncio.to_thread(self.cdi.refresh, "reload")
         log.info("reloaded")
 
     async def _move_metrics_listener(self, address: str | None) -> None:

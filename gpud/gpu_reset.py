@@ -4,7 +4,8 @@
 another nvidia-smi, gpud's own NVML session and event sets), nvidia-persistenced, MPS servers, the
 nvidia_drm module (nvidia-smi(1) under -r/--gpu-reset). GPUs joined by direct NVLink go in the same
 command (gpud.nvml.reset). So a reset here is: find the GPUs that go together; check every one of
-them for blockers and refuse before changing anything; stop gpud's own MPS daemons there; shut
+them for blockers and refuse before changing anything, then refuse it to a gpud that is not root
+(nvidia-smi(1), -r: "Requires root"); stop gpud's own MPS daemons there; shut
 gpud's NVML session down; reset; bring NVML back, re-read the node, put back the MIG instances a
 reset destroys, tell health what a reset clears, restart MPS. A reset holds the node's operations
 lock (gpud.node_operations): no MIG apply runs meanwhile, and an apply that needs a reset runs it
@@ -24,6 +25,7 @@ from gpud.inventory import InventoryService
 from gpud.model.inventory import Gpu, Inventory
 from gpud.node_operations import NodeOperations, Operation
 from gpud.nvml.host_tools import HostTools, ResetFailed, SimHostTools
+from gpud.nvml.privileges import refuse_unless_root
 from gpud.nvml.reset import compute_pids, read_topology
 from gpud.nvml.session import NvmlSession, NvmlUnavailable
 
@@ -122,14 +124,16 @@ class GpuResetter:
                 found.append(Blocker(gpu.index, gpu.uuid, line))
         return gpus, sorted(found, key=lambda b: b.gpu)
 
-    async def reset_gpus(self, indices: list[int], *, force: bool = False,
-                         why: str = "asked through the API") -> ResetOutcome:
+    async def reset_gpus(self, indices: list[int], *, force: bool = False, why: str = "asked through the API",
+                         trying: Callable[[], None] | None = None) -> ResetOutcome:
         """A GPU reset asked for through the API (or by health.auto_reset): the GPUs with their NVLink
         peers, MIG instances brought back afterwards (a reset destroys every one). Refused with
-        OperationInProgress (409) while a MIG apply or another reset holds the node."""
+        OperationInProgress (409) while a MIG apply or another reset holds the node. trying: called once
+        nothing refuses the reset, before it is tried (a remediation draws its reset budget there; a
+        GpudError it raises refuses the reset, nothing changed)."""
         self._operations.claim(Operation.RESET, gpus=sorted(indices))
         try:
-            return await self.reset(indices, why, force=force, restore=self._restore)
+            return await self.reset(indices, why, force=force, restore=self._restore, trying=trying)
         except NvmlUnavailable as exc:
             raise nvml_unavailable(str(exc)) from None
         finally:
@@ -140,7 +144,7 @@ class GpuResetter:
         return await self.reset_gpus([index], why=why)
 
     async def reset(self, targets: Collection[int], why: str, *, force: bool = False,
-                    restore: Restore | None = None) -> ResetOutcome:
+                    restore: Restore | None = None, trying: Callable[[], None] | None = None) -> ResetOutcome:
         """Resets the targets with their NVLink peers, or raises ResetBlocked having changed nothing.
         The caller holds the node's operations lock (reset_gpus, or a MIG apply).
 
@@ -155,6 +159,11 @@ class GpuResetter:
             log.warning("gpu_reset_refused", gpus=[g.index for g in gpus], why=why,
                         blockers=[f"GPU {b.gpu}: {b.reason}" for b in blockers])
             raise ResetBlocked(blockers, tuple(g.index for g in gpus), tuple(targets))
+        # After the blockers, which the operator must free whoever runs gpud; before any change.
+        refuse_unless_root("reset", f"resetting GPU {', '.join(str(g.index) for g in gpus)} would fail with "
+                                    "Insufficient Permissions. Nothing was changed")
+        if trying is not None:
+            trying()
         outcome = ResetOutcome(requested=tuple(sorted(targets)), gpus=tuple(g.index for g in gpus), output="")
         if force:
             outcome.ended_pids = await self._end_compute_processes(gpus)

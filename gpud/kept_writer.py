@@ -9,6 +9,7 @@ swapped, edited, linked or chmodded behind gpud's back is reported, counted and 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -60,6 +61,7 @@ class KeptFileWriter(Component):
         self.changed_behind_gpud = {"count": 0, "last": None, "at": None}
         self._reasons: set[str] = set()
         self._changed = asyncio.Event()
+        self._refreshing = threading.Lock()
         inventory.subscribe(lambda _inventory: self._mark("inventory"))
 
     async def start(self, tasks: Tasks) -> None:
@@ -78,7 +80,7 @@ class KeptFileWriter(Component):
         raise NotImplementedError
 
     def written(self, content: Any, reason: str) -> None:
-        """After a write that succeeded (or, without a file, a content that changed)."""
+        """After a write that succeeded (or, without a file, a content that changed); on refresh's thread."""
 
     def _mark(self, reason: str) -> None:
         self._reasons.add(reason)
@@ -91,12 +93,12 @@ class KeptFileWriter(Component):
                 try:
                     await asyncio.wait_for(self._changed.wait(), RECHECK_S)
                 except asyncio.TimeoutError:
-                    self.recheck()
+                    await asyncio.to_thread(self.recheck)
                     continue
                 await asyncio.sleep(DEBOUNCE_S)
                 self._changed.clear()
                 reasons, self._reasons = self._reasons, set()
-                self.refresh(",".join(sorted(reasons)))
+                await asyncio.to_thread(self.refresh, ",".join(sorted(reasons)))
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
@@ -136,7 +138,12 @@ class KeptFileWriter(Component):
 
     def refresh(self, reason: str, rewrite: bool = False) -> None:
         """Rebuilds the content and writes it if it changed (or `rewrite`); never raises for a directory it
-        cannot write."""
+        cannot write. Called on a thread by run() (a build scans /dev, reads driver files), on the loop
+        by a caller that needs the file at once: one at a time."""
+        with self._refreshing:
+            self._refresh(reason, rewrite)
+
+    def _refresh(self, reason: str, rewrite: bool) -> None:
         inventory = self._inventory.current
         if inventory is None:
             return

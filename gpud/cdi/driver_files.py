@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.base.hostfile import read_host_text
 from gpud.base.ld_cache import read_ld_cache
 from gpud.cdi import hook
 
@@ -153,7 +154,7 @@ def _firmware_dirs() -> list[str]:
     release = platform.release()
     dirs = [f"/lib/firmware/updates/{release}", "/lib/firmware/updates", f"/lib/firmware/{release}", "/lib/firmware"]
     try:
-        custom = Path("/sys/module/firmware_class/parameters/path").read_text().strip()
+        custom = read_host_text("/sys/module/firmware_class/parameters/path").strip()
     except OSError:
         custom = ""
     return [custom, *dirs] if custom else dirs

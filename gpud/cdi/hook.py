@@ -22,6 +22,17 @@ import subprocess
 import sys
 
 LD_SO_CONF = "/etc/ld.so.conf.d/00-gpud-cdi.conf"
+# The container's state on stdin and its bundle's config.json are a few KiB (OCI runtime spec
+# runtime.md "State", config.md); read no more than this of either. JSON nested deeper than Python's
+# recursion limit raises RecursionError, caught as a refusal like any malformed document.
+MAX_JSON_BYTES = 4 << 20
+
+
+def _read_json(stream, what: str):
+    raw = stream.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"{what} is over {MAX_JSON_BYTES} bytes")
+    return json.loads(raw)
 
 
 def resolve_in(root: str, path: str) -> str:
@@ -40,8 +51,8 @@ def resolve_in(root: str, path: str) -> str:
 
 def container_root(state: dict) -> str:
     """The container's root directory: config.json's root.path, relative to the bundle unless absolute."""
-    with open(os.path.join(state["bundle"], "config.json")) as config:
-        root = json.load(config)["root"]["path"]
+    with open(os.path.join(state["bundle"], "config.json"), "rb") as config:
+        root = _read_json(config, "the bundle's config.json")["root"]["path"]
     return os.path.normpath(os.path.join(state["bundle"], root))
 
 
@@ -72,9 +83,11 @@ def update_ldcache(root: str, ldconfig: str, folders: list[str]) -> None:
     os.makedirs(os.path.dirname(conf), exist_ok=True)
     with open(conf, "w") as listed:  # so an ldconfig run later in the container keeps them
         listed.write("".join(f"{folder}\n" for folder in folders))
-    done = subprocess.run([ldconfig, "-r", root, *folders], capture_output=True, text=True, timeout=60)
+    # ldconfig prints nothing but its errors; they go to the runtime's log as the hook's own stderr.
+    done = subprocess.run([ldconfig, "-r", root, *folders], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          timeout=60)
     if done.returncode != 0:
-        raise OSError(f"{ldconfig} -r {root} failed: {done.stderr.strip()}")
+        raise OSError(f"{ldconfig} -r {root} failed (exit status {done.returncode})")
 
 
 def main(argv: list[str]) -> int:
@@ -86,12 +99,12 @@ def main(argv: list[str]) -> int:
     ldcache.add_argument("--folder", action="append", default=[])
     args = parser.parse_args(argv)
     try:
-        root = container_root(json.load(sys.stdin))
+        root = container_root(_read_json(sys.stdin.buffer, "the container's state on stdin"))
         if args.command == "create-symlinks":
             create_symlinks(root, args.link)
         else:
             update_ldcache(root, args.ldconfig, args.folder)
-    except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, subprocess.TimeoutExpired) as exc:
         print(f"gpud-cdi-hook {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -29,6 +29,9 @@ log = get_logger("device_plugin")
 
 REQUEST_TIMEOUT_S = 10.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 5.0
+# While gpud's CDI spec lacks some of the devices read, they are read again after this, then twice as
+# long each time up to BACKOFF_MAX_S: the spec follows its change within a second (gpud/kept_writer.py).
+CDI_CATCH_UP_S = 0.25
 # An epoch that is no gpud run's: gpud answers with a `gap` line at once, then every event of its run
 # it still holds. So each (re)connect gets a first line that starts a read, and misses nothing.
 WATCH_FROM_THE_START = "/v1/watch?since=0&epoch=gpud-device-plugin"
@@ -48,6 +51,7 @@ class GpudFollower:
         self._stale = asyncio.Event()  # something changed since the last read
         self._unreachable_since: float | None = None  # since when gpud has not answered
         self._fenced = False  # the last published state is the all-Unhealthy one
+        self._cdi_catch_up_s = CDI_CATCH_UP_S
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -92,6 +96,20 @@ class GpudFollower:
             self._fenced = False
             self.state = state
             await self._publish(state)
+            self._catch_up_with_cdi(state)
+
+    def lags(self, state: NodeState) -> bool:
+        """Whether what was read lags gpud, so a read is due soon: the CDI spec the devices are named by."""
+        return state.cdi_behind()
+
+    def _catch_up_with_cdi(self, state: NodeState) -> None:
+        """Reads again while the CDI spec lags the devices, or an allocation naming them by CDI is refused
+        until some unrelated event comes (tests/test_device_plugin.py, replicas of MIG devices)."""
+        if not self.lags(state):
+            self._cdi_catch_up_s = CDI_CATCH_UP_S
+            return
+        asyncio.get_running_loop().call_later(self._cdi_catch_up_s, self._stale.set)
+        self._cdi_catch_up_s = min(self._cdi_catch_up_s * 2, BACKOFF_MAX_S)
 
     def read_state(self) -> NodeState:
         sharing = self.client.get("/v1/sharing")

@@ -73,6 +73,13 @@ class NodeState:
     def device_count(self) -> int:
         return sum(len(r.devices) for r in self.resources.values())
 
+    def cdi_behind(self) -> bool:
+        """gpud writes a CDI spec that does not name every device yet: it is written a moment after the
+        change that made the devices (debounced, on a thread), and no event says when."""
+        return self.cdi_kind is not None and any(
+            d.id not in self.cdi_names and d.device not in self.cdi_names
+            for r in self.resources.values() for d in r.devices)
+
     def all_unhealthy(self) -> NodeState:
         """The same devices, every one Unhealthy (gpud has been unreachable too long to vouch for them)."""
         return replace(self, resources={

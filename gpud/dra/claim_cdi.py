@@ -18,6 +18,7 @@ import os
 import re
 from pathlib import Path
 
+from gpud.base import bounded_json
 from gpud.base.persist import write_text_atomic
 
 CLASS = "claim"
@@ -82,7 +83,8 @@ def remove_claim_spec(cdi_dir: Path, driver: str, claim_uid: str) -> bool:
 
 def claim_specs_on_disk(cdi_dir: Path, driver: str) -> dict[str, dict]:
     """The claim specs this driver left in cdi_dir, by claim UID (for a restart without a checkpoint);
-    a file that is no readable spec, or too large to be one, is skipped."""
+    a file that is no readable spec (no JSON object, or one nested deeper than bounded_json allows), or
+    too large to be one, is skipped."""
     prefix, found = f"{vendor(driver)}-{CLASS}_", {}
     try:
         names = os.listdir(cdi_dir)
@@ -95,8 +97,9 @@ def claim_specs_on_disk(cdi_dir: Path, driver: str) -> dict[str, dict]:
         try:
             with open(os.open(cdi_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as file:
                 text = file.read(MAX_SPEC_BYTES + 1)
-            if len(text) <= MAX_SPEC_BYTES:
-                found[uid] = json.loads(text)
+            spec = bounded_json.loads(text, what=name) if len(text) <= MAX_SPEC_BYTES else None
         except (OSError, ValueError):
             continue
+        if isinstance(spec, dict):
+            found[uid] = spec
     return found

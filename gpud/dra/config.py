@@ -6,10 +6,10 @@ its class's, a later one over an earlier one; no requests listed means every req
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from gpud.base import bounded_json
 from gpud.base.quantity import parse_quantity
 
 API_VERSION = "resource.nvidia.com/v1beta1"
@@ -93,9 +93,9 @@ def parse(parameters: Any) -> DeviceConfig:
     """One opaque config's parameters (raw JSON, as the API server stores them)."""
     if isinstance(parameters, (bytes, str)):
         try:
-            parameters = json.loads(parameters)
+            parameters = bounded_json.loads(parameters, what="parameters")
         except ValueError as exc:
-            raise ConfigError(f"parameters are not JSON: {exc}") from None
+            raise ConfigError(str(exc)) from None
     document = _fields(parameters, "parameters", {"apiVersion", "kind", "sharing"})
     if document.get("apiVersion") != API_VERSION:
         raise ConfigError(f"parameters.apiVersion: {document.get('apiVersion')!r} is not {API_VERSION!r}")

@@ -71,6 +71,9 @@ class DraFollower(GpudFollower):
         super().__init__(socket_path, publish, unreachable_grace_s)
         self.sysfs = sysfs
 
+    def lags(self, state: DraState) -> bool:  # type: ignore[override]
+        return False  # it names no device by gpud's CDI spec: each claim gets a spec of its own
+
     def read_state(self) -> DraState:  # type: ignore[override]
         node = self.client.get("/v1/node")
         gpus = self.client.get("/v1/gpus")

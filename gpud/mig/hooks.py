@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 
+from gpud.base import child
 from gpud.base.logs import get_logger
 
 log = get_logger("mig")
+HOOK_OUTPUT_CAP = 1 << 20  # of a hook's stdout and stderr read; its last 500 characters are logged
 
 
 class MigHooks:
@@ -42,12 +43,13 @@ class MigHooks:
         """(None, output) when the command succeeded, else (how it failed, output): the last 500
         characters of its stdout and stderr."""
         try:
-            proc = await asyncio.create_subprocess_shell(command, env=env, stdout=asyncio.subprocess.PIPE,
-                                                         stderr=asyncio.subprocess.STDOUT)
-            output, _ = await asyncio.wait_for(proc.communicate(), self._timeout_s)
-        except asyncio.TimeoutError:
-            return f"timed out after {self._timeout_s:g} s", ""
+            run = await child.run([command], shell=True, env=env, merge_stderr=True, timeout_s=self._timeout_s,
+                                  output_cap=HOOK_OUTPUT_CAP)
         except OSError as exc:
             return f"could not start: {exc.strerror}", ""
-        text = output.decode(errors="replace")[-500:]
-        return (None if proc.returncode == 0 else f"exit status {proc.returncode}"), text
+        text = run.text()[-500:]
+        if run.timed_out:  # killed with its process group: a hook never outlives its deadline
+            return f"timed out after {self._timeout_s:g} s", text
+        if run.overflowed:
+            return f"printed more than {HOOK_OUTPUT_CAP} bytes: stopped", text
+        return (None if run.exit_code == 0 else f"exit status {run.exit_code}"), text

@@ -1,6 +1,6 @@
 """Before an apply changes anything: what it changes on each GPU, and the refusals that leave every
 GPU as it is (a layout that does not fit, a lost GPU, processes in the way, a reset that would be
-refused)."""
+refused, a gpud that is not root)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from gpud.mig.desired import GpuDesired
 from gpud.mig.dynamic_gpus import SETTING, DynamicGpus
 from gpud.mig.layouts import Layout, LayoutError, NodeGpu
 from gpud.mig.planner import plan_gpu
-from gpud.mig.sync import (changes_mode, doomed_compute_instances, in_sync, mig_state_of, mode_change_needs_reset,
-                           node_gpus, resolve_layout)
+from gpud.mig.sync import (changes_mode, doomed_compute_instances, fails_without_root, in_sync, mig_state_of,
+                           mode_change_needs_reset, node_gpus, resolve_layout)
 from gpud.model.inventory import Inventory
 from gpud.model.mig import GpuPlan, PlanError
+from gpud.nvml.privileges import refuse_unless_root
 from gpud.nvml.reset import compute_pids
 from gpud.nvml.session import NvmlSession
 
@@ -135,3 +136,24 @@ async def refuse_blocked_reset(resetter: GpuResetter, layout: Layout, inventory:
                            "changed; free the GPU and apply again, or set "
                            "mig.allow_gpu_reset: false to leave the reset to you",
                            blockers=[b.as_dict() for b in blockers], reset_gpus=list(refused.group))
+
+
+def refuse_without_root(layout: Layout, plans: dict[str, GpuPlan]) -> None:
+    """Refuses, before any change and after what the operator must free either way (busy GPUs, a blocked
+    reset), a layout the driver would refuse GPU by GPU: gpud is not root (nvml.h, nvmlDeviceSetMigMode:
+    "Requires root user"). Nothing is saved, so no later start retries it."""
+    if plans:
+        refuse_unless_root("mig", f"layout '{layout.name}' {fails_without_root(p.index for p in plans.values())}. "
+                                  "Nothing was changed, and the layout is not kept as the desired one")
+
+
+def converging_needs_root(layout: str | None, inventory: Inventory, desired: dict[str, GpuDesired]) -> GpudError | None:
+    """The refusal to converge the GPUs on a desired layout that a gpud that is not root cannot apply (one an
+    earlier gpud saved): it is withdrawn rather than retried, and failed, at every start. None when root."""
+    changing = [g.index for g in inventory.gpus if g.uuid in desired and not in_sync(g, desired[g.uuid])]
+    try:
+        refuse_unless_root("mig", f"the desired layout '{layout}' {fails_without_root(changing)}: it is withdrawn, "
+                                  "nothing was changed")
+    except GpudError as exc:
+        return exc
+    return None

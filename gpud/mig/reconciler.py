@@ -30,7 +30,8 @@ from gpud.mig.history import ApplyHistory
 from gpud.mig.hooks import MigHooks
 from gpud.mig.instances import MigInstances
 from gpud.mig.layouts import Layout, LayoutsFile
-from gpud.mig.preflight import plan_layout, refuse_blocked_reset, refuse_busy_gpus
+from gpud.mig.preflight import (converging_needs_root, plan_layout, refuse_blocked_reset, refuse_busy_gpus,
+                                refuse_without_root)
 from gpud.mig.status import ApplyState, ApplyStatus, GpuApplyState, GpuProgress
 from gpud.mig.sync import in_sync
 from gpud.mig.view import mig_families, mig_view
@@ -80,7 +81,8 @@ class MigReconciler(Component):
         await self.converge_at_start(self.default_layout, self.layouts)
 
     def problems(self) -> list[str]:
-        return ([self.problem] if self.problem else []) + [file.message() for file in self.corrupt_files] + \
+        failed = [self.problem] if self.problem else self.status.unapplied()  # a corrupt file fails the layout
+        return failed + [file.message() for file in self.corrupt_files] + \
             self.dynamic.covered_by_layout(self.inventory.current, self._desired.chosen.gpus, self.status.layout)
 
     @property
@@ -116,6 +118,7 @@ class MigReconciler(Component):
                 await refuse_blocked_reset(self.resetter, layout, inventory, desired, force)
             if not force:
                 await refuse_busy_gpus(self.session, layout, inventory, desired)
+            refuse_without_root(layout, plans)
             self._desired.save(Desired(layout.name, source, force, desired, origin))
         except BaseException:
             self._operations.release()
@@ -181,6 +184,11 @@ class MigReconciler(Component):
             if synced:
                 self._settle(ApplyState.SUCCESS, self.status.error)
             return
+        if refused := converging_needs_root(self.status.layout, inventory, self.desired):
+            self._operations.release()  # saved by an earlier gpud: retried, it would fail at every start
+            self._desired.take_back()
+            log.warning("mig_desired_withdrawn", layout=self.status.layout, error=refused.message)
+            return self._settle(ApplyState.FAILED, refused.message)
         log.warning("mig_out_of_sync", layout=self.status.layout, reason=reason)
         self._start_claimed(self.status.layout, inventory)
         await self.wait()
@@ -219,7 +227,7 @@ class MigReconciler(Component):
         if changing and (failure := await self._hooks.run("post_apply", self.status.layout,
                                                           [g.index for g in changing])):
             self.status.error = failure
-        self._settle(_outcome(self.status), "; ".join(f"GPU {p.index}: {p.error}" for p in self.status.gpus.values()
+        self._settle(self.status.outcome(), "; ".join(f"GPU {p.index}: {p.error}" for p in self.status.gpus.values()
                                                       if p.error) or self.status.error)
         log.info("mig_apply_finished", layout=self.status.layout, state=self.status.state.value,
                  mutations=sum(p.mutations for p in self.status.gpus.values()),
@@ -240,10 +248,3 @@ class MigReconciler(Component):
 
     def collect(self) -> Iterator[Family]:
         return mig_families(self.view(self.inventory.current), self.desired)
-
-
-def _outcome(status: ApplyStatus) -> ApplyState:
-    states = {p.state for p in status.gpus.values()}
-    if GpuApplyState.FAILED in states:
-        return ApplyState.FAILED
-    return ApplyState.RESET_REQUIRED if GpuApplyState.RESET_REQUIRED in states else ApplyState.SUCCESS

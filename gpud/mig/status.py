@@ -51,3 +51,17 @@ class ApplyStatus:
     started_at: float | None = None
     finished_at: float | None = None
     gpus: dict[str, GpuProgress] = field(default_factory=dict)
+
+    def unapplied(self) -> list[str]:
+        """Why the GPUs are not as the layout chose, when it failed or its MIG mode change waits for a reset
+        or a reboot: /healthz and `gpud status` must not call that ok."""
+        if self.state not in (ApplyState.FAILED, ApplyState.RESET_REQUIRED):
+            return []
+        return [f"MIG layout '{self.layout}' {self.state.value}: {self.error}"]
+
+    def outcome(self) -> ApplyState:
+        """The apply's state once every GPU was visited."""
+        states = {p.state for p in self.gpus.values()}
+        if GpuApplyState.FAILED in states:
+            return ApplyState.FAILED
+        return ApplyState.RESET_REQUIRED if GpuApplyState.RESET_REQUIRED in states else ApplyState.SUCCESS

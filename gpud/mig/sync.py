@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 from gpud.mig.desired import GpuDesired
 from gpud.mig.layouts import Layout, LayoutEntry, NodeGpu
@@ -16,9 +17,13 @@ def root_needed(plans: dict[str, GpuPlan]) -> str | None:
     None when nothing changes or gpud runs as root."""
     if not plans or running_as_root():
         return None
-    indexes = ", ".join(str(plan.index) for plan in sorted(plans.values(), key=lambda p: p.index))
-    return (f"{not_root_because('mig')}: applying it would change GPU {indexes} and fail with "
-            "Insufficient Permissions; run gpud as root")
+    return f"{not_root_because('mig')}: applying it {fails_without_root(plan.index for plan in plans.values())}; " \
+           "run gpud as root"
+
+
+def fails_without_root(indexes: Iterable[int]) -> str:
+    """What the driver would answer gpud's MIG changes of these GPUs, gpud not being root."""
+    return f"would change GPU {', '.join(map(str, sorted(indexes)))} and fail with Insufficient Permissions"
 
 
 def mig_state_of(gpu: Gpu) -> GpuMigState:

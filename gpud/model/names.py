@@ -67,7 +67,37 @@ def check_extended_resource_name(name: str) -> str:
     if not is_dns_subdomain(prefix):
         raise ValueError(f"the domain of {name[:80]!r} is not a lower-case DNS subdomain of at most "
                          f"{_MAX_DNS_SUBDOMAIN_LENGTH - len('requests.')} characters")
+    _check_name_part(name, short)
+    return name
+
+
+def _check_name_part(name: str, short: str) -> None:
+    """The part of a qualified name after its prefix (IsQualifiedName's name part)."""
     if len(short) > _MAX_QUALIFIED_NAME_LENGTH or not _QUALIFIED_NAME.fullmatch(short):
         raise ValueError(f"the name of {name[:80]!r} is not 1-63 letters, digits, '-', '_' or '.' "
                          "between letters or digits")
+
+
+def check_qualified_name(name: str) -> str:
+    """The name, or ValueError saying why Kubernetes refuses it as a label or annotation key
+    (k8s.io/apimachinery pkg/util/validation IsQualifiedName): an optional DNS-subdomain prefix and '/',
+    then 1-63 letters, digits, '-', '_' or '.' between letters or digits."""
+    prefix, slash, short = name.rpartition("/")
+    if slash and ("/" in prefix or not prefix):
+        raise ValueError(f"{name[:80]!r} is not a qualified name: at most one '/', after a non-empty prefix")
+    if slash and not is_dns_subdomain(prefix):
+        raise ValueError(f"the prefix of {name[:80]!r} is not a lower-case DNS subdomain of at most "
+                         f"{_MAX_DNS_SUBDOMAIN_LENGTH} characters")
+    _check_name_part(name, short)
+    return name
+
+
+_MAX_DNS_LABEL_LENGTH = 63
+
+
+def check_dns_label(name: str) -> str:
+    """The name, or ValueError saying why Kubernetes refuses it as a namespace (IsDNS1123Label)."""
+    if len(name) > _MAX_DNS_LABEL_LENGTH or not re.fullmatch(_DNS_LABEL, name):
+        raise ValueError(f"{name[:80]!r} is not a DNS label: at most {_MAX_DNS_LABEL_LENGTH} lower-case letters, "
+                         "digits and '-', starting and ending with a letter or digit")
     return name

@@ -17,7 +17,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.base import child
+from gpud.base.hostfile import PROC_LIST_BYTES, read_host_file, read_host_text
 from gpud.base.safefs import UnsafePath, secure_directory
+
+# What nvidia-cuda-mps-control answers to one command (get_server_list: a PID per line), and prints when
+# it starts as a daemon (nothing): more is not read.
+CONTROL_OUTPUT_CAP = 1 << 20
+
+
+# Debian ships nvidia-cuda-mps in non-free, which a fresh Debian 12 lacks in both forms of apt's sources
+# (sources.list(5): one-line and deb822): "E: Unable to locate package" until it is added.
+INSTALL_HINT = ("Debian: add non-free to Components: in /etc/apt/sources.list.d/debian.sources (or to the deb "
+                "line of /etc/apt/sources.list), apt-get update, apt-get install nvidia-cuda-mps; "
+                "or set mps.control_binary")
 
 
 class MpsError(Exception):
@@ -46,9 +59,8 @@ class MpsControl:
     def resolve_binary(self) -> str:
         path = shutil.which(self.binary)
         if path is None:
-            raise MpsBinaryMissing(f"the MPS control binary '{self.binary}' is not installed or not on PATH "
-                                   "(Debian: apt-get install nvidia-cuda-mps, from the non-free component; "
-                                   "or set mps.control_binary)")
+            raise MpsBinaryMissing(f"the MPS control binary '{self.binary}' is not installed or not on PATH. "
+                                   + INSTALL_HINT)
         return path
 
     def environment(self) -> dict[str, str]:
@@ -77,13 +89,14 @@ class MpsControl:
                 secure_directory(directory, 0o755, owner)
             except UnsafePath as exc:
                 raise MpsError(f"not starting the MPS control daemon: {exc}") from None
-        proc = await asyncio.create_subprocess_exec(
-            binary, "-d", env=self.environment(), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, **self._identity(),
-            start_new_session=True)  # its own session: no signal meant for gpud reaches it
-        output, _ = await asyncio.wait_for(proc.communicate(), wait_s)
-        if proc.returncode != 0:
-            raise MpsError(f"{binary} -d exited with status {proc.returncode}: {output.decode().strip()}")
+        # its own session (the runner's): no signal meant for gpud reaches it
+        run = await child.run([binary, "-d"], env=self.environment(), merge_stderr=True, timeout_s=wait_s,
+                              output_cap=CONTROL_OUTPUT_CAP, **self._identity())
+        failure = run.failure(wait_s, CONTROL_OUTPUT_CAP)
+        if failure:
+            raise MpsError(f"{binary} -d: {failure}")
+        if run.exit_code != 0:
+            raise MpsError(f"{binary} -d exited with status {run.exit_code}: {run.text(2000).strip()}")
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             pid = self.find_pid()
@@ -95,18 +108,15 @@ class MpsControl:
     async def command(self, text: str) -> str:
         """Sends one control command; returns the daemon's answer."""
         binary = self.resolve_binary()
-        proc = await asyncio.create_subprocess_exec(
-            binary, env=self.environment(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, **self._identity())
-        try:
-            output, _ = await asyncio.wait_for(proc.communicate(text.encode() + b"\n"), self.command_timeout_s)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise MpsError(f"MPS command '{text}' got no answer within {self.command_timeout_s:g} s") from None
-        answer = output.decode().strip()
-        if proc.returncode != 0:
-            raise MpsError(f"MPS command '{text}' failed (exit status {proc.returncode}): {answer}")
+        run = await child.run([binary], env=self.environment(), stdin=text.encode() + b"\n", merge_stderr=True,
+                              timeout_s=self.command_timeout_s, output_cap=CONTROL_OUTPUT_CAP, **self._identity())
+        if run.timed_out:
+            raise MpsError(f"MPS command '{text}' got no answer within {self.command_timeout_s:g} s")
+        if run.overflowed:
+            raise MpsError(f"MPS command '{text}' answered more than {CONTROL_OUTPUT_CAP} bytes: not read")
+        answer = run.stdout.decode(errors="replace").strip()
+        if run.exit_code != 0:
+            raise MpsError(f"MPS command '{text}' failed (exit status {run.exit_code}): {answer[:2000]}")
         return answer
 
     async def answers(self) -> bool:
@@ -150,12 +160,12 @@ class MpsControl:
             if not entry.name.isdigit():
                 continue
             try:
-                if (entry / "comm").read_text().strip() != "nvidia-cuda-mps" and \
-                        not (entry / "cmdline").read_bytes().startswith(b"nvidia-cuda-mps-control"):
+                if read_host_text(entry / "comm").strip() != "nvidia-cuda-mps" and \
+                        not read_host_file(entry / "cmdline", PROC_LIST_BYTES).startswith(b"nvidia-cuda-mps-control"):
                     continue
-                if b"-d\x00" not in (entry / "cmdline").read_bytes() + b"\x00":
+                if b"-d\x00" not in read_host_file(entry / "cmdline", PROC_LIST_BYTES) + b"\x00":
                     continue
-                if wanted in (entry / "environ").read_bytes().split(b"\x00") and process_alive(int(entry.name)):
+                if wanted in read_host_file(entry / "environ", PROC_LIST_BYTES).split(b"\x00") and process_alive(int(entry.name)):
                     return int(entry.name)
             except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue  # gone meanwhile, or not ours to read; EMFILE and the like are the caller's to handle

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gpud.base.hostfile import PROC_LIST_BYTES, read_host_text
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.persist import CorruptFile, read_json, write_json_atomic
@@ -223,6 +224,8 @@ class MpsManager(Component):
         spec = daemon.spec
         daemon.state, daemon.paused = DaemonRunState.STARTING, False
         try:
+            # the binary first: EXCLUSIVE_PROCESS without an MPS daemon would leave the GPU to one process
+            daemon.control.resolve_binary()
             await self._set_compute_mode(spec, "exclusive_process")
             daemon.pid = await daemon.control.start()
             await self._apply_limits(daemon)
@@ -389,6 +392,16 @@ class MpsManager(Component):
         return {device: f"MPS daemon {d.spec.name} failed: {d.last_error}" for d in self.daemons.values()
                 if d.state is DaemonRunState.FAILED and not d.paused for device in d.spec.devices}
 
+    def summary(self) -> str | None:
+        """The status line's part, e.g. "4/4 MPS daemons", or "0/4 MPS daemons (down: WHY)" while daemons
+        meant to run do not (one stopped through the API is not meant to); None without daemons."""
+        if not self.daemons:
+            return None
+        running = sum(d.state is DaemonRunState.RUNNING for d in self.daemons.values())
+        why = dict.fromkeys(d.last_error or d.state.value for d in self.daemons.values()
+                            if d.state is not DaemonRunState.RUNNING and not d.paused)
+        return f"{running}/{len(self.daemons)} MPS daemons" + (f" (down: {'; '.join(why)})" if why else "")
+
     def collect(self) -> Iterator[Family]:
         """Whether each daemon runs and how often it restarted, for /metrics."""
         up = Family("gpud_mps_daemon_up", "1 when the MPS control daemon runs.", "gauge")
@@ -418,8 +431,8 @@ class MpsManager(Component):
 def _process_start_time(pid: int) -> float | None:
     """When an adopted daemon started (wall clock), from /proc."""
     try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+        ticks = int(read_host_text(f"/proc/{pid}/stat").rsplit(") ", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in read_host_text("/proc/stat", PROC_LIST_BYTES).splitlines()
                     if line.startswith("btime"))
     except (OSError, IndexError, ValueError, StopIteration):
         return None

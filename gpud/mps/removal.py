@@ -1,5 +1,6 @@
-"""Ending the MPS control daemons gpud leaves running (KillMode=process) when gpud itself is removed:
-`gpud mps quit-all`, which the packages' preremove runs as root.
+"""Ending the MPS control daemons gpud leaves running (KillMode=process): `gpud mps quit-all`, which the
+packages' preremove runs as root when gpud itself is removed, and an operator runs after a gpud of
+their own (the README's root gpud). A pipe directory whose daemon is gone already is passed over.
 
 A pipe directory is mps.user's (gpud gives it to that user), so whatever is in it may have been put
 there by that user: a symlink in place of the control socket, or one where the MPS client writes.
@@ -15,17 +16,18 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.base.logs import get_logger
 from gpud.base.safefs import UnsafePath, secure_directory
 from gpud.mps.control import MpsControl, MpsDirectories, MpsError
 
-log = get_logger("mps")
+
+NO_DAEMON = "Cannot find MPS control daemon process"  # nvidia-cuda-mps-control, quit with no daemon running
 
 
 @dataclass(frozen=True)
 class QuitOutcome:
     name: str  # the daemon's directory under the pipe root
-    refused: str | None  # why it was not told to quit; None once it quit
+    refused: str | None  # why it was not told to quit; None once it quit, or when none ran
+    was_running: bool = True  # False: its daemon had gone already, only the directory (and socket) stayed
 
 
 async def quit_all(pipe_root: Path, log_root: Path, binary: str, user: str | None) -> list[QuitOutcome]:
@@ -48,8 +50,6 @@ async def quit_all(pipe_root: Path, log_root: Path, binary: str, user: str | Non
         except FileNotFoundError:
             continue  # no daemon was ever started there, or it is gone
         except UnsafePath as exc:
-            log.warning("mps_quit_refused", pipe=str(pipe), error=str(exc),
-                        why="the path is not root's or mps.user's alone: the daemon is left running")
             outcomes.append(QuitOutcome(name, str(exc)))
             continue
         as_user = user if owner is not None and os.lstat(pipe).st_uid == owner[0] != 0 else None
@@ -57,10 +57,11 @@ async def quit_all(pipe_root: Path, log_root: Path, binary: str, user: str | Non
         try:
             await control.quit()
         except MpsError as exc:
-            log.warning("mps_quit_failed", pipe=str(pipe), error=str(exc))
-            outcomes.append(QuitOutcome(name, str(exc)))
+            # The control binary's own answer where no daemon listens on the directory's socket: asked
+            # every time rather than judged beforehand, so that no running daemon is ever passed over.
+            gone = NO_DAEMON in str(exc)
+            outcomes.append(QuitOutcome(name, None if gone else str(exc), was_running=not gone))
             continue
-        log.info("mps_quit", pipe=str(pipe), user=as_user or "root", why="gpud is being removed")
         outcomes.append(QuitOutcome(name, None))
     return outcomes
 
@@ -70,7 +71,6 @@ def _owner(user: str | None) -> tuple[int, int] | None:
         return None
     try:
         entry = pwd.getpwnam(user)
-    except KeyError:
-        log.warning("mps_user_missing", user=user, why="only pipe directories owned by root are acted on")
+    except KeyError:  # `gpud mps quit-all` says so: only pipe directories owned by root are acted on
         return None
     return entry.pw_uid, entry.pw_gid

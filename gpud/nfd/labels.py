@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
+from gpud.base.hostfile import read_host_file, read_host_text
 from gpud.model.inventory import Gpu, Inventory, sysfs_pci_device
 from gpud.nvml.vgpu import VgpuReading
 from gpud.sharing.resources import gfd_sanitised
@@ -87,7 +88,7 @@ def machine_type(sysfs: Path) -> str:
     """The value GFD gives nvidia.com/gpu.machine: the DMI product name (machine-type.go reads
     /sys/class/dmi/id/product_name), trimmed and sanitised as GFD sanitises names, or "unknown"."""
     try:
-        name = (sysfs / "class" / "dmi" / "id" / "product_name").read_bytes().decode("utf-8", "replace")
+        name = read_host_file(sysfs / "class" / "dmi" / "id" / "product_name").decode("utf-8", "replace")
     except OSError:  # no DMI (some VMs, ARM boards): GFD labels it unknown too
         return MACHINE_UNKNOWN
     return gfd_sanitised(name)
@@ -104,7 +105,7 @@ def gpu_mode(sysfs: Path, pci_bus_ids: tuple[str, ...]) -> str:
         if device is None:
             return GPU_MODE_UNKNOWN
         try:
-            classes.add(int((device / "class").read_text().strip(), 0))
+            classes.add(int(read_host_text(device / "class").strip(), 0))
         except (OSError, ValueError):
             return GPU_MODE_UNKNOWN
     if len(classes) != 1:

@@ -15,20 +15,21 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpud.base import host
+from gpud.base import child, host
 from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.hostfile import read_host_text
 from gpud.model.inventory import Gpu
 
 # `nvidia-smi -r` on an 8-GPU node takes seconds; one that hangs (a wedged GPU) must not hold the
 # reset, and with it gpud's NVML session, for ever.
 RESET_TIMEOUT_S = 120.0
 END_GRACE_S = 10.0
+RESET_OUTPUT_CAP = 1 << 20  # nvidia-smi -r prints a line per GPU
 
 
 class ResetFailed(GpudError):
@@ -72,12 +73,15 @@ class HostTools:
         ids = ",".join(gpu.pci_bus_id for gpu in gpus)
         command = [smi, "-r", "-i", ids]
         try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=self._reset_timeout_s)
-        except subprocess.TimeoutExpired:
-            raise ResetFailed(f"{' '.join(command)} did not finish within {self._reset_timeout_s:g} s") from None
-        output = (result.stdout + result.stderr).strip()
-        if result.returncode != 0:
-            raise ResetFailed(f"{' '.join(command)} failed (exit status {result.returncode}): {output}")
+            result = child.run_sync(command, timeout_s=self._reset_timeout_s, output_cap=RESET_OUTPUT_CAP)
+        except OSError as exc:
+            raise ResetFailed(f"cannot run {smi}: {exc.strerror or exc}") from None
+        failure = result.failure(self._reset_timeout_s, RESET_OUTPUT_CAP)
+        if failure:
+            raise ResetFailed(f"{' '.join(command)}: {failure}")
+        output = result.text().strip()
+        if result.exit_code != 0:
+            raise ResetFailed(f"{' '.join(command)} failed (exit status {result.exit_code}): {output[:2000]}")
         return output
 
     def end_processes(self, device_uuid: str, pids: Collection[int], grace_s: float = END_GRACE_S) -> None:
@@ -127,7 +131,7 @@ def _process_running(name: str, proc: Path = Path("/proc")) -> bool:
     for entry in os.scandir(proc):
         if entry.name.isdigit():
             try:
-                if (Path(entry.path) / "comm").read_text().strip() == name:
+                if read_host_text(Path(entry.path) / "comm").strip() == name:
                     return True
             except OSError:  # gone since the listing
                 continue

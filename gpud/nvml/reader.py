@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from gpud.base.hostfile import read_host_text
 from gpud.base.logs import get_logger
 from gpud.model.driver import MINIMUM_BRANCH
 from gpud.model.inventory import (Gpu, Inventory, MigDevice, MigEngines, MigInfo, normal_bus_id, sysfs_pci_device,
@@ -379,7 +380,7 @@ def pci_numa_node(sysfs: Path, bus_id: str) -> int | None:
     if device is None:
         return None
     try:
-        node = int((device / "numa_node").read_text())
+        node = int(read_host_text(device / "numa_node"))
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None

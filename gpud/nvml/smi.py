@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
+from gpud.base import child
+
 READ_ONLY_COMMANDS = (("-q", "-x"), ("mig", "-lgip"), ("-L",))
 _TIMEOUT_S = 60
+_OUTPUT_CAP = 16 << 20  # nvidia-smi -q -x of 8 GPUs with MIG devices is some hundreds of KiB
 
 
 class SmiError(RuntimeError):
@@ -75,13 +77,16 @@ def run(smi: str, args: tuple[str, ...]) -> str:
     if args not in READ_ONLY_COMMANDS:
         raise ValueError(f"nvidia-smi {' '.join(args)} is not one of the read-only commands gpud runs")
     try:
-        result = subprocess.run([smi, *args], capture_output=True, text=True, timeout=_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        result = child.run_sync([smi, *args], timeout_s=_TIMEOUT_S, output_cap=_OUTPUT_CAP)
+    except OSError as exc:
         raise SmiError(f"could not run {smi} {' '.join(args)}: {exc}") from None
-    if result.returncode != 0:
-        output = (result.stdout + result.stderr).strip() or "no output"
-        raise SmiError(f"{smi} {' '.join(args)} exited with {result.returncode}: {output}")
-    return result.stdout
+    failure = result.failure(_TIMEOUT_S, _OUTPUT_CAP)
+    if failure:
+        raise SmiError(f"could not run {smi} {' '.join(args)}: {failure}")
+    if result.exit_code != 0:
+        output = result.text(2000).strip() or "no output"
+        raise SmiError(f"{smi} {' '.join(args)} exited with {result.exit_code}: {output}")
+    return result.stdout.decode(errors="replace")
 
 
 # -- nvidia-smi -q -x ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from gpud.base.hostfile import read_host_file
 from gpud.base.logs import get_logger
 
 log = get_logger("nvml")
@@ -147,29 +148,16 @@ def read_vgpus(sysfs: Path) -> VgpuReading:
 def _vendor_capability_of(device: Path) -> bytes | None:
     """An NVIDIA device's vendor-specific capability; None for another vendor's device or none found."""
     try:
-        if _read(device / "vendor", _SMALL_FILE_BYTES).decode("latin-1").strip() != NVIDIA_VENDOR:
+        if read_host_file(device / "vendor", _SMALL_FILE_BYTES).decode("latin-1").strip() != NVIDIA_VENDOR:
             return None
-        _read(device / "class", _SMALL_FILE_BYTES)  # GFD reads it, and fails where it cannot
-        config = _read(device / "config", CONFIG_SPACE_BYTES)
+        read_host_file(device / "class", _SMALL_FILE_BYTES)  # GFD reads it, and fails where it cannot
+        config = read_host_file(device / "config", CONFIG_SPACE_BYTES)
     except OSError as exc:
         raise _Unreadable(f"{device.name}: {exc.filename or device} cannot be read: {exc.strerror or exc}") from None
     try:
         return vendor_capability(config)
     except _Unreadable as exc:
         raise _Unreadable(f"{device.name}: {exc}") from None
-
-
-def _read(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a file, following the links sysfs is made of, never waiting on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        chunks, size = [], 0
-        while size < limit and (chunk := os.read(fd, limit - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 class VgpuReader:

@@ -1,6 +1,7 @@
 """The kubelet's PodResources List, read in a thread of its own every `refresh_s` with a deadline, so a
 slow, absent or failing kubelet never holds up a scrape or /healthz: a render uses the last answer, and
-an answer older than STALE_AFTER_REFRESHES refreshes labels nothing. A failure is logged once until it
+an answer older than STALE_AFTER_REFRESHES refreshes labels nothing (and GET /v1/gpus/{id}/pods answers
+503 instead of it). A failure is logged once until it
 changes, and counted (gpud_pod_resources_reads_total).
 
 dcgm-exporter asks the kubelet on every scrape, with a 10 s deadline (kubernetes.go connectionTimeout,
@@ -15,12 +16,15 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from gpud.base.errors import ErrorKind, GpudError
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
 from gpud.base.samples import Family
 from gpud.claims import ClaimRegistry
 from gpud.inventory import InventoryService
+from gpud.model.inventory import Gpu
 from gpud.pod_resources.grpc_unary import GrpcCallError, call
+from gpud.pod_resources.holdings import Holding, holdings, pods_holding
 from gpud.pod_resources.labels import LabelSets, device_labels
 from gpud.pod_resources.messages import MalformedAnswer, Pod, parse_list_answer
 from gpud.sharing.service import SharingView
@@ -50,6 +54,9 @@ class PodResourcesReader(Component):
         self._lock = threading.Lock()  # the counts and the answer, between the thread and the event loop
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # What the fresh answer's containers hold, and their label sets, computed once per (answer, inventory,
+        # claims, own resources): a scrape and each GET /v1/gpus/{id}/pods read them, never the answer again.
+        self._held: tuple[tuple, tuple[Holding, ...]] | None = None
         self._labels: tuple[tuple, LabelSets] | None = None
 
     async def start(self, tasks: Tasks) -> None:
@@ -118,18 +125,54 @@ class PodResourcesReader(Component):
         answer = self._answer
         return (answer[0] if answer else 0), self._fresh() is not None
 
-    def labels(self) -> LabelSets:
-        """The label sets of each device's series, from the last answer while it is fresh."""
+    def _holdings(self) -> tuple[tuple, tuple[Holding, ...]] | None:
+        """(its key, what the containers hold) from the last answer while it is fresh."""
         answer, inventory = self._fresh(), self.inventory.current
         if answer is None or inventory is None:
-            return {}
-        holds = tuple(self.claims.holds.values())
-        document = self.sharing.document or {}
-        own = frozenset(resource["name"] for resource in document.get("resources", ()))
+            return None
+        holds, own = tuple(self.claims.holds.values()), self._own_resources()
         key = (answer[0], inventory, holds, own)
-        if self._labels is None or self._labels[0] != key:
-            self._labels = (key, device_labels(answer[2], inventory, holds, own))
+        if self._held is None or self._held[0] != key:
+            self._held = (key, tuple(holdings(answer[2], inventory, holds, own)))
+        return self._held
+
+    def labels(self) -> LabelSets:
+        """The label sets of each device's series, from the last answer while it is fresh."""
+        held = self._holdings()
+        if held is None:
+            return {}
+        if self._labels is None or self._labels[0] != held[0]:
+            self._labels = (held[0], device_labels(held[1]))
         return self._labels[1]
+
+    def pods_holding(self, gpu: Gpu) -> tuple[float, list[dict]]:
+        """The age of the last answer and the pods it says hold the GPU or its MIG devices (GET
+        /v1/gpus/{id}/pods); GpudError (unavailable) pod-resources-unavailable, saying why, without a
+        fresh answer."""
+        held, answer = self._holdings(), self._answer
+        if held is None or answer is None:
+            raise GpudError(ErrorKind.UNAVAILABLE, "pod-resources-unavailable",
+                            f"gpud has no fresh answer from the kubelet's PodResources API: {self._why_unanswered()}")
+        return time.monotonic() - answer[1], pods_holding(gpu, held[1])
+
+    def _why_unanswered(self) -> str:
+        if self.socket_path is None:
+            return ("not configured (metrics.pod_resources_socket is empty, or unset on a simulated node: "
+                    "set it to the kubelet's pod-resources/kubelet.sock)")
+        answer, problem, said = self._answer, self._problem, []
+        if answer is not None:
+            said.append(f"the last answer is {time.monotonic() - answer[1]:.0f} s old (stale after "
+                        f"{self.refresh_s * STALE_AFTER_REFRESHES:g} s)")
+        elif problem is None:
+            said.append(f"not read yet from {self.socket_path}")
+        if problem is not None:
+            said.append(f"the last read: {problem}")
+        return f"{'; '.join(said)} (read every {self.refresh_s:g} s)"
+
+    def _own_resources(self) -> frozenset[str]:
+        """The resources gpud's own device plugin serves (renamed, shared, gpu-memory)."""
+        document = self.sharing.document or {}
+        return frozenset(resource["name"] for resource in document.get("resources", ()))
 
     def collect(self) -> Iterable[Family]:
         if self.socket_path is None:

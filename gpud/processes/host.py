@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.base.hostfile import PROC_LIST_BYTES, read_host_text
 from gpud.processes.cgroup import CGROUPFS, UNKNOWN, Owner, owner_of
 
 PROC = Path("/proc")
@@ -23,9 +24,9 @@ def describe(pid: int, proc: Path = PROC, cgroupfs: Path = CGROUPFS) -> HostProc
     read from its cgroup path and the owners of those cgroups' directories under `cgroupfs`."""
     base = proc / str(pid)
     try:
-        comm = (base / "comm").read_text(errors="replace").rstrip("\n")
+        comm = read_host_text(base / "comm", errors="replace").rstrip("\n")
         uid = base.stat().st_uid
-        owner = owner_of((base / "cgroup").read_text(errors="replace"), cgroupfs)
+        owner = owner_of(read_host_text(base / "cgroup", PROC_LIST_BYTES, errors="replace"), cgroupfs)
     except OSError:
         return HostProcess(None, None, UNKNOWN)
     return HostProcess(comm, uid, owner)

@@ -11,6 +11,7 @@ or repeated `devices` list. Unlike the plugin, gpud honours `rename` and `device
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,9 @@ TIME_SLICE_INTERVALS = ("default", "short", "medium", "long")
 # The plugin's MPS replica cap for compute capability >= 7.5. Older GPUs allow only 16, which needs
 # the GPUs to check: gpud.sharing.resources does.
 MAX_MPS_REPLICAS = 48
+# Warnings kept (GET /v1/sharing's list, and the log at each read): a file of thousands of unknown keys
+# is valid, and each of its warnings was logged at every read and served in every document.
+MAX_WARNINGS = 64
 
 _TOP_LEVEL_KEYS = ("version", "flags", "resources", "sharing", "imex")
 _REPLICATED_KEYS = ("renameByDefault", "failRequestsGreaterThanOne", "resources")
@@ -91,13 +95,18 @@ def parse_sharing(text: str, source: str = "<sharing>") -> SharingConfig:
 
 def check_sharing(text: str, source: str = "<sharing>") -> tuple[SharingConfig, list[str]]:
     """(the config, the warnings: what the plugin accepts silently that may not be what was meant,
-    each starting with its key path). Raises SharingConfigError for what the plugin refuses too."""
+    each starting with its key path; the first MAX_WARNINGS, then one saying how many more). Raises
+    SharingConfigError for what the plugin refuses too."""
     document = load_yaml(text, lambda reason, line: SharingConfigError(at_line(source, line, reason)))
     warnings: list[str] = []
     try:
-        return replace(_config(document, warnings), warnings=tuple(warnings)), warnings
+        config = _config(document, warnings)
     except _Invalid as invalid:
         raise SharingConfigError(f"{source}: {invalid}") from None
+    if len(warnings) > MAX_WARNINGS:
+        warnings[MAX_WARNINGS:] = [f"{len(warnings) - MAX_WARNINGS} more warnings not listed (at most "
+                                   f"{MAX_WARNINGS} are)"]
+    return replace(config, warnings=tuple(warnings)), warnings
 
 
 def load_sharing(path: Path) -> SharingConfig:
@@ -401,8 +410,9 @@ def _devices(value: Any, path: str, warnings: list[str]) -> str | int | tuple[st
         if not value:
             warnings.append(f"{path}: an empty list shares no device (list at least one, or use 'all')")
         selectors = tuple(_selector(item, f"{path}[{i}]") for i, item in enumerate(value))
+        # counted once (a count per selector made a long list quadratic: 20,000 indices took 5 s)
         warnings += [f"{path}: device {selector} is repeated"
-                     for selector in dict.fromkeys(selectors) if selectors.count(selector) > 1]
+                     for selector, times in Counter(selectors).items() if times > 1]
         return selectors
     _fail(path, f"must be 'all', a count of devices or a list of devices, got {_kind(value)}")
 

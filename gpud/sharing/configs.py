@@ -28,9 +28,18 @@ from gpud.sharing.service import read_sharing_file
 log = get_logger("sharing")
 
 # How often the file in force (and the directory's names) is looked at between reloads: a stat of
-# the file and a listing of the directory, cheap enough every few seconds.
+# the directory and of the file in force; the directory is listed again only when it changed (a
+# ConfigMap update swaps its ..data link: the directory changes).
 POLL_INTERVAL_S = 2.0
 MAX_REASON_LENGTH = 1024
+# Names read from sharing.configs_dir: a ConfigMap holds at most 1 MiB (Kubernetes'
+# MaxSecretSize/ConfigMap limit), some hundreds of configs; a directory of more entries is not
+# walked whole (each name is a realpath), and says so.
+MAX_CONFIG_NAMES = 1024
+# A directory changed this recently may change again within the same tick of its timestamp, which
+# then stays as it was: a listing is trusted only once the directory's last change is older than the
+# listing by this much (git/git Documentation/technical/racy-git.adoc: the same rule for the index).
+RACY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,21 @@ def _choice_from(document: dict) -> Choice:
     return Choice(name, reason, float(chosen_at))
 
 
+class Listing(NamedTuple):
+    """One listing of configs_dir: what the directory was (_identity) and when it was listed, the names
+    that are configs, what is wrong (too many names), and the first name past MAX_CONFIG_NAMES."""
+
+    identity: tuple | None
+    listed_at: float
+    names: list[str]
+    problem: str | None
+    first_past_cap: str | None
+
+    def trusted(self, identity: tuple | None) -> bool:
+        """Whether the directory, now `identity`, still holds what this listing found."""
+        return identity is not None and identity == self.identity and identity[3] < (self.listed_at - RACY_S) * 1e9
+
+
 class Candidate(NamedTuple):
     """A file that may be in force: its name in the directory (None: sharing.file), its path, and why."""
 
@@ -77,6 +101,8 @@ class SharingConfigs:
         self.in_force: Candidate | None = None
         self.problem: str | None = None
         self._seen: tuple | None = None  # what the last selection looked at, for changed()
+        self.available: list[str] = []  # the names the last look found (view() shows them)
+        self._listed = Listing(None, 0.0, [], None, None)  # the directory's last listing
         self.configure(file, configs_dir, default)
 
     def load(self) -> None:
@@ -98,14 +124,29 @@ class SharingConfigs:
 
     def names(self) -> list[str]:
         """The config names in the directory, sorted: entries with a config name whose file is a regular
-        file inside it. The ConfigMap's own entries (..data, ..<timestamp>) are not configs."""
+        file inside it, the first MAX_CONFIG_NAMES of them. The ConfigMap's own entries (..data,
+        ..<timestamp>) are not configs. Listed again only when the directory changed."""
         if self.configs_dir is None:
             return []
+        identity = _identity(self.configs_dir)
+        if self._listed.trusted(identity):
+            return self._listed.names
+        listed_at = time.time()
         try:
-            entries = os.listdir(self.configs_dir)
+            entries = sorted(name for name in os.listdir(self.configs_dir) if config_name_problem(name) is None)
         except OSError:
-            return []
-        return sorted(name for name in entries if config_name_problem(name) is None and self._inside(name))
+            entries = []
+        problem = None
+        if len(entries) > MAX_CONFIG_NAMES:
+            problem = (f"{self.configs_dir} holds {len(entries)} config names, over the {MAX_CONFIG_NAMES} gpud "
+                       f"reads: only the first {MAX_CONFIG_NAMES} (sorted) are configs")
+            if problem != self._listed.problem:
+                log.warning("sharing_configs_dir_too_many", configs_dir=str(self.configs_dir), names=len(entries),
+                            limit=MAX_CONFIG_NAMES, consequence="the names after the limit are not configs")
+        names = [name for name in entries[:MAX_CONFIG_NAMES] if self._inside(name)]
+        first_past_cap = entries[MAX_CONFIG_NAMES] if problem else None
+        self._listed = Listing(identity, listed_at, names, problem, first_past_cap)
+        return names
 
     def _inside(self, name: str) -> bool:
         real_dir = os.path.realpath(self.configs_dir)
@@ -168,17 +209,18 @@ class SharingConfigs:
         return candidates + [file._replace(why="no chosen config nor sharing.default_config in "
                                                "configs_dir: sharing.file")], problems
 
-    def select(self, *, at_start: bool) -> None:
+    def select(self, *, at_start: bool, read: tuple[Path, SharingConfig | None] | None = None) -> None:
         """Reads the config that should be in force. At start an invalid config is reported and the next
         one tried (sharing.file last: its SharingConfigError propagates, as without configs_dir). Later
-        an invalid one is reported and the config in force stays: the last good one."""
+        an invalid one is reported and the config in force stays: the last good one. read: a file
+        choose() has just read, and its config: not read again."""
         names = self.names()
         candidates, problems = self._candidates(names)
         if not at_start:
             candidates = candidates[:1]
         for candidate in candidates:
             try:
-                config = self._read(candidate)
+                config = read[1] if read and read[0] == candidate.path else self._read(candidate)
             except SharingConfigError as exc:
                 if candidate.name is None and at_start:
                     raise
@@ -192,6 +234,8 @@ class SharingConfigs:
                          previous=self.in_force.name if self.in_force else None)
             self.config, self.in_force = config, candidate
             break
+        if self._listed.problem:
+            problems.append(self._listed.problem)
         self.problem = "; ".join(problems) or None
         self._seen = self._look(names)
 
@@ -199,12 +243,8 @@ class SharingConfigs:
         """What select() depends on, whose change calls for it again: the names, and which file should be
         in force with its identity (a ConfigMap update swaps ..data: the file has a new inode)."""
         candidates, _ = self._candidates(names)
-        try:
-            info = os.stat(candidates[0].path)
-            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-        except OSError:
-            identity = None
-        return tuple(names), candidates[0], identity
+        self.available = names
+        return tuple(names), candidates[0], _identity(candidates[0].path)
 
     def changed(self) -> bool:
         """Whether the directory or the file that should be in force changed since select() looked."""
@@ -214,7 +254,7 @@ class SharingConfigs:
 
     def choose(self, name: str | None, reason: str | None) -> Choice:
         """Makes `name` (None: the default) the choice: checked, read and persisted before anything else
-        changes. Refusals are GpudErrors and change nothing."""
+        changes, then selected (the file read once). Refusals are GpudErrors and change nothing."""
         if self.configs_dir is None:
             raise GpudError(ErrorKind.CONFLICT, "sharing-configs-dir-unset",
                             "sharing.configs_dir is not set: there are no named "
@@ -235,9 +275,14 @@ class SharingConfigs:
                 raise GpudError(ErrorKind.NOT_FOUND, "sharing-config-not-found",
                                 f"no config {name!r} in {self.configs_dir}; "
                                 f"available: {', '.join(names) or 'none'}", available=names)
+            first_past_cap = self._listed.first_past_cap
+            if name not in names and first_past_cap is not None and name >= first_past_cap:
+                raise GpudError(ErrorKind.REFUSED, "sharing-config-past-limit",
+                                f"{name!r} is not among the first {MAX_CONFIG_NAMES} config names of "
+                                f"{self.configs_dir}, the ones gpud reads: {self._listed.problem}")
             target = Candidate(name, self.configs_dir / name, "")
         try:
-            self._read(target)  # checked before it is persisted: an invalid file changes nothing
+            config = self._read(target)  # checked before it is persisted: an invalid file changes nothing
             write_json_atomic(self._choice_path, choice.document())
         except SharingConfigError as exc:
             raise GpudError(ErrorKind.REFUSED, "sharing-config-invalid", str(exc)) from None
@@ -246,6 +291,7 @@ class SharingConfigs:
         previous, self.choice = self.choice, choice
         log.info("sharing_config_chosen", name=name, reason=reason, file=str(target.path),
                  previous=previous.name if previous else None)
+        self.select(at_start=False, read=(target.path, config))
         return choice
 
     def view(self) -> dict[str, Any]:
@@ -256,4 +302,13 @@ class SharingConfigs:
                 "default": self.default, "why": in_force.why if in_force else None,
                 "file": str(in_force.path) if in_force else None,
                 "configs_dir": str(self.configs_dir) if self.configs_dir else None,
-                "available": self.names(), "problem": self.problem}
+                "available": self.available, "problem": self.problem}
+
+
+def _identity(path: Path) -> tuple | None:
+    """What changes when a file or directory is replaced or written: its inode, size and time."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns

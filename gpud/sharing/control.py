@@ -1,5 +1,9 @@
 """Which sharing config is in force, and keeping the sharing document and the GPUs' time slice to it:
-at start, on a reload, on PUT /v1/sharing/config, and when sharing.configs_dir changes."""
+at start, on a reload, on PUT /v1/sharing/config, and when sharing.configs_dir changes.
+
+Reading a config (YAML, some seconds for a file of hundreds of KiB) and looking at the directory
+(thousands of names) run on a thread, never on the event loop: every client waited on them there.
+One change at a time (the lock), so SharingConfigs is never used by two threads at once."""
 
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ class SharingControl(Component):
 
     async def start(self, tasks: Tasks) -> None:
         """Chooses the config in force (an invalid one raises SharingConfigError: gpud does not start)."""
-        self.configs.load()
-        self.configs.select(at_start=True)
+        await asyncio.to_thread(self.configs.load)
+        await asyncio.to_thread(self.configs.select, at_start=True)
         configs = self.configs
         self.view.set_config(configs.config, None, configs.in_force.path, configs.view(), "start")
         tasks.spawn(self._follow_configs_dir(), "sharing-configs")
@@ -42,28 +46,28 @@ class SharingControl(Component):
         """Takes re-read settings: the config in force is chosen again (sharing.file, or a named config)."""
         async with self._changes:
             self.configs.configure(settings.file, settings.configs_dir, settings.default_config)
-            self.configs.select(at_start=False)
+            await asyncio.to_thread(self.configs.select, at_start=False)
             await self._apply("reload")
 
     async def choose(self, name: str | None, reason: str | None) -> dict:
         """PUT /v1/sharing/config: makes `name` (None: the default) the config in force, persisted, and
         applies it as a reload does; returns the `config` block. Refusals (GpudError) change nothing."""
         async with self._changes:
-            self.configs.choose(name, reason)
-            self.configs.select(at_start=False)
+            await asyncio.to_thread(self.configs.choose, name, reason)  # read once, and selected
             await self._apply("config chosen")
+            view = self.configs.view()  # under the lock: a poll's thread may select next
         await self._converge_mps("sharing config chosen")
-        return self.configs.view()
+        return view
 
     async def _follow_configs_dir(self) -> None:
         """Re-applies the named config in force when its file changes (a ConfigMap update swaps ..data)
         or the directory's names do, without a reload: a stat and a listing every POLL_INTERVAL_S."""
         while True:
             await asyncio.sleep(POLL_INTERVAL_S)
-            if not self.configs.changed():
-                continue
             async with self._changes:
-                self.configs.select(at_start=False)
+                if not await asyncio.to_thread(self.configs.changed):
+                    continue
+                await asyncio.to_thread(self.configs.select, at_start=False)
                 await self._apply("configs_dir changed")
             await self._converge_mps("sharing config changed")
 

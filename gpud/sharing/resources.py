@@ -199,10 +199,11 @@ def _selected(entry: SharedResource, devices: list[Device]) -> list[Device]:
             raise SharingError(f"{entry.name}: devices asks for the first {entry.devices} devices, "
                                f"but this node has {len(devices)}")
         return devices[:entry.devices]
-    for selector in entry.devices:
+    selectors = dict.fromkeys(entry.devices)  # once each: a list may repeat one thousands of times (warned)
+    for selector in selectors:
         if not any(device.matches(selector) for device in devices):
             raise SharingError(f"{entry.name}: device {selector!r} matches no {entry.name} device on this node")
-    return [device for device in devices if any(device.matches(selector) for selector in entry.devices)]
+    return [device for device in devices if any(device.matches(selector) for selector in selectors)]
 
 
 def _check_mps_replicas(assignments: _Assignments) -> None:

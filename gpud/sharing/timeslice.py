@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
+from gpud.base import child
 from gpud.base.logs import get_logger
 from gpud.model.inventory import Inventory
 
@@ -12,6 +12,7 @@ log = get_logger("sharing")
 # nvidia-smi compute-policy --set-timeslice takes these numbers.
 INTERVALS = {"default": 0, "short": 1, "medium": 2, "long": 3}
 NVIDIA_SMI_TIMEOUT_S = 20.0  # one GPU's setting; the DRA plugin's hold waits up to 30 s for gpud
+NVIDIA_SMI_OUTPUT_CAP = 65536  # a line per GPU
 
 
 async def apply_time_slice(interval: str | None, inventory: Inventory) -> dict | None:
@@ -29,18 +30,16 @@ async def set_time_slice(interval: str, indices: list[int]) -> dict:
         return {"interval": interval, "applied": False, "reason": "nvidia-smi is not installed", "gpus": []}
     results = []
     for index in indices:
-        proc = await asyncio.create_subprocess_exec(
-            smi, "compute-policy", "-i", str(index), "--set-timeslice", str(INTERVALS[interval]),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        try:
-            output, _ = await asyncio.wait_for(proc.communicate(), NVIDIA_SMI_TIMEOUT_S)
-        except asyncio.TimeoutError:  # a DRA claim's Prepare waits for this: never without end
-            proc.kill()
-            await proc.wait()
-            output = f"nvidia-smi did not answer in {NVIDIA_SMI_TIMEOUT_S:g} s: killed".encode()
-        ok = proc.returncode == 0
-        results.append({"index": index, "applied": ok,
-                        "reason": None if ok else output.decode(errors="replace").strip()[-300:]})
+        argv = [smi, "compute-policy", "-i", str(index), "--set-timeslice", str(INTERVALS[interval])]
+        try:  # a DRA claim's Prepare waits for this: never without end
+            run = await child.run(argv, timeout_s=NVIDIA_SMI_TIMEOUT_S, output_cap=NVIDIA_SMI_OUTPUT_CAP,
+                                  merge_stderr=True)
+        except OSError as exc:
+            ok, output = False, f"cannot run {smi}: {exc.strerror or exc}"
+        else:
+            ok = run.exit_code == 0
+            output = run.failure(NVIDIA_SMI_TIMEOUT_S, NVIDIA_SMI_OUTPUT_CAP) or run.text()
+        results.append({"index": index, "applied": ok, "reason": None if ok else output.strip()[-300:]})
         log.info("time_slice_set", gpu=index, interval=interval, ok=ok)
     return {"interval": interval, "applied": all(r["applied"] for r in results), "reason": None, "gpus": results}
 
