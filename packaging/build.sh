@@ -112,6 +112,10 @@ for directory, _, files in sorted(os.walk(sys.argv[1])):
             os.symlink(os.path.relpath(twin, directory), path)
 LINK
 install -m 0644 packaging/launch.py "$lib/launch.py"
+# the kubectl plugin: /usr/bin/kubectl-gpud (the launcher, packaging/nfpm.yaml) runs launch.py under this
+# name. Copies, not links: nfpm follows a link whose target names a path of the checkout (`gpud` is this
+# repository's package directory) and packs what it finds there.
+install -m 0644 packaging/launch.py "$lib/kubectl-gpud.py"
 find "$lib" -type d -exec chmod 0755 {} + && find "$lib" -type f -exec chmod 0644 {} +  # shared objects too
 
 # The man page and shell completions, generated from the CLI's parser by the gpud just staged.
@@ -123,6 +127,7 @@ cli_docs() {
     (cd "$stage" && PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$lib/$host_tag:$lib/common" "$PYTHON" -s -m gpud.cli.docs "$@")
 }
 cli_docs man - | gzip -9n > "$share/man/man1/gpud.1.gz"
+cli_docs kubectl-gpud-man - | gzip -9n > "$share/man/man1/kubectl-gpud.1.gz"
 cli_docs bash "$share/bash-completion/completions/gpud"
 cli_docs zsh "$share/zsh/vendor-completions/_gpud"
 

@@ -1,6 +1,7 @@
 """/usr/lib/gpud/launch.py, run by /usr/bin/gpud (packaging/gpud-launcher) with -I: puts the libraries
 built for this interpreter's ABI (cp3XY/), or where the package has none for it their pure-Python builds
-(pure/), and the ones shared by every ABI (common/) first on sys.path, then runs gpud's command line.
+(pure/), and the ones shared by every ABI (common/) first on sys.path, then runs gpud's command line
+(or, run as kubectl-gpud.py, the kubectl plugin's).
 gpud logs which at start (`python_libraries`); nothing is said here."""
 
 import os
@@ -28,6 +29,10 @@ sys.path[:0] = [abi_dir, os.path.join(here, "common")]
 # scripts for each interpreter found at install time, never by gpud at run time.
 sys.dont_write_bytecode = True
 
-from gpud.cli import main  # noqa: E402
+# Run as kubectl-gpud.py (this file's copy, which /usr/bin/kubectl-gpud runs): the kubectl plugin
+if os.path.basename(sys.argv[0]) == "kubectl-gpud.py":
+    from gpud.kubectl_plugin.main import main  # noqa: E402
+else:
+    from gpud.cli import main  # noqa: E402
 
 sys.exit(main())
