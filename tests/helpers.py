@@ -201,14 +201,25 @@ def real_nvml_library_present() -> bool:
 # -- gpud as a real process and its CLI ----------------------------------------------------------
 
 
+def json_lines(text: str) -> list[dict]:
+    """The JSON lines of a log (gpud's with --log-format json), other lines left out."""
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    return events
+
+
 class GpudProcess:
     """`gpud serve` as a child process, with its JSON log lines collected in a file."""
 
-    def __init__(self, workdir: Path, *args: str, env: dict | None = None):
+    def __init__(self, workdir: Path, *args: str, env: dict | None = None, run_as: tuple[str, ...] = ()):
         self.workdir = workdir
         self.socket = workdir / "gpud.sock"
         self.log_path = workdir / f"gpud-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json",
+        cmd = [*run_as, sys.executable, "-m", "gpud", "serve", "--socket", str(self.socket), "--log-format", "json",
                "--state-dir", str(workdir / "state"), *args]
         self._log_file = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
@@ -240,13 +251,7 @@ class GpudProcess:
         return self.log_path.read_text()
 
     def log_events(self) -> list[dict]:
-        events = []
-        for line in self.log_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass
-        return events
+        return json_lines(self.log_text())
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

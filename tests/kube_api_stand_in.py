@@ -11,7 +11,7 @@ written short below as apiserver/ and apimachinery/):
 | bearer tokens; a bad token: 401 Unauthorized; no token: user system:anonymous (--anonymous-auth defaults to true) | apiserver/pkg/authentication/request/bearertoken, apiserver/pkg/endpoints/filters/authentication.go, pkg/kubeapiserver/options/authentication.go |
 | verb of a request: get/list/watch/create/patch/update/delete; a `metadata.name=` field selector names the object | apiserver/pkg/endpoints/request/requestinfo.go NewRequestInfo |
 | query booleans: only "0" and any case of "false" are false, anything else true | apimachinery/pkg/runtime/conversion.go Convert_Slice_string_To_bool |
-| system:masters may do anything; others by RBAC rules: verbs, apiGroups, resources incl. "nodes/status" and "*/status", resourceNames | apiserver/pkg/authorization/authorizerfactory (privileged groups), pkg/apis/rbac/v1/evaluation_helpers.go, plugin/pkg/auth/authorizer/rbac/rbac.go RuleAllows |
+| system:masters may do anything; others by RBAC rules: verbs, apiGroups, resources incl. "nodes/status", "pods/eviction" and "*/status", resourceNames; a ClusterRoleBinding's rules everywhere, a RoleBinding's only in its namespace | apiserver/pkg/authorization/authorizerfactory (privileged groups), pkg/apis/rbac/v1/evaluation_helpers.go, plugin/pkg/auth/authorizer/rbac/rbac.go RuleAllows, VisitRulesFor |
 | 403 messages | apiserver/pkg/endpoints/handlers/responsewriters/errors.go forbiddenMessage; apimachinery/pkg/api/errors/errors.go NewForbidden |
 | one resourceVersion counter for everything (etcd's revision); a write that changes nothing keeps it and sends no event | apiserver/pkg/storage/etcd3/store.go GuaranteedUpdate (unchanged data is not written) |
 | node field selectors: metadata.name, spec.unschedulable; others 400 "field label not supported: X" | pkg/registry/core/node/strategy.go NodeToSelectableFields; pkg/apis/core/v1/conversion.go; apiserver/pkg/endpoints/handlers/get.go ListResource |
@@ -37,17 +37,32 @@ written short below as apiserver/ and apimachinery/):
 | a body that does not decode (wrong JSON types, a Quantity that does not parse): 400 "... cannot be handled as a ResourceSlice: ..." | apiserver/pkg/endpoints/handlers/create.go, update.go (transformDecodeError); apimachinery/pkg/api/resource/quantity.go ErrFormatWrong |
 | request bodies: no Content-Type is JSON; JSON and protobuf accepted (protobuf decoded by client-go's scheme in ../shared/nvidia-dra-driver/tools/pbdecode, 10 s bound; without that tool, 415 as a server without the codec); others 415 listing application/json, application/yaml, application/vnd.kubernetes.protobuf; answers always JSON | apiserver/pkg/endpoints/handlers/negotiation/negotiate.go NegotiateInputSerializerForMediaType, errors.go NewUnsupportedMediaTypeError |
 | ResourceClaims: GET one, list and watch (namespaced and across namespaces); written only by the test's helpers, requests defaulted (allocationMode ExactCount, count 1) | pkg/apis/resource/v1/defaults.go SetDefaults_ExactDeviceRequest; types.go ResourceClaimStatus |
+| discovery (/api, /apis, /api/v1, /apis/resource.k8s.io/v1; aggregated or not, as the Accept asks): tests/kube_api_discovery.py; `resource_api=False`: a server without resource.k8s.io (not in discovery, its paths 404) | apiserver/pkg/endpoints/discovery (see that module) |
+| Pods: list across namespaces and in one, written only by the test's helpers (`create_pod`, `set_pod_phase`), requests defaulted from limits; field selectors metadata.name, metadata.namespace, spec.nodeName, spec.restartPolicy, spec.schedulerName, spec.serviceAccountName, spec.hostNetwork, status.phase, status.podIP, status.nominatedNodeName (others 400) | pkg/apis/core/v1/defaults.go SetDefaults_Pod (requests from limits); pkg/registry/core/pod/strategy.go ToSelectableFields; pkg/apis/core/v1/conversion.go (the pod field labels) |
+| label selectors on lists (not watches): `k=v`, `k==v`, `k!=v`, `k in (..)`, `k notin (..)`, `k`, `!k` | apimachinery/pkg/labels/selector.go Parse, Requirement.Matches |
+| list `limit` of nodes and pods as of the other kinds: served whole when everything fits (no continue token) | apiserver/pkg/storage/etcd3/store.go GetList (a page of at most limit; continue only when more remain) |
+| GET of one pod (404 `pods "x" not found`); pods carry labels, annotations, ownerReferences, terminationGracePeriodSeconds (default 30) and the kubelet's Ready condition (a Running pod is ready unless the helper says not) | pkg/apis/core/v1/defaults.go SetDefaults_PodSpec; pkg/kubelet/status (the Ready condition) |
+| `POST .../pods/NAME/eviction` (policy/v1 or v1beta1 Eviction; RBAC pods/eviction create): body namespace differs 400, name differs 400 "name in URL does not match name in Eviction object", no pod 404; a pod Succeeded, Failed, Pending or terminating is deleted without a look at budgets (a Pending one with its resourceVersion as a precondition); budgets of its namespace whose selector matches its labels (nil: none, {}: all, an invalid one: none): two or more 500 "This pod has more than one PodDisruptionBudget, ..." (a Failure Status without reason); a pod not ready with unhealthyPodEvictionPolicy AlwaysAllow or currentHealthy >= desiredHealthy > 0: deleted, budget untouched; else status.observedGeneration < generation 429 with retryAfterSeconds 10 (Retry-After 10) and the cause "The disruption budget N is still being processed by the server."; disruptionsAllowed < 0 or disruptedPods over 2000 403 `poddisruptionbudget.policy "N" is forbidden: ...`; 0 429 "Cannot evict pod as it would violate the pod's disruption budget." with the cause {reason DisruptionBudget, "The disruption budget N needs D healthy pods and has C currently"} (1.35+: the failed-sync and condition forms first); else disruptionsAllowed - 1 (the DisruptionAllowed condition False at 0) and disruptedPods[pod] = now, written; then the pod gets the DisruptionTarget condition (EvictionByEvictionAPI) and is deleted: 201 {"kind": "Status", "status": "Success", "code": 201}; deleteOptions preconditions (uid, resourceVersion) 409 | pkg/registry/core/pod/storage/eviction.go EvictionREST.Create, canIgnorePDB, shouldEnforceResourceVersion, addConditionAndDeletePod, checkAndDecrement, createTooManyRequestsError, getPodDisruptionBudgets; apiserver handlers/create.go (201 for a Status without code), handlers/finisher/finisher.go (a Failure Status is an error), responsewriters/writers.go ErrorNegotiated (Retry-After); component-helpers apps/poddisruptionbudget UpdateDisruptionAllowedCondition |
+| pod deletion: the grace period of deleteOptions, else the pod's terminationGracePeriodSeconds; 0 when not scheduled or terminal, negative 1; 0 removes it; otherwise deletionTimestamp (now + grace) and deletionGracePeriodSeconds are set and the pod stays, listed, until the kubelet's final delete (`finish_pod_termination`, or with `pod_termination_scale` after grace x scale seconds); a terminating pod's grace period may only be shortened | apiserver/pkg/registry/rest/delete.go BeforeDelete; pkg/registry/core/pod/strategy.go CheckGracefulDelete; apiserver/pkg/registry/generic/registry/store.go Delete, updateForGracefulDeletionAndFinalizers |
+| PodDisruptionBudgets (policy/v1): GET one, list (namespaced and across namespaces; field selectors metadata.name, metadata.namespace); written by the helpers as `kubectl create` (generation 1, an empty status) and the disruption controller (`set_pdb_status`: observedGeneration, counts, disruptedPods pruned, the DisruptionAllowed condition; `fail_pdb_sync`: failSafe's SyncFailed) | pkg/registry/policy/poddisruptionbudget/strategy.go PrepareForCreate; pkg/controller/disruption/disruption.go updatePdbStatus, buildDisruptedPodMap, failSafe |
+| Leases (coordination.k8s.io/v1): GET one, list; create (generateName, AlreadyExists 409, unknown namespace 404); PUT: name differs 400, a missing lease created (201, AllowCreateOnUpdate), no resourceVersion 422 `metadata.resourceVersion: Invalid value: 0: must be specified for an update` (AllowUnconditionalUpdate false), a stale one 409 "the object has been modified; ...", a uid that differs 409; an update changing nothing keeps the resourceVersion; DELETE: Status Success with details (name, group, kind leases, uid), preconditions 409; validated: metadata.name a DNS subdomain, leaseDurationSeconds > 0, leaseTransitions >= 0; a body that does not decode 400 (wrong types, int32 range, acquireTime/renewTime not RFC3339Micro "2006-01-02T15:04:05.000000Z07:00": exactly six fractional digits and a zone, as Python's isoformat() of a datetime without microseconds or zone is not), times written back in UTC | pkg/registry/coordination/lease/strategy.go; pkg/apis/coordination/validation/validation.go ValidateLease, ValidateLeaseSpec; apimachinery/pkg/apis/meta/v1/micro_time.go UnmarshalJSON; apiserver registry/store.go Update, finalizeDelete |
+| namespaces: the four the server starts with, and those made by `create_namespace` (NamespaceLifecycle: objects in another are 404 `namespaces "x" not found`) | plugin/pkg/admission/namespace/lifecycle |
 
-Not modelled (answered 501 and recorded): other resources and paths, PUT and DELETE of nodes, server-side
-apply, PATCH of ResourceSlices, any write of ResourceClaims over HTTP (status updates included), DeviceClasses,
-YAML bodies, an Accept of protobuf alone (the real server would answer in protobuf), label selectors, list
+Not modelled (answered 501 and recorded): other resources and paths, watching pods, writing pods over HTTP (but for
+their eviction), PUT and DELETE of nodes, watching or writing PodDisruptionBudgets over HTTP, watching Leases, a
+Lease's gated strategy and preferredHolder, dryRun of an eviction, protobuf bodies of evictions and Leases, server-side
+apply, label selectors on watches, PATCH of ResourceSlices, any write of ResourceClaims over HTTP (status updates included), DeviceClasses,
+YAML bodies, an Accept of protobuf alone (the real server would answer in protobuf), list
 paging, dryRun, fieldValidation=Strict, the `$setElementOrder`, `$retainKeys` and `$deleteFromPrimitiveList`
 directives, a non-numeric resourceVersion, watching events. Also not modelled: managedFields, unknown fields
 being dropped, Quantity canonical forms ("1024Mi" stays as sent; the syntax is approximated by a regex),
 node capacity syntax, ValidateNodeSelector inside a slice's nodeSelector, the rules of gated fields when their
 gate is on (bindingConditions, list-typed attributes, nodeAllocatableResourceMappings,
-partitionTypeAttribute), DeleteOptions' propagationPolicy/gracePeriodSeconds (nothing to do for a slice), the
-warning header for an uppercase driver name. Unverified details are marked so in comments (a QualifiedName
+partitionTypeAttribute), DeleteOptions' propagationPolicy/gracePeriodSeconds (nothing to do for a slice or a
+lease), the warning header for an uppercase driver name, the eviction's retries on conflicts (nothing runs
+concurrently inside the stand-in), pods' metadata.generation (PodObservedGenerationTracking), the MODIFIED
+write that precedes a pod's immediate deletion, the disruption controller computing a budget's counts from the
+pods itself (the test says them), PodDisruptionBudget validation (the helpers write valid ones). Unverified details are marked so in comments (a QualifiedName
 with two "/", a client-set resourceVersion on create, the 1.34 short-circuit of a too-long list, 1.34's request-policy rules taken
 to be those of the later source read). Where several validators of
 the real server report the same cause, the real answer may repeat it; this one gives it once.
@@ -76,6 +91,7 @@ from typing import Any
 import trustme
 import yaml
 from aiohttp import web
+from kube_api_discovery import AGGREGATED_CONTENT_TYPE, DISCOVERY_PATHS, aggregated, legacy, wants_aggregated
 from kube_http import JSON, JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeHttp
 
 AGENT_USER = "system:serviceaccount:gpud-system:gpud-k8s-agent"
@@ -140,8 +156,8 @@ class ApiError(Exception):
     def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
         super().__init__(message)
         self.status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                       "message": message, "reason": reason, **({"details": details} if details else {}),
-                       "code": code}
+                       "message": message, **({"reason": reason} if reason else {}),
+                       **({"details": details} if details else {}), "code": code}
         self.code = code
 
 
@@ -1141,8 +1157,8 @@ def slice_fields(slice_: dict) -> dict[str, str]:  # resourceslice/strategy.go t
             "spec.driver": slice_["spec"].get("driver") or ""}
 
 
-def claim_fields(claim: dict) -> dict[str, str]:  # generic.AddObjectMetaFieldsSet, namespaced
-    return {"metadata.name": claim["metadata"]["name"], "metadata.namespace": claim["metadata"]["namespace"]}
+def object_meta_fields(obj: dict) -> dict[str, str]:  # generic.AddObjectMetaFieldsSet, namespaced
+    return {"metadata.name": obj["metadata"]["name"], "metadata.namespace": obj["metadata"]["namespace"]}
 
 
 def empty_slice(resource_version: int) -> dict:
@@ -1199,13 +1215,268 @@ def parse_terms(text: str, labels: tuple[str, ...]) -> list[tuple[str, str, bool
 
 NODES = Kind("nodes", "Node", "", False, lambda n: node_fields(n), lambda rv: bookmark_object(rv))
 SLICES = Kind("resourceslices", "ResourceSlice", RESOURCE_GROUP, False, slice_fields, empty_slice)
-CLAIMS = Kind("resourceclaims", "ResourceClaim", RESOURCE_GROUP, True, claim_fields, empty_claim)
+CLAIMS = Kind("resourceclaims", "ResourceClaim", RESOURCE_GROUP, True, object_meta_fields, empty_claim)
 RESOURCE_KINDS = {kind.resource: kind for kind in (SLICES, CLAIMS)}
+# pkg/apis/core/v1/conversion.go: the field labels a pod list takes (status.podIPs is not modelled)
+POD_FIELD_LABELS = ("metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+                    "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP",
+                    "status.nominatedNodeName")
+
+
+def pod_fields(pod: dict) -> dict[str, str]:
+    """pkg/registry/core/pod/strategy.go ToSelectableFields (status.podIP: the first of status.podIPs)."""
+    spec, status = pod["spec"], pod.get("status") or {}
+    return {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+            "spec.nodeName": spec.get("nodeName", ""), "spec.restartPolicy": spec.get("restartPolicy", ""),
+            "spec.schedulerName": spec.get("schedulerName", ""),
+            "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+            "spec.hostNetwork": "true" if spec.get("hostNetwork") else "false", "status.phase": status.get("phase", ""),
+            "status.podIP": ((status.get("podIPs") or [{}])[0]).get("ip", ""),
+            "status.nominatedNodeName": status.get("nominatedNodeName", "")}
+
+
+PODS = Kind("pods", "Pod", "", True, pod_fields, lambda rv: typed("Pod", {"metadata": {"resourceVersion": str(rv)}}))
 
 
 def matches(terms: list[tuple[str, str, bool]], kind: Kind, obj: dict) -> bool:
     fields = kind.fields(obj)
     return all((fields[label] == value) == equal for label, value, equal in terms)
+
+
+# -- policy/v1: PodDisruptionBudgets and the eviction subresource; coordination.k8s.io/v1: Leases ------
+
+POLICY_GROUP, COORDINATION_GROUP = "policy", "coordination.k8s.io"
+# the API groups served, each at v1 (policy/v1beta1 is gone since 1.25)
+SERVED_GROUPS = (RESOURCE_GROUP, POLICY_GROUP, COORDINATION_GROUP)
+EVICTION_VERSIONS = ("policy/v1", "policy/v1beta1")  # pod/storage/eviction.go AcceptsGroupVersion
+MAX_DISRUPTED_POD_SIZE = 2000  # eviction.go MaxDisruptedPodSize
+EVICTION_REFUSED = "Cannot evict pod as it would violate the pod's disruption budget."  # eviction.go
+TWO_BUDGETS = "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support."
+# eviction.go: the Status its Create returns; the create handler (apiserver handlers/create.go) sets the code
+EVICTED = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+PDB_DELETION_TIMEOUT_S = 120.0  # pkg/controller/disruption/disruption.go DeletionTimeout = 2 * time.Minute
+DEFAULT_TERMINATION_GRACE_PERIOD_S = 30  # k8s.io/api core/v1 DefaultTerminationGracePeriodSeconds
+RFC3339_MICRO = "2006-01-02T15:04:05.000000Z07:00"  # apimachinery meta/v1 micro_time.go RFC3339Micro
+INT32_MAX = 2**31 - 1
+LEASE_DELETE_OPTIONS = ("gracePeriodSeconds", "preconditions", "propagationPolicy", "orphanDependents")
+
+
+def json_type(value: Any) -> str:  # encoding/json UnmarshalTypeError's name of a JSON value
+    return {bool: "bool", str: "string", list: "array", dict: "object"}.get(type(value), "number")
+
+
+def micro_time(value: Any, at: str, kind: str) -> str:
+    """metav1.MicroTime UnmarshalJSON: time.Parse(RFC3339Micro), which wants exactly six fractional digits
+    (Go's ".000000" layout element) and a zone Z or ±hh:mm; MarshalJSON writes it back in UTC. Python's
+    isoformat() of a datetime without microseconds or without a zone fails here, as on the real server."""
+    if not isinstance(value, str):
+        raise decode_error(f"json: cannot unmarshal {json_type(value)} into Go struct field {at} of type string",
+                           kind)
+
+    def refused(element: str, layout_element: str) -> ApiError:  # time.ParseError.Error
+        return decode_error(f"parsing time {json.dumps(value)} as {json.dumps(RFC3339_MICRO)}: cannot parse "
+                            f"{json.dumps(element)} as {json.dumps(layout_element)}", kind)
+
+    head = re.match(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", value)
+    if not head:  # which element Go names for a malformed date or clock is not modelled: the whole value
+        raise refused(value, "2006")
+    rest = value[head.end():]
+    if not re.match(r"\.\d{6}", rest):
+        raise refused(rest, ".000000")
+    if not re.fullmatch(r"Z|[+-]\d{2}:\d{2}", rest[7:]):
+        raise refused(rest[7:], "Z07:00")
+    try:
+        return go_time(value, micro=True)
+    except ValueError:  # a field out of range (month 13): Go's message ("month out of range") not modelled
+        raise refused(value, "2006") from None
+
+
+def decode_lease(document: Any) -> dict:
+    """What decoding into a coordination/v1 Lease refuses (400): wrong JSON types, an int32 out of range,
+    MicroTimes that do not parse. The gated fields strategy and preferredHolder (CoordinatedLeaderElection)
+    are not modelled."""
+    if not isinstance(document, dict):
+        raise decode_error(f"json: cannot unmarshal {json_type(document)} into Go value of type v1.Lease", "Lease")
+    for type_meta, want in (("kind", "Lease"), ("apiVersion", f"{COORDINATION_GROUP}/v1")):
+        if document.get(type_meta) not in (None, "", want):  # the codec's GVK check: wording not verified
+            raise bad_request(f"the body's {type_meta} {document[type_meta]!r} is not {want!r}")
+    lease = copy.deepcopy(document)
+    meta, spec = lease.setdefault("metadata", {}), lease.setdefault("spec", {})
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        raise decode_error("json: cannot unmarshal into Go struct field Lease.metadata or spec", "Lease")
+    for mapping in ("labels", "annotations"):
+        values = meta.get(mapping) or {}
+        if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
+            raise decode_error(f"json: cannot unmarshal into Go struct field ObjectMeta.metadata.{mapping} of type "
+                               "string", "Lease")
+    if spec.get("strategy") is not None or spec.get("preferredHolder") is not None:
+        raise Unmodelled("a Lease's strategy or preferredHolder (CoordinatedLeaderElection)")
+    holder = spec.get("holderIdentity")
+    if holder is not None and not isinstance(holder, str):
+        raise decode_error(f"json: cannot unmarshal {json_type(holder)} into Go struct field "
+                           "LeaseSpec.spec.holderIdentity of type string", "Lease")
+    for name in ("leaseDurationSeconds", "leaseTransitions"):
+        number = spec.get(name)
+        if number is None:
+            continue
+        if not isinstance(number, int) or isinstance(number, bool) or not -INT32_MAX - 1 <= number <= INT32_MAX:
+            raise decode_error(f"json: cannot unmarshal {json_type(number)} into Go struct field LeaseSpec.spec.{name} "
+                               "of type int32", "Lease")
+    for name in ("acquireTime", "renewTime"):
+        if spec.get(name) is not None:
+            spec[name] = micro_time(spec[name], f"LeaseSpec.spec.{name}", "Lease")
+    for name in [k for k, v in spec.items() if v is None]:  # pointer fields with omitempty
+        del spec[name]
+    return lease
+
+
+def validate_lease(lease: dict, old: dict | None) -> list[FieldError]:
+    """pkg/apis/coordination/validation/validation.go ValidateLease / ValidateLeaseUpdate, ValidateLeaseSpec
+    (holderIdentity is not validated; renewTime "is a MicroTime and doesn't need further validation")."""
+    meta, spec = lease["metadata"], lease["spec"]
+    errors = []
+    if not meta.get("name"):
+        errors.append(FieldError("Required", "metadata.name", detail="name or generateName is required"))
+    else:  # ValidateObjectMeta with NameIsDNSSubdomain
+        errors += [FieldError("Invalid", "metadata.name", meta["name"], m) for m in dns_subdomain_errors(meta["name"])]
+    errors += validate_metadata(meta, old)
+    if spec.get("leaseDurationSeconds") is not None and spec["leaseDurationSeconds"] <= 0:
+        errors.append(FieldError("Invalid", "spec.leaseDurationSeconds", spec["leaseDurationSeconds"],
+                                 "must be greater than 0"))
+    if spec.get("leaseTransitions") is not None and spec["leaseTransitions"] < 0:
+        errors.append(FieldError("Invalid", "spec.leaseTransitions", spec["leaseTransitions"],
+                                 "must be greater than or equal to 0"))
+    return errors
+
+
+def decode_eviction(document: Any) -> dict:
+    """What decoding a policy/v1 (or v1beta1) Eviction refuses (400): handlers/create.go transformDecodeError
+    for wrong types, and "the API version in the data ... does not match" for a version the subresource
+    does not accept (scope.AcceptsGroupVersion)."""
+    if not isinstance(document, dict):
+        raise decode_error(f"json: cannot unmarshal {json_type(document)} into Go value of type v1.Eviction",
+                           "Eviction")
+    version = document.get("apiVersion") or "policy/v1"
+    if document.get("kind") not in (None, "", "Eviction"):  # the codec's GVK check: wording not verified
+        raise bad_request(f"the body's kind {document['kind']!r} is not 'Eviction'")
+    if version not in EVICTION_VERSIONS:
+        raise bad_request(f"the API version in the data ({version}) does not match the expected API version (policy/v1)")
+    eviction = copy.deepcopy(document)
+    meta, options = eviction.setdefault("metadata", {}), eviction.get("deleteOptions") or {}
+    if not isinstance(meta, dict) or not isinstance(options, dict):
+        raise decode_error("json: cannot unmarshal into Go struct field Eviction.metadata or deleteOptions",
+                           "Eviction")
+    grace = options.get("gracePeriodSeconds")
+    if grace is not None and (not isinstance(grace, int) or isinstance(grace, bool)):
+        raise decode_error(f"json: cannot unmarshal {json_type(grace)} into Go struct field "
+                           "DeleteOptions.deleteOptions.gracePeriodSeconds of type int64", "Eviction")
+    preconditions = options.get("preconditions") or {}
+    if not isinstance(preconditions, dict) or not all(isinstance(preconditions.get(k, ""), (str, type(None)))
+                                                      for k in ("uid", "resourceVersion")):
+        raise decode_error("json: cannot unmarshal into Go struct field DeleteOptions.deleteOptions.preconditions",
+                           "Eviction")
+    if options.get("dryRun") or options.get("ignoreStoreReadErrorWithClusterBreakingPotential"):
+        raise Unmodelled("an eviction's dryRun or ignoreStoreReadErrorWithClusterBreakingPotential")
+    eviction["deleteOptions"] = options
+    return eviction
+
+
+def selector_matches(selector: dict | None, labels: dict) -> bool:
+    """metav1.LabelSelectorAsSelector(pdb.Spec.Selector) then Matches: a nil selector selects nothing, an
+    empty one everything; an invalid one (an operator unknown, values where none belong) matches nothing
+    (eviction.go getPodDisruptionBudgets: "This object has an invalid selector, it does not match the pod")."""
+    if selector is None:
+        return False
+    if not all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression.get("key"), expression.get("operator"), expression.get("values") or []
+        if operator in ("In", "NotIn") and not values or operator in ("Exists", "DoesNotExist") and values:
+            return False
+        if operator == "In" and labels.get(key) not in values or operator == "NotIn" and labels.get(key) in values \
+                or operator == "Exists" and key not in labels or operator == "DoesNotExist" and key in labels:
+            return False
+        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            return False
+    return True
+
+
+def pod_ready(pod: dict) -> bool:  # pkg/api/v1/pod/util.go IsPodReady: the Ready condition is True
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions") or [])
+
+
+def set_condition(conditions: list[dict], condition: dict, now: str) -> bool:
+    """pkg/api/pod/util.go UpdatePodCondition and apimachinery meta/conditions.go SetStatusCondition: the
+    condition replaces the one of its type; lastTransitionTime moves only when the status changes. Whether
+    anything changed."""
+    old = next((c for c in conditions if c["type"] == condition["type"]), None)
+    new = {**condition, "lastTransitionTime": old["lastTransitionTime"] if old and old["status"] == condition["status"]
+           else now}
+    if old is None:
+        conditions.append(new)
+    else:
+        conditions[conditions.index(old)] = new
+    return new != old
+
+
+def disruption_allowed_condition(status: dict, generation: int, now: str, reason: str | None = None,
+                                 message: str = "") -> None:
+    """component-helpers apps/poddisruptionbudget/helpers.go UpdateDisruptionAllowedCondition (reasons
+    SufficientPods, InsufficientPods), or the disruption controller's failSafe (SyncFailed with its error)."""
+    allowed = status["disruptionsAllowed"] > 0 and reason is None
+    condition = {"type": "DisruptionAllowed", "status": "True" if allowed else "False",
+                 "observedGeneration": generation,
+                 "reason": reason or ("SufficientPods" if allowed else "InsufficientPods"), "message": message}
+    set_condition(status.setdefault("conditions", []), condition, now)
+
+
+def disruption_denied_message(pdb: dict, version: str) -> str:
+    """eviction.go checkAndDecrement, the DisruptionBudget cause of a budget with no disruption allowed.
+    1.34 always says what it needs and has; later releases (kubernetes/kubernetes PR 133097, merged after
+    1.34's freeze, read through a port of the 1.35 source: the first release that has it is not verified)
+    say first that the budget failed to sync, and give the condition's reason where the counts allow."""
+    name, status = pdb["metadata"]["name"], pdb["status"]
+    needs = (f"The disruption budget {name} needs {status['desiredHealthy']} healthy pods and has "
+             f"{status['currentHealthy']} currently")
+    if version == "1.34":
+        return needs
+    condition = next((c for c in status.get("conditions") or [] if c["type"] == "DisruptionAllowed"), None)
+    said = condition is not None and condition["status"] == "False" and condition.get("message")
+    if said and condition["reason"] == "SyncFailed":
+        return f"The disruption budget {name} does not allow evicting pods currently because it failed sync: " \
+               f"{condition['message']}"
+    if status["currentHealthy"] <= status["desiredHealthy"]:
+        return needs
+    if said:
+        return f"The disruption budget {name} does not allow evicting pods currently ({condition['reason']}): " \
+               f"{condition['message']}"
+    return f"The disruption budget {name} does not allow evicting pods currently"
+
+
+def still_processing(name: str) -> ApiError:  # eviction.go createTooManyRequestsError
+    return ApiError(429, "TooManyRequests", EVICTION_REFUSED, {"causes": [{
+        "reason": "DisruptionBudget", "message": f"The disruption budget {name} is still being processed by the server."}],
+        "retryAfterSeconds": 10})
+
+
+def with_version_precondition(options: dict, pod: dict) -> dict:  # eviction.go setPreconditionsResourceVersion
+    return {**options, "preconditions": {**(options.get("preconditions") or {}),
+                                         "resourceVersion": pod["metadata"]["resourceVersion"]}}
+
+
+def pdb_forbidden(name: str, why: str) -> ApiError:  # errors.NewForbidden(policy.Resource("poddisruptionbudget"), ...)
+    return ApiError(403, "Forbidden", f'poddisruptionbudget.policy "{name}" is forbidden: {why}',
+                    {"name": name, "group": POLICY_GROUP, "kind": "poddisruptionbudget"})
+
+
+def empty_namespaced(kind: str, api_version: str) -> Callable[[int], dict]:
+    return lambda rv: {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(rv)}}
+
+
+PDBS = Kind("poddisruptionbudgets", "PodDisruptionBudget", POLICY_GROUP, True, object_meta_fields,
+            empty_namespaced("PodDisruptionBudget", f"{POLICY_GROUP}/v1"))
+LEASES = Kind("leases", "Lease", COORDINATION_GROUP, True, object_meta_fields,
+              empty_namespaced("Lease", f"{COORDINATION_GROUP}/v1"))
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -1219,6 +1490,7 @@ class RequestInfo:
     name: str = ""
     namespace: str = ""
     api_group: str = ""
+    path_named: bool = False  # the path names one object (a list's metadata.name selector does not)
 
     def forbidden(self, user: str) -> ApiError:
         """responsewriters/errors.go forbiddenMessage + errors.go NewForbidden (group-qualified resource)."""
@@ -1250,6 +1522,39 @@ def parse_field_selector(text: str) -> list[tuple[str, str, bool]]:
             raise bad_request(f"field label not supported: {label}")
         terms.append((label, value, operator != "!="))
     return terms
+
+
+LABEL_REQUIREMENT = re.compile(r"\s*(!?)\s*([A-Za-z0-9][-A-Za-z0-9_./]*)\s*(?:(==|=|!=)\s*([-A-Za-z0-9_.]*)|"
+                               r"\s+(in|notin)\s*\(([^)]*)\))?\s*")
+
+
+def parse_label_selector(text: str) -> list[tuple[str, str, set[str]]]:
+    """apimachinery/pkg/labels/selector.go Parse: requirements joined by commas (outside parentheses):
+    `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a,b)`, `k` (exists), `!k` (does not); otherwise 400."""
+    requirements = []
+    for term in filter(str.strip, re.split(r",(?![^(]*\))", text)):
+        match = LABEL_REQUIREMENT.fullmatch(term)
+        if not match or (match.group(1) and (match.group(3) or match.group(5))):
+            raise bad_request(f"unable to parse requirement: {term.strip()!r}")
+        negated, key, operator, value, set_operator, values = match.groups()
+        if operator:
+            requirements.append((key, "notin" if operator == "!=" else "in", {value}))
+        elif set_operator:
+            requirements.append((key, set_operator, {v.strip() for v in values.split(",")}))
+        else:
+            requirements.append((key, "!" if negated else "exists", set()))
+    return requirements
+
+
+def labels_match(requirements: list[tuple[str, str, set[str]]], labels: dict) -> bool:
+    """selector.go Requirement.Matches: `notin` and `!=` also match a missing key."""
+    for key, operator, values in requirements:
+        present = key in labels
+        if operator == "in" and not (present and labels[key] in values) or \
+                operator == "notin" and present and labels[key] in values or \
+                operator == "exists" and not present or operator == "!" and present:
+            return False
+    return True
 
 
 def node_fields(node: dict) -> dict[str, str]:  # strategy.go NodeToSelectableFields
@@ -1305,17 +1610,22 @@ class KubeApiStandIn:
 
     def __init__(self, bookmark_period_s: float = BOOKMARK_PERIOD_S, anonymous_auth: bool = True,
                  min_request_timeout_s: float = MIN_REQUEST_TIMEOUT_S, server_version: str = "1.34",
-                 feature_gates: dict[str, bool] | None = None):
+                 feature_gates: dict[str, bool] | None = None, resource_api: bool = True,
+                 pod_termination_scale: float | None = None):
         if server_version not in SERVER_VERSIONS:
             raise ValueError(f"server_version {server_version!r}: one of {', '.join(SERVER_VERSIONS)}")
         unknown = set(feature_gates or {}) - set(DRA_GATES)
         if unknown:
             raise ValueError(f"feature gates not modelled: {sorted(unknown)}")
         self.server_version = server_version
+        self.resource_api = resource_api
         self.feature_gates = {**default_gates(server_version), **(feature_gates or {})}
         self.bookmark_period_s = bookmark_period_s
         self.anonymous_auth = anonymous_auth
         self.min_request_timeout_s = min_request_timeout_s
+        # No kubelet runs: a gracefully deleted pod stays (terminating) until finish_pod_termination, or, with
+        # a scale, until its grace period times the scale has passed (the kubelet's final delete)
+        self.pod_termination_scale = pod_termination_scale
         self._dir = Path(tempfile.mkdtemp(prefix="kube-stand-in-", dir="/tmp"))
         self.tokens = {"admin": uuid.uuid4().hex, "agent": uuid.uuid4().hex, "dra": uuid.uuid4().hex}
         self._users = {self.tokens["admin"]: (ADMIN_USER, ADMIN_GROUPS), self.tokens["agent"]: (AGENT_USER, AGENT_GROUPS),
@@ -1327,9 +1637,14 @@ class KubeApiStandIn:
         self._events: dict[tuple[str, str], dict] = {}
         self._slices: dict[str, dict] = {}
         self._claims: dict[tuple[str, str], dict] = {}
+        self._pods: dict[tuple[str, str], dict] = {}
+        self._pdbs: dict[tuple[str, str], dict] = {}
+        self._leases: dict[tuple[str, str], dict] = {}
+        self._namespaces = set(NAMESPACES)
         self._history: list[tuple[int, str, dict, str]] = []  # (resourceVersion, type, object, resource)
         self._watches: list[Watch] = []
-        self._rules: dict[str, list[dict]] = {AGENT_USER: [], DRA_USER: []}
+        # user -> (namespace of its RoleBinding, "" for a ClusterRoleBinding; a PolicyRule)
+        self._rules: dict[str, list[tuple[str, dict]]] = {AGENT_USER: [], DRA_USER: []}
         self._requests: list[dict] = []
         self._unmodelled: list[str] = []
         self._faults = Faults()
@@ -1436,15 +1751,170 @@ class KubeApiStandIn:
         with self._lock:
             return self._patch_node(name, "", MERGE_PATCH, body)
 
-    def bind_agent_rbac(self, rules: list[dict]) -> None:
-        """ClusterRole gpud-k8s-agent with these PolicyRules, bound to the agent's ServiceAccount."""
-        self.bind_rbac("agent", rules)
-
-    def bind_rbac(self, who: str, rules: list[dict]) -> None:
-        """A ClusterRole with these PolicyRules bound to `who`'s ServiceAccount ("agent" or "dra"), replacing
-        what it was bound to before."""
+    def set_node_resources(self, name: str, capacity: dict[str, str], allocatable: dict[str, str] | None = None) -> dict:
+        """What the kubelet writes to nodes/status when device plugins register (its device manager's
+        resources: capacity, and allocatable without the unhealthy devices), as a merge patch of status."""
+        body = json.dumps({"status": {"capacity": capacity, "allocatable": allocatable or capacity}}).encode()
         with self._lock:
-            self._rules[RBAC_USERS[who]] = copy.deepcopy(rules)
+            return self._patch_node(name, "status", MERGE_PATCH, body)
+
+    def create_namespace(self, name: str) -> None:
+        """`kubectl apply -f namespace.yaml`: objects may be created in it (NamespaceLifecycle admission)."""
+        with self._lock:
+            self._namespaces.add(name)
+
+    def _namespace_exists(self, namespace: str) -> None:
+        if namespace not in self._namespaces:  # admission plugin NamespaceLifecycle
+            raise not_found("namespaces", namespace)
+
+    def create_pod(self, namespace: str, name: str, node: str | None, containers: list[dict],
+                   init_containers: list[dict] | None = None, phase: str = "Running",
+                   resource_claims: list[dict] | None = None, labels: dict[str, str] | None = None,
+                   annotations: dict[str, str] | None = None, owner_references: list[dict] | None = None,
+                   ready: bool | None = None, termination_grace_period_s: int = DEFAULT_TERMINATION_GRACE_PERIOD_S
+                   ) -> dict:
+        """A Pod as the scheduler (spec.nodeName) and the kubelet (status.phase, the Ready condition: by
+        default a Running pod is ready) leave it. A container is {"name", "requests", "limits",
+        "restartPolicy"}; SetDefaults_Pod copies a limit with no request into the requests and
+        SetDefaults_PodSpec sets terminationGracePeriodSeconds 30 (pkg/apis/core/v1/defaults.go), as the real
+        server does on create."""
+        def container(spec: dict) -> dict:
+            resources = {key: dict(spec[key]) for key in ("requests", "limits") if spec.get(key)}
+            for resource, value in resources.get("limits", {}).items():
+                resources.setdefault("requests", {}).setdefault(resource, value)
+            return {"name": spec["name"], "image": "registry.example/cuda:12", "resources": resources,
+                    **({"restartPolicy": spec["restartPolicy"]} if spec.get("restartPolicy") else {})}
+
+        with self._lock:
+            assert namespace in self._namespaces and (namespace, name) not in self._pods, (namespace, name)
+            spec = {"containers": [container(c) for c in containers], "restartPolicy": "Always",
+                    "schedulerName": "default-scheduler", "serviceAccountName": "default",
+                    "terminationGracePeriodSeconds": termination_grace_period_s}
+            if init_containers:
+                spec["initContainers"] = [container(c) for c in init_containers]
+            if resource_claims:
+                spec["resourceClaims"] = copy.deepcopy(resource_claims)
+            if node is not None:
+                spec["nodeName"] = node
+            created = now_time()
+            meta = {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()), "creationTimestamp": created}
+            for key, value in (("labels", labels), ("annotations", annotations), ("ownerReferences", owner_references)):
+                if value:
+                    meta[key] = copy.deepcopy(value)
+            is_ready = phase == "Running" if ready is None else ready
+            status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if is_ready else "False",
+                                                      "lastProbeTime": None, "lastTransitionTime": created}]}
+            return copy.deepcopy(self._commit({"metadata": meta, "spec": spec, "status": status}, "ADDED", PODS))
+
+    def pod(self, namespace: str, name: str) -> dict | None:
+        """The pod as stored (None once it is gone)."""
+        with self._lock:
+            pod = self._pods.get((namespace, name))
+            return None if pod is None else PODS.typed(copy.deepcopy(pod))
+
+    def finish_pod_termination(self, namespace: str, name: str) -> None:
+        """What the kubelet does once a terminating pod's containers have stopped: its final DELETE with a
+        grace period of 0 (pkg/kubelet/status/status_manager.go), which removes it for good."""
+        with self._lock:
+            pod = self._pods[(namespace, name)]
+            assert pod["metadata"].get("deletionTimestamp"), f"{namespace}/{name} is not terminating"
+            self._commit(copy.deepcopy(pod), "DELETED", PODS)
+
+    def create_pdb(self, namespace: str, name: str, match_labels: dict[str, str] | None,
+                   disruptions_allowed: int | None = None, *, match_expressions: list[dict] | None = None,
+                   min_available: int | str | None = 1, max_unavailable: int | str | None = None,
+                   unhealthy_pod_eviction_policy: str | None = None, desired_healthy: int = 1,
+                   current_healthy: int | None = None, expected_pods: int | None = None) -> dict:
+        """A policy/v1 PodDisruptionBudget as `kubectl create` leaves it: generation 1, an empty status
+        (pkg/registry/policy/poddisruptionbudget/strategy.go PrepareForCreate), so that evictions it covers
+        are refused 429 until the disruption controller has seen it; with `disruptions_allowed`, the
+        controller's first status too (set_pdb_status). match_labels None and no match_expressions: no
+        selector (it selects nothing); {}: an empty selector (every pod of the namespace)."""
+        with self._lock:
+            assert namespace in self._namespaces and (namespace, name) not in self._pdbs, (namespace, name)
+            spec: dict[str, Any] = {}
+            if max_unavailable is not None:
+                spec["maxUnavailable"] = max_unavailable
+            elif min_available is not None:
+                spec["minAvailable"] = min_available
+            if match_labels is not None or match_expressions:
+                spec["selector"] = {**({"matchLabels": dict(match_labels)} if match_labels else {}),
+                                    **({"matchExpressions": copy.deepcopy(match_expressions)} if match_expressions else {})}
+            if unhealthy_pod_eviction_policy is not None:
+                spec["unhealthyPodEvictionPolicy"] = unhealthy_pod_eviction_policy
+            pdb = {"metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                                "creationTimestamp": now_time(), "generation": 1}, "spec": spec,
+                   "status": {"disruptionsAllowed": 0, "currentHealthy": 0, "desiredHealthy": 0, "expectedPods": 0}}
+            created = copy.deepcopy(self._commit(pdb, "ADDED", PDBS))
+        if disruptions_allowed is None:
+            return created
+        return self.set_pdb_status(namespace, name, disruptions_allowed, desired_healthy, current_healthy, expected_pods)
+
+    def set_pdb_status(self, namespace: str, name: str, disruptions_allowed: int, desired_healthy: int = 1,
+                       current_healthy: int | None = None, expected_pods: int | None = None) -> dict:
+        """What the disruption controller writes (pkg/controller/disruption/disruption.go updatePdbStatus):
+        observedGeneration, the counts (by default currentHealthy = desiredHealthy + disruptionsAllowed, as
+        its trySync computes them, and expectedPods = currentHealthy), disruptedPods without the pods that
+        are gone, terminating or past DeletionTimeout (buildDisruptedPodMap), and the DisruptionAllowed
+        condition."""
+        with self._lock:
+            pdb = copy.deepcopy(self._pdbs[(namespace, name)])
+            now = datetime.datetime.now(datetime.timezone.utc)
+            current = desired_healthy + max(disruptions_allowed, 0) if current_healthy is None else current_healthy
+            disrupted = {pod: at for pod, at in (pdb["status"].get("disruptedPods") or {}).items()
+                         if (pod_now := self._pods.get((namespace, pod))) is not None
+                         and not pod_now["metadata"].get("deletionTimestamp")
+                         and (now - datetime.datetime.fromisoformat(at.replace("Z", "+00:00"))).total_seconds()
+                         < PDB_DELETION_TIMEOUT_S}
+            status = pdb["status"]
+            status.update(observedGeneration=pdb["metadata"]["generation"], disruptionsAllowed=disruptions_allowed,
+                          currentHealthy=current, desiredHealthy=desired_healthy,
+                          expectedPods=current if expected_pods is None else expected_pods)
+            status.pop("disruptedPods", None)
+            if disrupted:
+                status["disruptedPods"] = disrupted
+            disruption_allowed_condition(status, status["observedGeneration"], now_time())
+            return copy.deepcopy(self._commit(pdb, "MODIFIED", PDBS))
+
+    def fail_pdb_sync(self, namespace: str, name: str, error: str) -> dict:
+        """The disruption controller's failSafe (disruption.go) when it cannot compute a budget's status:
+        disruptionsAllowed 0 and the DisruptionAllowed condition False, reason SyncFailed, message the
+        error; the counts and observedGeneration stay as they were."""
+        with self._lock:
+            pdb = copy.deepcopy(self._pdbs[(namespace, name)])
+            status = pdb["status"]
+            status["disruptionsAllowed"] = 0
+            disruption_allowed_condition(status, status.get("observedGeneration", 0), now_time(), "SyncFailed", error)
+            return copy.deepcopy(self._commit(pdb, "MODIFIED", PDBS))
+
+    def pdb(self, namespace: str, name: str) -> dict:
+        with self._lock:
+            return PDBS.typed(copy.deepcopy(self._pdbs[(namespace, name)]))
+
+    def lease(self, namespace: str, name: str) -> dict | None:
+        with self._lock:
+            lease = self._leases.get((namespace, name))
+            return None if lease is None else LEASES.typed(copy.deepcopy(lease))
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str) -> dict:
+        with self._lock:
+            pod = copy.deepcopy(self._pods[(namespace, name)])
+            pod["status"]["phase"] = phase
+            return copy.deepcopy(self._commit(pod, "MODIFIED", PODS))
+
+    def bind_agent_rbac(self, rules: list[dict], namespaced: dict[str, list[dict]] | None = None) -> None:
+        """ClusterRole gpud-k8s-agent with these PolicyRules, bound to the agent's ServiceAccount, and for
+        each namespace of `namespaced` a Role there with its rules, bound by a RoleBinding there
+        (deploy/kubernetes/rbac.yaml: tests/kube_manifests.py agent_rbac_rules() and agent_role_rules())."""
+        self.bind_rbac("agent", rules, namespaced)
+
+    def bind_rbac(self, who: str, rules: list[dict], namespaced: dict[str, list[dict]] | None = None) -> None:
+        """A ClusterRole with these PolicyRules bound to `who`'s ServiceAccount ("agent" or "dra"), and the
+        Roles of `namespaced` (namespace -> rules) bound in their namespaces, replacing what it was bound to
+        before."""
+        with self._lock:
+            self._rules[RBAC_USERS[who]] = [("", copy.deepcopy(rule)) for rule in rules] + [
+                (namespace, copy.deepcopy(rule)) for namespace, role in (namespaced or {}).items() for rule in role]
 
     @property
     def version(self) -> dict:
@@ -1577,7 +2047,8 @@ class KubeApiStandIn:
     # -- storage -----------------------------------------------------------------------------------
 
     def _table(self, kind: Kind) -> dict:
-        return {"nodes": self._nodes, "resourceslices": self._slices, "resourceclaims": self._claims}[kind.resource]
+        return {"nodes": self._nodes, "resourceslices": self._slices, "resourceclaims": self._claims,
+                "pods": self._pods, "poddisruptionbudgets": self._pdbs, "leases": self._leases}[kind.resource]
 
     @staticmethod
     def _key(kind: Kind, obj: dict) -> Any:
@@ -1630,8 +2101,7 @@ class KubeApiStandIn:
         meta = event.setdefault("metadata", {})
         if meta.get("namespace", namespace) != namespace:  # rest.EnsureObjectNamespaceMatchesRequestNamespace
             raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
-        if namespace not in NAMESPACES:  # admission plugin NamespaceLifecycle
-            raise not_found("namespaces", namespace)
+        self._namespace_exists(namespace)
         meta["namespace"] = namespace
         if not meta.get("name") and meta.get("generateName"):  # create.go BeforeCreate: names.SimpleNameGenerator
             meta["name"] = meta["generateName"] + "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
@@ -1729,6 +2199,219 @@ class KubeApiStandIn:
                 if isinstance(taint, dict) and taint.get("timeAdded") is None:
                     taint["timeAdded"] = now_time()
 
+    # -- evictions, pod deletion, leases -------------------------------------------------------------
+
+    def _evict(self, namespace: str, name: str, document: Any) -> dict:
+        """pkg/registry/core/pod/storage/eviction.go EvictionREST.Create, after create.go's namespace check.
+        A pod that is terminal, Pending or already terminating is deleted without a look at budgets
+        (canIgnorePDB); otherwise the one budget selecting it must allow a disruption, which is spent
+        (checkAndDecrement), unless the pod is not ready and the budget is healthy enough
+        (unhealthyPodEvictionPolicy AlwaysAllow, or currentHealthy >= desiredHealthy > 0), when the pod is
+        deleted with its resourceVersion as a precondition instead."""
+        eviction = decode_eviction(document)
+        meta = eviction["metadata"]
+        if meta.get("namespace") not in (None, "", namespace):  # rest.EnsureObjectNamespaceMatchesRequestNamespace
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        self._namespace_exists(namespace)
+        if meta.get("name", "") != name:
+            raise bad_request("name in URL does not match name in Eviction object")
+        options = eviction["deleteOptions"]
+        client_version = (options.get("preconditions") or {}).get("resourceVersion")
+        pod = self._pods.get((namespace, name))
+        if pod is None:
+            raise not_found("pods", name)
+        phase, terminating = pod["status"].get("phase"), bool(pod["metadata"].get("deletionTimestamp"))
+        if phase in ("Succeeded", "Failed", "Pending") or terminating:  # canIgnorePDB
+            if phase not in ("Succeeded", "Failed") and not terminating and client_version is None:
+                options = with_version_precondition(options, pod)  # shouldEnforceResourceVersion
+            self._add_condition_and_delete_pod(pod, options)
+            return EVICTED
+        budgets = [b for (ns, _), b in sorted(self._pdbs.items())
+                   if ns == namespace and selector_matches(b["spec"].get("selector"), pod["metadata"].get("labels") or {})]
+        if len(budgets) > 1:  # a Failure Status the handler's finisher turns into an error: no reason
+            raise ApiError(500, "", TWO_BUDGETS)
+        pinned = False
+        if budgets:
+            budget, status = budgets[0], budgets[0]["status"]
+            pinned = not pod_ready(pod) and (budget["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow" or
+                                             status["currentHealthy"] >= status["desiredHealthy"] > 0)
+            if not pinned:
+                self._check_and_decrement(budget, name)
+        if pinned:
+            options = with_version_precondition(options, pod)
+        try:
+            self._add_condition_and_delete_pod(pod, options)
+        except ApiError as error:
+            if error.code == 409 and pinned and client_version is None:
+                raise still_processing(budgets[0]["metadata"]["name"]) from None
+            raise
+        return EVICTED
+
+    def _check_and_decrement(self, budget: dict, pod_name: str) -> None:
+        """eviction.go checkAndDecrement: the budget's status written as its UpdateStatus does."""
+        name, status = budget["metadata"]["name"], budget["status"]
+        if status.get("observedGeneration", 0) < budget["metadata"]["generation"]:
+            raise still_processing(name)
+        if status["disruptionsAllowed"] < 0:
+            raise pdb_forbidden(name, "pdb disruptions allowed is negative")
+        if len(status.get("disruptedPods") or {}) > MAX_DISRUPTED_POD_SIZE:
+            raise pdb_forbidden(name, "DisruptedPods map too big - too many evictions not confirmed by PDB controller")
+        if status["disruptionsAllowed"] == 0:  # NewTooManyRequests(..., 0): no retryAfterSeconds
+            raise ApiError(429, "TooManyRequests", EVICTION_REFUSED, {"causes": [{
+                "reason": "DisruptionBudget", "message": disruption_denied_message(budget, self.server_version)}]})
+        updated = copy.deepcopy(budget)
+        status = updated["status"]
+        status["disruptionsAllowed"] -= 1
+        if status["disruptionsAllowed"] == 0:
+            disruption_allowed_condition(status, status.get("observedGeneration", 0), now_time())
+        status.setdefault("disruptedPods", {})[pod_name] = now_time()
+        self._commit(updated, "MODIFIED", PDBS)
+
+    def _add_condition_and_delete_pod(self, pod: dict, options: dict) -> None:
+        """eviction.go addConditionAndDeletePod: the preconditions checked against the latest pod, the
+        DisruptionTarget condition added (an update: a new resourceVersion, which the precondition follows),
+        then the pod deleted."""
+        meta = pod["metadata"]
+        preconditions = options.get("preconditions") or {}
+        uid, version = preconditions.get("uid"), preconditions.get("resourceVersion")
+        if uid and uid != meta["uid"]:
+            raise conflict("Pod", meta["name"], f"the UID in the precondition ({uid}) does not match the UID in record "
+                           f"({meta['uid']}). The object might have been deleted and then recreated")
+        if version and version != meta["resourceVersion"]:
+            raise conflict("Pod", meta["name"], f"the ResourceVersion in the precondition ({version}) does not match the "
+                           f"ResourceVersion in record ({meta['resourceVersion']}). The object might have been modified")
+        updated = copy.deepcopy(pod)
+        if set_condition(updated["status"].setdefault("conditions", []),
+                         {"type": "DisruptionTarget", "status": "True", "lastProbeTime": None,
+                          "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}, now_time()):
+            self._commit(updated, "MODIFIED", PODS)
+        self._delete_pod(updated, options.get("gracePeriodSeconds"))
+
+    def _delete_pod(self, pod: dict, grace: int | None) -> None:
+        """registry/store.go Delete with rest.BeforeDelete and the pod strategy's CheckGracefulDelete
+        (pkg/registry/core/pod/strategy.go): the grace period asked, else the pod's
+        terminationGracePeriodSeconds; 0 for a pod not scheduled or already terminal; a negative one is 1.
+        A grace period of 0 removes the pod at once; another sets deletionTimestamp (now + grace) and
+        deletionGracePeriodSeconds, and the pod stays, terminating, until the kubelet's final delete. A pod
+        already terminating may only have its grace period shortened."""
+        pod, meta = copy.deepcopy(pod), pod["metadata"]
+        if grace is not None and grace < 0:
+            grace = 1
+        now = datetime.datetime.now(datetime.timezone.utc)
+        if meta.get("deletionTimestamp"):
+            current = meta.get("deletionGracePeriodSeconds")
+            if current and (grace is None or grace >= current):
+                return  # graceful deletion pending: nothing changes
+            if current:
+                at = datetime.datetime.fromisoformat(meta["deletionTimestamp"].replace("Z", "+00:00")) \
+                    - datetime.timedelta(seconds=current - grace)
+                if at < now:  # never into the past; a graceful one then shortened to 1 s
+                    at, grace = now, (1 if grace else 0)
+                if grace:
+                    self._set_terminating(pod, grace, at)
+                    return
+            self._commit(pod, "DELETED", PODS)
+            return
+        period = pod["spec"].get("terminationGracePeriodSeconds", 0) if grace is None else grace
+        if not pod["spec"].get("nodeName") or pod["status"].get("phase") in ("Failed", "Succeeded"):
+            period = 0
+        if period < 0:
+            period = 1
+        if period == 0:
+            self._commit(pod, "DELETED", PODS)
+        else:
+            self._set_terminating(pod, period, now + datetime.timedelta(seconds=period))
+
+    def _set_terminating(self, pod: dict, grace: int, at: datetime.datetime) -> None:
+        meta = pod["metadata"]
+        meta["deletionTimestamp"] = go_time(at.isoformat())
+        meta["deletionGracePeriodSeconds"] = grace
+        self._commit(pod, "MODIFIED", PODS)
+        if self.pod_termination_scale is not None:
+            key, uid, delay = (meta["namespace"], meta["name"]), meta["uid"], grace * self.pod_termination_scale
+            self._loop.call_soon_threadsafe(lambda: self._loop.call_later(delay, self._kubelet_ends, key, uid))
+
+    def _kubelet_ends(self, key: tuple[str, str], uid: str) -> None:
+        with self._lock:
+            pod = self._pods.get(key)
+            if pod is not None and pod["metadata"]["uid"] == uid and pod["metadata"].get("deletionTimestamp"):
+                self._commit(copy.deepcopy(pod), "DELETED", PODS)
+
+    def _create_lease(self, namespace: str, document: Any) -> dict:
+        """create.go (namespace check, NamespaceLifecycle) + rest.BeforeCreate (generateName, system fields) +
+        ValidateLease (422) + the store's AlreadyExists (409)."""
+        lease = decode_lease(document)
+        meta = lease["metadata"]
+        if meta.get("namespace") not in (None, "", namespace):
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        self._namespace_exists(namespace)
+        if not meta.get("name") and meta.get("generateName"):  # names.SimpleNameGenerator
+            meta["name"] = meta["generateName"] + "".join(random.choices(RAND_ALPHABET, k=5))
+        for system in ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
+                       "managedFields", "selfLink"):
+            meta.pop(system, None)
+        meta["namespace"] = namespace
+        for type_meta in ("kind", "apiVersion"):
+            lease.pop(type_meta, None)
+        if errors := validate_lease(lease, None):
+            raise invalid("Lease", meta.get("name", ""), errors, COORDINATION_GROUP)
+        if (namespace, meta["name"]) in self._leases:
+            raise already_exists("leases", meta["name"], COORDINATION_GROUP)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_time())
+        return copy.deepcopy(self._commit(lease, "ADDED", LEASES))
+
+    def _update_lease(self, namespace: str, name: str, document: Any) -> tuple[dict, int]:
+        """update.go + registry/store.go Update with the lease strategy (pkg/registry/coordination/lease/
+        strategy.go): AllowCreateOnUpdate true (a PUT of a missing lease creates it, 201),
+        AllowUnconditionalUpdate false (no resourceVersion: 422 "must be specified for an update"), a stale
+        one 409; the body's uid a precondition; then rest.BeforeUpdate and ValidateLeaseUpdate; a write that
+        changes nothing keeps the resourceVersion."""
+        lease = decode_lease(document)
+        meta = lease["metadata"]
+        if meta.get("name") != name:  # rest.go checkName
+            raise bad_request(f"the name of the object ({meta.get('name', '')}) does not match the name on the URL ({name})")
+        if meta.get("namespace") not in (None, "", namespace):
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        current = self._leases.get((namespace, name))
+        if current is None:
+            return self._create_lease(namespace, document), 201
+        if meta.get("uid") and meta["uid"] != current["metadata"]["uid"]:  # storage Preconditions.Check
+            raise conflict("leases", name, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object "
+                           f"meta: {current['metadata']['uid']}", COORDINATION_GROUP)
+        if not meta.get("resourceVersion"):
+            raise invalid("leases", name, [FieldError("Invalid", "metadata.resourceVersion", 0,
+                                                      "must be specified for an update")], COORDINATION_GROUP)
+        if meta["resourceVersion"] != current["metadata"]["resourceVersion"]:
+            raise conflict("leases", name, OPTIMISTIC_LOCK_ERROR, COORDINATION_GROUP)
+        for type_meta in ("kind", "apiVersion"):
+            lease.pop(type_meta, None)
+        meta["namespace"] = namespace
+        meta.pop("managedFields", None)
+        meta["creationTimestamp"] = current["metadata"]["creationTimestamp"]  # rest.BeforeUpdate
+        meta.setdefault("uid", current["metadata"]["uid"])
+        if errors := validate_lease(lease, current):
+            raise invalid("Lease", name, errors, COORDINATION_GROUP)
+        if lease == current:  # etcd3 store.go GuaranteedUpdate: unchanged, not written
+            return LEASES.typed(copy.deepcopy(current)), 200
+        return copy.deepcopy(self._commit(lease, "MODIFIED", LEASES)), 200
+
+    def _delete_lease(self, namespace: str, name: str, options: dict) -> dict:
+        """registry/store.go Delete without ReturnDeletedObject: finalizeDelete's Status Success with the
+        deleted object's name, group, resource and uid; DeleteOptions preconditions (409)."""
+        current = self._leases.get((namespace, name))
+        if current is None:
+            raise not_found("leases", name, COORDINATION_GROUP)
+        if set(options) - {"kind", "apiVersion", *LEASE_DELETE_OPTIONS} or options.get("dryRun"):
+            raise Unmodelled(f"the delete options {sorted(options)}")
+        preconditions = options.get("preconditions") or {}
+        for key, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            if preconditions.get(key) and preconditions[key] != current["metadata"][key]:
+                raise conflict("leases", name, f"Precondition failed: {label} in precondition: {preconditions[key]}, "
+                               f"{label} in object meta: {current['metadata'][key]}", COORDINATION_GROUP)
+        self._commit(copy.deepcopy(current), "DELETED", LEASES)
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                "details": {"name": name, "group": COORDINATION_GROUP, "kind": "leases", "uid": current["metadata"]["uid"]}}
+
     # -- HTTP --------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -1743,16 +2426,21 @@ class KubeApiStandIn:
             record["user"] = user
             if request.path in ("/version", "/version/"):  # routes/version.go: ws.Path("/version"), GET "/"
                 return self._version(request, record, user)
-            info = self._request_info(request)
-            record["verb"] = info.verb
+            discovery = request.path in DISCOVERY_PATHS or legacy(request.path, self.resource_api, "") is not None
+            info = None if discovery else self._request_info(request)
+            record["verb"] = "get" if discovery else info.verb
             if user is None:
                 raise ApiError(401, "Unauthorized", "Unauthorized")
+            if discovery:
+                return self._discovery(request, record, user, groups)
             self._injected_failure(request)
             self._authorize(user, groups, info)
             return await self._serve(request, info, record)
         except ApiError as error:
             record["status"] = error.code
-            headers = {"Retry-After": "1"} if error.code == 429 else None
+            # responsewriters/writers.go ErrorNegotiated: Retry-After from the status' retryAfterSeconds
+            retry_after = (error.status.get("details") or {}).get("retryAfterSeconds")
+            headers = {"Retry-After": str(retry_after)} if retry_after else None
             return web.json_response(error.status, status=error.code, headers=headers)
         except Unmodelled as what:
             with self._lock:
@@ -1778,13 +2466,27 @@ class KubeApiStandIn:
         self._injected_failure(request)
         return self._answer(record, self.version)
 
+    def _discovery(self, request: web.Request, record: dict, user: str, groups: tuple) -> web.Response:
+        """GET of a discovery path (tests/kube_api_discovery.py): every authenticated user may (RBAC's
+        system:discovery), system:anonymous may not."""
+        if request.method != "GET":
+            raise Unmodelled(f"{request.method} {request.path}")
+        if "system:authenticated" not in groups:
+            raise ApiError(403, "Forbidden", f'forbidden: User "{user}" cannot get path "{request.path}"')
+        self._injected_failure(request)
+        record["status"] = 200
+        if request.path in DISCOVERY_PATHS and wants_aggregated(request.headers.get("Accept", "")):
+            return web.Response(body=json.dumps(aggregated(request.path, self.resource_api)).encode(),
+                                headers={"Content-Type": AGGREGATED_CONTENT_TYPE})
+        return web.json_response(legacy(request.path, self.resource_api, f"127.0.0.1:{self.port}"))
+
     def _request_info(self, request: web.Request) -> RequestInfo:
         parts = [p for p in request.path.split("/") if p]
         verb = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(request.method)
         if parts[:2] == ["api", "v1"]:
             group, rest = "", parts[2:]
-        elif parts[:3] == ["apis", RESOURCE_GROUP, RESOURCE_VERSION]:
-            group, rest = RESOURCE_GROUP, parts[3:]
+        elif len(parts) >= 3 and parts[0] == "apis" and parts[1] in SERVED_GROUPS and parts[2] == "v1":
+            group, rest = parts[1], parts[3:]
         else:
             raise Unmodelled(f"{request.method} {request.path}")
         if verb is None or not rest or rest[0] == "watch":
@@ -1793,7 +2495,7 @@ class KubeApiStandIn:
         if rest[0] == "namespaces" and len(rest) >= 3:
             namespace, rest = rest[1], rest[2:]
         info = RequestInfo(verb, rest[0], rest[2] if len(rest) > 2 else "", rest[1] if len(rest) > 1 else "", namespace,
-                           group)
+                           group, len(rest) > 1)
         if not info.name and verb == "delete":  # requestinfo.go: a collection is deleted as deletecollection
             info.verb = "deletecollection"
         if not info.name and verb == "get":  # requestinfo.go: a collection is listed or watched
@@ -1814,11 +2516,13 @@ class KubeApiStandIn:
                     raise ApiError(status, reason, message, details)
 
     def _authorize(self, user: str, groups: tuple, info: RequestInfo) -> None:
+        """rbac.go VisitRulesFor: a ClusterRoleBinding's rules apply everywhere, a RoleBinding's only to
+        requests in its own namespace (never to cluster-scoped ones, nor to lists across namespaces)."""
         if PRIVILEGED_GROUP in groups:
             return
         with self._lock:
             rules = self._rules.get(user, [])
-            if not any(rule_allows(rule, info) for rule in rules):
+            if not any(rule_allows(rule, info) and namespace in ("", info.namespace) for namespace, rule in rules):
                 raise info.forbidden(user)
 
     async def _serve(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
@@ -1827,7 +2531,17 @@ class KubeApiStandIn:
             # the real server would answer in protobuf; this one writes JSON only
             raise Unmodelled("an Accept of protobuf alone (answers in protobuf)")
         if info.api_group == RESOURCE_GROUP:
+            if not self.resource_api:  # a group the server does not have: its paths are not found
+                raise ApiError(404, *INJECTED[404])
             return await self._serve_resource(request, info, record)
+        if info.api_group in (POLICY_GROUP, COORDINATION_GROUP):
+            return await self._serve_namespaced(request, info, record)
+        if info.resource == "pods" and request.method == "GET" and not info.path_named:
+            if query_bool(request.query, "watch"):
+                raise Unmodelled("watching pods")
+            return await self._list_or_watch(request, record, PODS, info.namespace)
+        if info.resource == "pods" and info.namespace and info.path_named:
+            return await self._serve_pod(request, info, record)
         route = (request.method, info.resource, info.namespace != "", bool(info.name), info.subresource)
         if route[:2] == ("POST", "events") and info.namespace and not info.name:
             body = await self._body(request, (JSON,))
@@ -1855,6 +2569,55 @@ class KubeApiStandIn:
             body = await self._body(request, PATCH_TYPES)
             with self._lock:
                 return self._answer(record, self._patch_node(info.name, info.subresource, self._content_type(request), body))
+        raise Unmodelled(f"{request.method} {request.path}")
+
+    async def _serve_pod(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
+        """GET of one pod; POST of its eviction subresource (policy/v1 Eviction: 201, or the eviction's error)."""
+        if request.method == "GET" and not info.subresource:
+            with self._lock:
+                pod = self._pods.get((info.namespace, info.name))
+                if pod is None:
+                    raise not_found("pods", info.name)
+                return self._answer(record, PODS.typed(copy.deepcopy(pod)))
+        if request.method == "POST" and info.subresource == "eviction":
+            self._refuse_unmodelled_options(request.query)
+            document = await self._object_body(request, record, protobuf=False)
+            with self._lock:
+                return self._answer(record, self._evict(info.namespace, info.name, document), 201)
+        raise Unmodelled(f"{request.method} {request.path}")
+
+    async def _serve_namespaced(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
+        """policy/v1 PodDisruptionBudgets (GET one, list; written only by the test's helpers) and
+        coordination.k8s.io/v1 Leases (GET, list, create, update, delete)."""
+        kind = {(POLICY_GROUP, "poddisruptionbudgets"): PDBS, (COORDINATION_GROUP, "leases"): LEASES}.get(
+            (info.api_group, info.resource))
+        if kind is None or info.subresource or (info.path_named and not info.namespace):
+            raise Unmodelled(f"{request.method} {request.path}")
+        if request.method == "GET" and info.path_named:
+            with self._lock:
+                obj = self._table(kind).get((info.namespace, info.name))
+                if obj is None:
+                    raise not_found(kind.resource, info.name, kind.group)
+                return self._answer(record, kind.typed(copy.deepcopy(obj)))
+        if request.method == "GET":
+            if query_bool(request.query, "watch"):
+                raise Unmodelled(f"watching {kind.resource}")
+            return await self._list_or_watch(request, record, kind, info.namespace)
+        if kind is not LEASES:
+            raise Unmodelled(f"{request.method} {request.path} (budgets are written by the test's helpers)")
+        self._refuse_unmodelled_options(request.query)
+        if request.method == "POST" and info.namespace and not info.path_named:
+            document = await self._object_body(request, record, protobuf=False)
+            with self._lock:
+                return self._answer(record, self._create_lease(info.namespace, document), 201)
+        if request.method == "PUT" and info.path_named:
+            document = await self._object_body(request, record, protobuf=False)
+            with self._lock:
+                return self._answer(record, *self._update_lease(info.namespace, info.name, document))
+        if request.method == "DELETE" and info.path_named:
+            options = await self._delete_options(request, record)
+            with self._lock:
+                return self._answer(record, self._delete_lease(info.namespace, info.name, options))
         raise Unmodelled(f"{request.method} {request.path}")
 
     async def _serve_resource(self, request: web.Request, info: RequestInfo, record: dict) -> web.StreamResponse:
@@ -1905,16 +2668,16 @@ class KubeApiStandIn:
                                          "metadata": {"resourceVersion": version}, "items": items})
         raise Unmodelled(f"{request.method} {request.path}")
 
-    async def _object_body(self, request: web.Request, record: dict) -> Any:
-        """negotiation.NegotiateInputSerializer: no Content-Type is JSON; JSON and protobuf are decoded, YAML
-        is not modelled, anything else 415."""
+    async def _object_body(self, request: web.Request, record: dict, protobuf: bool = True) -> Any:
+        """negotiation.NegotiateInputSerializer: no Content-Type is JSON; JSON and protobuf are decoded
+        (protobuf only of the kinds pbdecode knows: `protobuf`), YAML is not modelled, anything else 415."""
         content_type = self._content_type(request) or JSON
         accepted = BODY_TYPES if PBDECODE.exists() else BODY_TYPES[:2]
         if content_type not in accepted:
             raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
                            f"accepted media types include: {', '.join(accepted)}")
-        if content_type == "application/yaml":
-            raise Unmodelled("a YAML request body")
+        if content_type == "application/yaml" or content_type == PROTOBUF and not protobuf:
+            raise Unmodelled(f"a {content_type} request body")
         body = await self._read_limited(request)
         record["body"] = body
         if content_type == PROTOBUF:
@@ -1991,12 +2754,15 @@ class KubeApiStandIn:
         if initial_events and not (query_bool(query, "watch") and query_bool(query, "allowWatchBookmarks")
                                    and query.get("resourceVersionMatch") == "NotOlderThan"):
             raise Unmodelled("sendInitialEvents other than in a watch with bookmarks and resourceVersionMatch=NotOlderThan")
-        for unmodelled in ("labelSelector", "continue") + (() if initial_events else ("resourceVersionMatch",)):
+        for unmodelled in ("continue",) + (() if initial_events else ("resourceVersionMatch",)):
             if query.get(unmodelled):
                 raise Unmodelled(f"the list option {unmodelled}")
+        if query.get("labelSelector") and query_bool(query, "watch"):
+            raise Unmodelled("a watch with a labelSelector")
+        label_terms = parse_label_selector(query.get("labelSelector", ""))
         limit = query.get("limit", "")
-        if limit and (not limit.isdigit() or kind is NODES):
-            raise Unmodelled("the list option limit")
+        if limit and not limit.isdigit():
+            raise Unmodelled("a limit that is not a number")
         timeout = None
         if "timeoutSeconds" in query:
             try:
@@ -2005,6 +2771,8 @@ class KubeApiStandIn:
                 raise bad_request(f'strconv.ParseInt: parsing "{query["timeoutSeconds"]}": invalid syntax') from None
         if kind is NODES:
             terms = parse_field_selector(query.get("fieldSelector", ""))
+        elif kind is PODS:
+            terms = parse_terms(query.get("fieldSelector", ""), POD_FIELD_LABELS)
         else:
             labels = ("metadata.name", "metadata.namespace") if kind.namespaced else \
                 ("metadata.name", "spec.nodeName", "spec.driver")
@@ -2015,7 +2783,8 @@ class KubeApiStandIn:
         if not query_bool(query, "watch"):
             with self._lock:
                 items = [kind.typed(copy.deepcopy(o)) for _, o in sorted(self._table(kind).items())
-                         if matches(terms, kind, o) and (not namespace or o["metadata"].get("namespace") == namespace)]
+                         if matches(terms, kind, o) and (not namespace or o["metadata"].get("namespace") == namespace)
+                         and labels_match(label_terms, o["metadata"].get("labels") or {})]
                 # the watch cache serves resourceVersion=0 whole, ignoring limit (cacher.go); paging is not modelled
                 if limit and version != "0" and len(items) > int(limit):
                     raise Unmodelled("list paging (more items than limit)")

@@ -13,7 +13,7 @@ from helpers import REPO
 
 MANIFESTS = REPO / "deploy" / "kubernetes"
 NAMESPACE = "gpud-system"
-AGENT = "gpud-k8s-agent"  # the agent's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
+AGENT = "gpud-k8s-agent"  # the agent's ServiceAccount, ClusterRole, ClusterRoleBinding, Role, RoleBinding, DaemonSet
 DRA_PLUGIN = "gpud-dra-plugin"  # the DRA plugin's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet
 DRA_RBAC = "rbac.yaml"  # the DRA plugin's ServiceAccount, ClusterRole and ClusterRoleBinding, after the agent's
 DEVICE_CLASSES = "deviceclasses.yaml"
@@ -41,8 +41,22 @@ def find(name: str, kind: str, object_name: str) -> dict[str, Any]:
 
 
 def agent_rbac_rules() -> list[dict[str, Any]]:
-    """The rules of the ClusterRole gpud-k8s-agent (rbac.yaml)."""
+    """The rules of the ClusterRole gpud-k8s-agent (rbac.yaml), which apply in every namespace."""
     return find("rbac.yaml", "ClusterRole", AGENT)["rules"]
+
+
+def agent_role_rules() -> dict[str, list[dict[str, Any]]]:
+    """Namespace -> the rules of the Roles that RoleBindings of rbac.yaml give the agent's ServiceAccount
+    there (they apply in that namespace only): bind both with the API stand-in's bind_agent_rbac."""
+    documents = load("rbac.yaml")
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["rules"] for d in documents if d["kind"] == "Role"}
+    granted: dict[str, list[dict[str, Any]]] = {}
+    for binding in (d for d in documents if d["kind"] == "RoleBinding"):
+        if {"kind": "ServiceAccount", "name": AGENT, "namespace": NAMESPACE} in binding["subjects"]:
+            assert binding["roleRef"]["kind"] == "Role", binding  # a ClusterRole bound in a namespace: not used
+            namespace = binding["metadata"]["namespace"]
+            granted.setdefault(namespace, []).extend(roles[(namespace, binding["roleRef"]["name"])])
+    return granted
 
 
 def dra_rbac_rules() -> list[dict[str, Any]]:

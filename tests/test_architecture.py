@@ -62,7 +62,8 @@ CLIENT_ONLY_FORBIDDEN = ("pynvml", "gpud.nvml", "gpud.daemon", "gpud.inventory",
 
 @pytest.mark.parametrize("package, entry", [("gpud.device_plugin", "gpud.device_plugin.plugin"),
                                             ("gpud.kubernetes", "gpud.kubernetes.agent"),
-                                            ("gpud.dra", "gpud.dra.plugin")])
+                                            ("gpud.dra", "gpud.dra.plugin"),
+                                            ("gpud.kubectl_plugin", "gpud.kubectl_plugin.main")])
 def test_the_plugins_and_the_k8s_agent_are_only_clients_of_gpuds_socket(package, entry):
     """Each runs as its own process: what it knows of the GPUs comes over gpud's socket, never from
     NVML or from gpud's own services."""
@@ -196,7 +197,9 @@ CLI = PACKAGE / "cli"
 CLI_MODULE_MAX_LINES = 350
 # Outside gpud.cli, only these import it: the entry point, and `gpud slurm health`, whose exit codes 0 to 3
 # are every gpud command's (docs/slurm.md, "Exit codes").
-CLI_IMPORTERS = {"gpud.__main__": {"gpud.cli"}, "gpud.slurm.health": {"gpud.cli.output"}}
+# kubectl-gpud exits with the same codes (gpud/kubectl_plugin/main.py).
+CLI_IMPORTERS = {"gpud.__main__": {"gpud.cli"}, "gpud.slurm.health": {"gpud.cli.output"},
+                 "gpud.kubectl_plugin.kubectl": {"gpud.cli.output"}, "gpud.kubectl_plugin.main": {"gpud.cli.output"}}
 
 
 def test_no_module_of_the_cli_is_longer_than_350_lines():

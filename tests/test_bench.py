@@ -1,5 +1,6 @@
 """The benchmark still runs (its figures are read by people, not asserted: the machine is noisy)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -190,3 +191,44 @@ def test_dynamic_mig_benchmark_runs():
     assert lines[1].startswith("dynamic MIG claim-to-prepared (NodePrepareResources): p50 "), lines
     assert lines[3].startswith("gpud mig apply of the same change (CLI start to exit): p50 "), lines
     assert lines[-2].startswith("ratio claim-to-prepared / mig apply: p50 "), lines
+
+
+@pytest.mark.slow  # gpud, a trickler and two 2 s measurements: about 8 s
+def test_metrics_lockout_benchmark_runs():
+    # Issue 38 defect 1: scrapes from 127.0.0.1 while another user trickles from 127.0.0.1-9.
+    need(os.geteuid() == 0, "runs the flood as another user")
+    result = subprocess.run([sys.executable, "bench/metrics_lockout.py", "--seconds", "2"], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "unloaded   answered" in result.stdout and "the flood: " in result.stdout, result.stdout
+    assert "under the flood (target >= 99%)" in result.stdout
+
+
+@pytest.mark.slow  # gpud and two 3 s measurements, a 198 KB config read each second: about 10 s
+def test_sharing_configs_benchmark_runs():
+    # Issue 38 defect 3: /healthz while a large sharing config is chosen every second, against idle.
+    result = subprocess.run([sys.executable, "bench/sharing_configs.py", "--seconds", "3"], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "one read of it" in result.stdout and "× one read of the file" in result.stdout, result.stdout
+
+
+def test_cli_startup_benchmark_runs():
+    # each client command, slurm health and --help as fresh processes beside `python -c pass` and the
+    # standard library's floor (figures read by people, not asserted; issue 39)
+    result = subprocess.run([sys.executable, "bench/cli_startup.py", "--runs", "1"],
+                            capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [line[:32].strip() for line in result.stdout.splitlines()[2:]]
+    assert names == ["python -c pass", "import argparse, json, socket", "status", "gpus", "health",
+                     "slurm health --dry-run", "slurm health --prolog", "--help"], result.stdout
+
+
+@pytest.mark.slow
+def test_remediation_benchmark_runs():
+    # Issue 40: the time from an XID to the node back in service, and the agent's API requests per
+    # remediation (figures read by people; the benchmark fails if a remediation never ends).
+    result = subprocess.run([sys.executable, "bench/remediation.py", "--rounds", "1"], capture_output=True,
+                            text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "requests per remediation" in result.stdout, result.stdout

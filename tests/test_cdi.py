@@ -167,8 +167,8 @@ async def test_gpus_mig_devices_and_time_sliced_replicas(short_tmp):
         assert_matches_openapi("GET", "/v1/cdi", 200, view)
         spec = view["spec"]
         validate(spec)
-        assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
-        assert (spec["kind"], view["kind"], view["path"]) == ("gpud/gpu", "gpud/gpu", str(short_tmp / "cdi/gpud-gpu.json"))
+        assert json.loads((short_tmp / "state" / "cdi" / "gpud-gpu.json").read_text()) == spec
+        assert (spec["kind"], view["kind"], view["path"]) == ("gpud/gpu", "gpud/gpu", str(short_tmp / "state/cdi/gpud-gpu.json"))
         assert spec["cdiVersion"] == "0.5.0"  # names starting with a digit, and hostPaths
         _, gpus = await node.get("/v1/gpus")
         expected = []
@@ -246,7 +246,7 @@ async def test_a_mig_change_on_a_dgx_a100_shows_exactly_the_new_devices_within_a
             return {name for name in view["devices"] if name.startswith("MIG-")} == new
         view = await cdi_until(node, only_new, timeout=1.0 - (time.monotonic() - applied))
         assert not (old - new) & set(view["devices"])  # removed devices are gone
-        on_disk = json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text())
+        on_disk = json.loads((short_tmp / "state" / "cdi" / "gpud-gpu.json").read_text())
         assert {d["name"] for d in on_disk["devices"] if d["name"].startswith("MIG-")} == new
         assert sum(":" in name and "::" not in name for name in view["devices"]) == 8 * 7
         validate(on_disk)
@@ -300,7 +300,7 @@ async def test_mps_replicas_without_a_daemon_are_left_out(short_tmp):
 async def test_a_reader_never_sees_half_a_spec(short_tmp):
     root = stand_in_nodes(short_tmp / "root", gpus=8)
     node = await start_daemon(cdi_config(short_tmp, "dgx-a100", root))
-    path = short_tmp / "cdi" / "gpud-gpu.json"
+    path = short_tmp / "state" / "cdi" / "gpud-gpu.json"
     seen, bad, stop = set(), [], threading.Event()
 
     def read_loop():
@@ -356,14 +356,15 @@ async def test_an_unwritable_spec_dir_is_reported_and_gpud_keeps_serving(short_t
 
 
 async def test_turned_off_no_spec_and_the_old_one_is_removed(short_tmp):
-    (short_tmp / "cdi").mkdir()
-    (short_tmp / "cdi" / "gpud-gpu.json").write_text('{"cdiVersion": "0.3.0", "kind": "gpud/gpu", "devices": []}')
+    (short_tmp / "state").mkdir(mode=0o700)
+    (short_tmp / "state" / "cdi").mkdir()
+    (short_tmp / "state" / "cdi" / "gpud-gpu.json").write_text('{"cdiVersion": "0.3.0", "kind": "gpud/gpu", "devices": []}')
     node = await start_daemon(cdi_config(short_tmp, "A100-SXM4-40GB:1", short_tmp, enabled=False))
     try:
         status, view = await node.get("/v1/cdi")
         assert status == 200 and (view["enabled"], view["path"], view["devices"]) == (False, None, [])
         assert_matches_openapi("GET", "/v1/cdi", 200, view)
-        assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
+        assert not (short_tmp / "state" / "cdi" / "gpud-gpu.json").exists()
     finally:
         await stop_daemon(node)
 
@@ -377,7 +378,7 @@ async def test_no_device_node_no_spec_file(short_tmp):
     try:
         view = await cdi_until(node, lambda v: v["written_at"])
         assert view["devices"] == [] and len(view["unavailable"]) == 2
-        assert not (short_tmp / "cdi" / "gpud-gpu.json").exists()
+        assert not (short_tmp / "state" / "cdi" / "gpud-gpu.json").exists()
     finally:
         await stop_daemon(node)
 
@@ -436,7 +437,7 @@ def test_with_the_production_dev_root_the_cdi_library_takes_the_spec(short_tmp):
         assert spec["containerEdits"]["deviceNodes"] == [{"path": p} for p in CONTROL_NODES]
         assert spec["cdiVersion"] == "0.5.0"
         validate(spec)
-        assert json.loads((short_tmp / "cdi" / "gpud-gpu.json").read_text()) == spec
+        assert json.loads((short_tmp / "state" / "cdi" / "gpud-gpu.json").read_text()) == spec
         # what gpud wrote before: the CDI library refuses it whole, none of its devices can be had
         devices, errors = cdi_library_verdict({**spec, "cdiVersion": "0.3.0"})
         assert devices == [] and "the spec version must be at least v0.5.0" in errors
@@ -477,7 +478,7 @@ def test_the_quick_start_as_an_ordinary_user_lists_every_gpu(short_tmp):
         validate(spec)
         shown = gpud_cdi()
         assert shown.returncode == 0, shown.stderr
-        assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  "
+        assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'state' / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  "
                                              f"devices: {len(names)}"] + [f"  gpud/gpu={name}" for name in names]
         dev = short_tmp / "sim.json.dev" / "dev"
         assert os.readlink(dev / "nvidia7") == "/dev/null" and (dev / "nvidia7").lstat().st_uid == os.stat(short_tmp).st_uid
@@ -618,7 +619,7 @@ def test_gpud_cdi_prints_the_names_a_runtime_takes(run_gpud, short_tmp):
     validate(gpud.client.get("/v1/cdi")["spec"])
     shown = cli("cdi", socket=gpud.socket)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  devices: 3",
+    assert shown.stdout.splitlines() == [f"CDI spec: {short_tmp / 'state' / 'cdi' / 'gpud-gpu.json'}  kind: gpud/gpu  devices: 3",
                                          "  gpud/gpu=0", f"  gpud/gpu={uuid}", "  gpud/gpu=all"]
     as_json = cli("cdi", "--json", socket=gpud.socket)
     assert json.loads(as_json.stdout)["devices"] == ["0", uuid, "all"]

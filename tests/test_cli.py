@@ -239,7 +239,7 @@ def test_a_failed_mps_daemon_says_why_and_gives_no_environment(run_gpud, short_t
     monkeypatch.setenv("COLUMNS", "400")  # the reason on the daemon's row, unwrapped
     gpud = _t4_with_mps(run_gpud, short_tmp, "failed", control_binary="/nonexistent/nvidia-cuda-mps-control")
     code, out, _ = run(capsys, *on(gpud, "mps", "status"))
-    header, row = out.split("\nNAME ", 1)[1].splitlines()
+    header, row = out[out.index("NAME "):].splitlines()  # the reason fits its row: not repeated above
     assert code == 1 and header.split()[-1] == "WHY" and row.split()[:2] == ["gpu0", "failed"]
     assert "/nonexistent/nvidia-cuda-mps-control' is not installed" in row
     assert "non-free" in row  # where Debian has the package
@@ -381,7 +381,7 @@ def test_serve_help_lists_every_preset(capsys, monkeypatch):
 
 
 def test_serve_help_names_each_default_socket(capsys, monkeypatch):
-    """The defaults gpud.config.user_runtime_dir picks: root's, then $XDG_RUNTIME_DIR's, then /tmp/gpud-UID's."""
+    """The defaults gpud.base.places.user_runtime_dir picks: root's, then $XDG_RUNTIME_DIR's, then /tmp/gpud-UID's."""
     monkeypatch.setenv("COLUMNS", "1000")
     code, out, _ = run(capsys, "serve", "--help")
     (socket,) = [line for line in out.splitlines() if line.strip().startswith("--socket")]
@@ -503,15 +503,16 @@ def test_socket_discovery_order(short_tmp):
     system, own = short_tmp / "system", short_tmp / "own"
     system.mkdir(mode=0o755)
     own.mkdir(mode=0o700)
-    system_socket = system / "gpud.sock"
+    system_socket = str(system / "gpud.sock")  # the client's paths are str (it does not import pathlib)
+    own_socket = str(own / "gpud.sock")
 
     path, tried = find_socket({}, system_socket, own)
-    assert path == system_socket and tried == [f"${SOCKET_ENV} (unset)", str(system_socket), str(own / "gpud.sock")]
+    assert path == system_socket and tried == [f"${SOCKET_ENV} (unset)", system_socket, own_socket]
     with _bound(own / "gpud.sock"):
-        assert find_socket({}, system_socket, own)[0] == own / "gpud.sock"
-        with _bound(system_socket):
+        assert find_socket({}, system_socket, own)[0] == own_socket
+        with _bound(Path(system_socket)):
             assert find_socket({}, system_socket, own)[0] == system_socket  # the system gpud first
-            assert find_socket({SOCKET_ENV: "/x/y.sock"}, system_socket, own) == (Path("/x/y.sock"),
+            assert find_socket({SOCKET_ENV: "/x/y.sock"}, system_socket, own) == ("/x/y.sock",
                                                                                   ["$GPUD_SOCKET=/x/y.sock"])
         own.chmod(0o777)  # anyone could have put that socket there
         path, tried = find_socket({}, system_socket, own)

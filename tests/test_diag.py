@@ -192,7 +192,7 @@ async def test_huge_output_is_bounded_and_says_it_was_cut(dcgmi, monkeypatch):
     run = await run_diag(str(dcgmi), 2, [0, 1], timeout_s=60)
     assert run.outcome == "error" and "more than 262144 bytes" in run.error
     assert len(run.output.encode()) < diag.MAX_OUTPUT_BYTES + 300
-    assert "[gpud: output cut at 262144 bytes;" in run.output
+    assert "[gpud: output cut at 262144 bytes]" in run.output
 
 
 async def test_a_refusal_in_dcgms_json_is_an_error_naming_it(dcgmi, monkeypatch):

@@ -153,7 +153,7 @@ async def test_a_mig_device_and_its_gpu_are_one_holding(short_tmp):
     (lambda d: d["status"]["allocation"]["devices"]["config"].append(gpu_config(sharing={"strategy": "Timeslicing"})),
      "'Timeslicing' is not 'TimeSlicing' or 'MPS'"),
     (lambda d: d["status"]["allocation"]["devices"]["config"].append(
-        {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": "{not json"}}), "parameters are not JSON"),
+        {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": "{not json"}}), "parameters is not valid JSON"),
     (lambda d: d["status"]["allocation"]["devices"]["config"].append(gpu_config(sharing={"strategy": "MPS"})),
      "MPS sharing needs gpud's MPS daemons"),
 ])

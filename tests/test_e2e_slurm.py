@@ -3,7 +3,9 @@ Debian 13's (24.11), each in a booted nspawn root, one controller and one node, 
 A100-40GB, and the NVIDIA device nodes made there as the driver makes them. What docs/slurm.md walks an
 operator through: gres.conf from gpud accepted, a job placed on two MIG devices, gpud's health program
 (slurmd's HealthCheckProgram and Prolog) draining the node on an XID with gpud's reason and resuming it
-after a clear while leaving an operator's drain alone, and a MIG layout change reflected in the GRES."""
+after a clear while leaving an operator's drain alone, with gpud's remediation on a GPU asking a reset reset,
+checked and the node resumed once its job ended (an operator's drain still left alone), and a MIG layout change
+reflected in the GRES."""
 
 from __future__ import annotations
 
@@ -215,6 +217,63 @@ def test_an_xid_drains_the_node_with_gpuds_reason_and_a_clear_resumes_it(slurm):
     slurm.run("gpud", "sim", "recover", "0")
     slurm.run("gpud", "health", "clear", "0")
     slurm.run("scontrol", "update", f"nodename={slurm.host}", "state=resume")
+    slurm.wait_state("the node idle again", lambda node: node.get("State") == "IDLE")
+
+
+def _remediated(slurm: SlurmNode) -> dict:
+    status, text = slurm.box.curl("/v1/remediation")
+    assert status == 200, text
+    return json.loads(text)["results"]
+
+
+def _restart_gpud(slurm: SlurmNode, yaml: str) -> None:
+    """gpud with another gpud.yaml; the simulated node's state (its MIG layout) is kept in /run/gpud,
+    which the unit keeps across restarts (RuntimeDirectoryPreserve=yes)."""
+    (slurm.box.root / "etc/gpud/gpud.yaml").write_text(yaml)
+    slurm.run("systemctl", "restart", "gpud")
+    slurm.box.wait_for(lambda: slurm.box.show("ActiveState") == "active" and "GPUs" in slurm.box.show("StatusText"),
+                       "gpud restarted")
+
+
+def test_a_gpu_asking_a_reset_is_remediated_once_its_job_ends_and_the_node_takes_the_next(slurm):
+    # gpud.yaml's remediation on: slurmd's own health check runs (every HealthCheckInterval) do it all
+    _restart_gpud(slurm, GPUD_YAML + "remediation:\n  enabled: true\n")
+    try:
+        job = slurm.run("sbatch", "--parsable", "--gres=gpu:1g.5gb:1", "-o", "/dev/null", "--wrap", "sleep 300")
+        slurm.wait_state("the job running", lambda node: node["State"].split("+")[0] in ("MIXED", "ALLOCATED"))
+        before = _remediated(slurm)
+        slurm.run("gpud", "sim", "xid", "1", "95")  # xids.yaml: uncontained memory error, reset-gpu
+        node = slurm.wait_state("gpud's drain while the job runs", lambda node: "DRAIN" in node["State"])
+        assert node["Reason"].startswith("gpud: GPU 1 XID 95 (reset-gpu)"), node
+        time.sleep(2.5 * HEALTH_CHECK_INTERVAL_S)  # fixed time: health checks that wait for the job leave no trace
+        node = slurm.node()
+        assert node["State"].split("+")[0] in ("MIXED", "ALLOCATED") and "DRAIN" in node["State"], node
+        assert _remediated(slurm) == before  # a draining node is not reset under its job
+
+        slurm.run("scancel", job.stdout.strip().split(";")[0])
+        # the job gone, the next check resets GPU 1 through gpud, checks it and resumes the node
+        node = slurm.wait_state("the remediation's resume", lambda node: node["State"] == "IDLE")
+        assert _remediated(slurm)["passed"] == before["passed"] + 1, _remediated(slurm)
+        status, text = slurm.box.curl("/v1/health")
+        assert json.loads(text)["gpus"][1]["state"] == "healthy", text
+        placed = slurm.srun("gpu:1g.5gb:1")
+        assert placed.returncode == 0 and placed.stdout.startswith("gpus="), placed.stdout + placed.stderr
+
+        # An operator's drain: an XID asking a reset on an empty node drained by someone else is left alone.
+        slurm.run("scontrol", "update", f"nodename={slurm.host}", "state=drain", "reason=maintenance")
+        slurm.run("gpud", "sim", "xid", "0", "95")
+        time.sleep(2.5 * HEALTH_CHECK_INTERVAL_S)  # fixed time: slurmd's checks that leave a node alone leave no trace
+        health = slurm.run("/usr/lib/gpud/slurm/health-check", check=False)
+        assert health.returncode == 0 and "remediation" not in health.stdout, health.stdout + health.stderr
+        assert slurm.node()["Reason"].startswith("maintenance"), slurm.node()
+        assert _remediated(slurm)["passed"] == before["passed"] + 1
+        status, text = slurm.box.curl("/v1/health")
+        assert json.loads(text)["gpus"][0]["state"] == "unhealthy", text
+    finally:
+        slurm.run("scancel", "-u", "root", check=False)
+        slurm.run("gpud", "health", "clear", "0", check=False)
+        slurm.run("scontrol", "update", f"nodename={slurm.host}", "state=resume", check=False)
+        _restart_gpud(slurm, GPUD_YAML)
     slurm.wait_state("the node idle again", lambda node: node.get("State") == "IDLE")
 
 

@@ -16,6 +16,7 @@ import schemathesis
 import urllib3
 from helpers import GpudProcess
 from hypothesis import HealthCheck, Phase, settings
+from kubelet_stand_in import Kubelet
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
@@ -58,9 +59,16 @@ class _UnixAdapter(requests.adapters.HTTPAdapter):
 
 @pytest.fixture
 def gpud(run_gpud, short_tmp):
-    process = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"))
+    # a kubelet answering PodResources: without one GET /v1/gpus/{id}/pods answers 503, as it should
+    (short_tmp / "kubelet" / "device-plugins").mkdir(parents=True)
+    kubelet = Kubelet(short_tmp / "kubelet" / "device-plugins")
+    config = short_tmp / "gpud.yaml"
+    config.write_text(f"metrics:\n  pod_resources_socket: {kubelet.pod_resources_socket}\n")
+    process = run_gpud("--simulate", "A100-SXM4-40GB:2", "--sim-state", str(short_tmp / "sim.json"),
+                       "--config", str(config))
     process.wait_healthy()
-    return process
+    yield process
+    kubelet.stop()
 
 
 def unix_session(gpud: GpudProcess) -> requests.Session:

@@ -84,7 +84,7 @@ def test_connectx7_ndr_host():
     assert set(results) == {p.subject for p in ports}
     assert all(problem is None for checks in results.values() for problem in checks.values())
     assert set(results["ib:mlx5_0/1"]) == {("infiniband", code) for code in (
-        "port-down", "link-flapped", "symbol-errors", "receive-errors", "link-error-recovery")}
+        "port-down", "link-flapped", "symbol-errors", "receive-errors", "link-error-recovery", "port-unreadable")}
 
 
 def test_roce_port():
@@ -106,7 +106,7 @@ def test_missing_unreadable_and_garbage_files_read_as_none(tmp_path):
     sysfs = tree("ndr-connectx7", tmp_path) / "sys"
     port = port_dir(sysfs, "mlx5_0")
     (port / "state").unlink()
-    (port / "state").mkdir()  # read() fails as a driver's EINVAL does: unreadable
+    (port / "state").mkdir()  # not the kernel's port file: unreadable, and said
     (port / "phys_state").write_bytes(b"5: Link\xff\xfeUp\n")  # not ASCII
     write(port / "rate", "Unknown rate")
     (port / "link_layer").unlink()
@@ -129,8 +129,10 @@ def test_missing_unreadable_and_garbage_files_read_as_none(tmp_path):
     assert broken.counters["port_rcv_data"] == 237159415345822  # the readable ones stay
     assert ports["ib:mlx5_1/1"].state_id is None and ports["ib:mlx5_2/1"].phys_state_id is None
 
-    # Nothing read to judge: no alarm, no crash.
+    # Nothing read to judge: no alarm, no crash; only what is not a file at all is named.
     results = IbHealth().check(list(ports.values()))
+    severity, _, message = results["ib:mlx5_0/1"].pop(("infiniband", "port-unreadable"))
+    assert severity == "degraded" and "state: a directory" in message  # a directory among counters is none
     assert all(problem is None for checks in results.values() for problem in checks.values())
     assert list(families(list(ports.values())))
 

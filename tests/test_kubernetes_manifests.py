@@ -111,31 +111,43 @@ def test_the_same_check_refuses_a_broken_manifest(break_it, version):
 # -- RBAC: exactly what the agent needs ----------------------------------------------------------------
 
 
-def test_agent_rbac_is_exactly_its_five_verbs():
-    granted = set()
-    for rule in kube_manifests.agent_rbac_rules():
+def test_agent_rbac_is_exactly_what_it_calls():
+    cluster_wide = kube_manifests.agent_rbac_rules()
+    namespaced = kube_manifests.agent_role_rules()
+    for rule in cluster_wide + [rule for rules in namespaced.values() for rule in rules]:
         assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, nonResourceURLs
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    granted.add((group, resource, verb))
+    granted = kube_manifests.rbac_grants(cluster_wide)
     assert granted == {("", "nodes", "get"), ("", "nodes", "watch"), ("", "nodes", "patch"),
-                       ("", "nodes/status", "patch"), ("", "events", "create")}
+                       ("", "nodes/status", "patch"), ("", "events", "create"),
+                       # remediation: the pods of its node, in any namespace, and their eviction
+                       ("", "pods", "get"), ("", "pods", "list"), ("", "pods/eviction", "create")}
+    # the remediation slots, in gpud-system only (a Role and its RoleBinding, not a cluster-wide grant)
+    assert {namespace: kube_manifests.rbac_grants(rules) for namespace, rules in namespaced.items()} == {
+        kube_manifests.NAMESPACE: {("coordination.k8s.io", "leases", verb)
+                                   for verb in ("get", "list", "create", "update")}}
     # Spelled out, so that a later edit that adds one shows here too.
-    assert not any("*" in item for item in granted)
-    assert not any(verb in {"list", "update", "delete", "deletecollection", "escalate", "bind", "impersonate"}
-                   for _, _, verb in granted)
-    assert not any(resource in {"secrets", "pods", "configmaps"} for _, resource, _ in granted)
+    everything = granted | kube_manifests.rbac_grants(namespaced[kube_manifests.NAMESPACE])
+    assert not any("*" in item for item in everything)
+    assert not any(verb in {"delete", "deletecollection", "escalate", "bind", "impersonate"}
+                   for _, _, verb in everything)
+    assert not any(verb in {"list", "update"} for _, resource, verb in granted if resource != "pods")
+    assert not any(resource in {"secrets", "configmaps", "pods/exec", "pods/status"} for _, resource, _ in everything)
 
 
 def test_the_binding_gives_the_role_to_the_agents_service_account():
     account = kube_manifests.find("rbac.yaml", "ServiceAccount", kube_manifests.AGENT)
     assert account["metadata"]["namespace"] == kube_manifests.NAMESPACE
-    binding = kube_manifests.find("rbac.yaml", "ClusterRoleBinding", kube_manifests.AGENT)
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": kube_manifests.AGENT}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kube_manifests.AGENT,
-                                    "namespace": kube_manifests.NAMESPACE}]
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        binding = kube_manifests.find("rbac.yaml", kind, kube_manifests.AGENT)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
+                                      "name": kube_manifests.AGENT}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kube_manifests.AGENT,
+                                        "namespace": kube_manifests.NAMESPACE}]
+    # the Role and its binding are in the namespace of the remediation Leases (remediation.lease_namespace's
+    # default, gpud-system)
+    assert kube_manifests.find("rbac.yaml", "Role", kube_manifests.AGENT)["metadata"]["namespace"] == \
+        kube_manifests.find("rbac.yaml", "RoleBinding", kube_manifests.AGENT)["metadata"]["namespace"] == \
+        kube_manifests.NAMESPACE
     assert [document["metadata"]["name"] for document in kube_manifests.load("namespace.yaml")] == \
         [kube_manifests.NAMESPACE]
 
@@ -425,8 +437,8 @@ def test_the_dra_binding_gives_its_role_to_the_plugins_service_account_only():
     agent_binding = kube_manifests.find("rbac.yaml", "ClusterRoleBinding", kube_manifests.AGENT)
     assert [subject["name"] for subject in agent_binding["subjects"]] == [kube_manifests.AGENT]
     assert sorted((document["kind"], document["metadata"]["name"]) for document in kube_manifests.load("rbac.yaml")) == \
-        sorted((kind, who) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
-               for who in (kube_manifests.AGENT, name))
+        sorted([(kind, who) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+                for who in (kube_manifests.AGENT, name)] + [("Role", kube_manifests.AGENT), ("RoleBinding", kube_manifests.AGENT)])
 
 
 def _dra_daemonset() -> dict:

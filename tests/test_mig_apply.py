@@ -287,7 +287,7 @@ async def test_default_layout_is_applied_at_start_and_an_api_choice_outlives_res
 async def test_a_gpud_that_is_not_root_says_so_before_an_apply_that_needs_root(short_tmp, monkeypatch):
     """nvml.h, nvmlDeviceSetMigMode: "Requires root user". gpud and the simulated driver both read the
     uid per call, so with uid 1000 the node behaves as a driver does for an ordinary user's gpud: the
-    dry run and the layouts name what needs root, and the apply itself fails as the driver refuses."""
+    dry run and the layouts name what needs root, and the apply itself is refused before the driver is asked."""
     node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2"))
     try:
         status, as_root = await put_layout(node, "all-balanced", dry_run=True)
@@ -304,8 +304,8 @@ async def test_a_gpud_that_is_not_root_says_so_before_an_apply_that_needs_root(s
         assert by_name["all-balanced"]["fits"] is True
         assert by_name["all-balanced"]["needs_root"] == dry["needs_root"]
         assert by_name["all-disabled"]["needs_root"] is None  # changes nothing on this node
-        status, body = await put_layout(node, "all-balanced")
-        assert status == 409 and "Insufficient Permissions" in body["error"]["message"], body
+        status, body = await put_layout(node, "all-balanced")  # refused before the driver is asked
+        assert status == 501 and body["error"]["code"] == "needs-root", body
     finally:
         monkeypatch.undo()
         await stop_daemon(node)

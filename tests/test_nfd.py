@@ -20,7 +20,8 @@ from helpers import (REPO, GpudProcess, cli, mig_settled, put_layout, sharing_co
 from openapi_check import assert_matches_openapi
 
 from gpud.cli.parser import build_parser
-from gpud.config import SYSTEM_RUNTIME_DIR, ConfigError, MigHooksConfig, parse_config
+from gpud.base.places import SYSTEM_RUNTIME_DIR
+from gpud.config import ConfigError, MigHooksConfig, parse_config
 from gpud.device_plugin import DEFAULT_KUBELET_DIR
 from gpud.events import EventBus
 from gpud.model.inventory import Inventory
@@ -108,7 +109,7 @@ async def dgx(short_tmp):
     node = await start_daemon(sharing_config(short_tmp, "dgx-a100", MIXED).with_overrides(
         **{"sysfs": str(sysfs)}))
     await mig_settled(node)
-    yield node, short_tmp / "nfd" / "gpud"
+    yield node, short_tmp / "state" / "nfd" / "gpud"
     await stop_daemon(node)
 
 
@@ -172,7 +173,7 @@ async def test_a_layout_that_fails_is_labelled_failed(short_tmp):
         await mig_settled(node)
         status, result = await put_layout(node, "all-1g.5gb")
         assert status == 409 and result["error"]["mig"]["state"] == "failed"
-        labels = await file_until(short_tmp / "nfd" / "gpud",
+        labels = await file_until(short_tmp / "state" / "nfd" / "gpud",
                                   lambda labels: "nvidia.com/mig.config.state" in labels)
         assert labels["nvidia.com/mig.config.state"] == "failed"
         assert labels["nvidia.com/mig.config"] == "all-1g.5gb"
@@ -386,8 +387,8 @@ def test_the_nfd_config_section():
     config = parse_config("nfd:\n  enabled: false\n  features_file: /srv/features.d/gpud\n")
     assert config.nfd.enabled is False and str(config.nfd_features_path) == "/srv/features.d/gpud"
     assert str(parse_config("").nfd_features_path) == "/etc/kubernetes/node-feature-discovery/features.d/gpud"
-    simulated = parse_config("simulate: dgx-a100\napi:\n  socket: /run/x/gpud.sock\n")
-    assert str(simulated.nfd_features_path) == "/run/x/nfd/gpud"  # a simulated node never labels the host
+    simulated = parse_config("simulate: dgx-a100\nstate_dir: /srv/x\napi:\n  socket: /run/x/gpud.sock\n")
+    assert str(simulated.nfd_features_path) == "/srv/x/nfd/gpud"  # a simulated node never labels the host
 
 
 @pytest.mark.parametrize("text, key", [
@@ -415,13 +416,14 @@ def test_the_device_plugin_daemonset_mounts_what_its_command_uses():
     (container,) = spec["containers"]
     assert container["command"] == ["gpud"]
     args = build_parser().parse_args(container["args"])
-    assert args.socket == SYSTEM_RUNTIME_DIR / "gpud.sock"  # where gpud serves as root
+    assert args.socket == f"{SYSTEM_RUNTIME_DIR}/gpud.sock"  # where gpud serves as root
     assert args.kubelet_dir == DEFAULT_KUBELET_DIR
     host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"]}
     mounts = {Path(mount["mountPath"]): (Path(host_paths[mount["name"]]), mount.get("readOnly", False))
               for mount in container["volumeMounts"]}
     # the same paths inside as on the host: the kubelet hands out socket paths of its own directory
-    assert mounts == {args.socket.parent: (args.socket.parent, True), args.kubelet_dir: (args.kubelet_dir, False)}
+    socket_dir = Path(args.socket).parent
+    assert mounts == {socket_dir: (socket_dir, True), args.kubelet_dir: (args.kubelet_dir, False)}
 
 
 NO_GPUS = Inventory(driver_version="550.90.07", cuda_version="12.4", nvml_version="12.550.90.07", gpus=())

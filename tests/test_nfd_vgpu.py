@@ -225,7 +225,7 @@ def unreadable_config(device: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how, said", [("missing", "No such file"), ("directory", "directory"),
                                        ("dangling-link", "No such file"), ("link-loop", "symbolic links"),
-                                       ("fifo", "CAP_SYS_ADMIN"), ("non-root-view", "CAP_SYS_ADMIN")])
+                                       ("fifo", "a FIFO, not a regular file"), ("non-root-view", "CAP_SYS_ADMIN")])
 def test_an_unreadable_config_space_gives_no_reading_and_says_why(tmp_path, how, said):
     """pciutil.go Devices: one NVIDIA device whose config cannot be read fails the reading (GFD labels
     nothing); gpud neither crashes nor hangs, and names the device."""
@@ -253,12 +253,16 @@ def test_hostile_trees_give_no_reading(tmp_path):
 
 
 def test_a_config_space_larger_than_pcies_is_read_only_so_far(tmp_path):
-    """A link to /dev/zero (endless) as config: 4096 bytes read, no capability list, no vGPU."""
+    """A config of 1 MiB of zeros: 4096 bytes read, no capability list, no vGPU. A link to /dev/zero
+    (endless) is no config space at all: refused unread, as every host file that is not a regular file."""
     sysfs = gpu_tree(tmp_path / "sys")
     config = sysfs / "bus/pci/devices" / GPU_ADDRESSES[0] / "config"
+    config.write_bytes(bytes(1 << 20))
+    assert read_vgpus(sysfs) == VgpuReading(False)
     config.unlink()
     config.symlink_to("/dev/zero")
-    assert read_vgpus(sysfs) == VgpuReading(False)
+    reading = read_vgpus(sysfs)
+    assert reading.present is None and "a character device, not a regular file" in reading.problem
 
 
 def test_a_vendor_or_class_gfd_cannot_read_fails_the_reading(tmp_path):

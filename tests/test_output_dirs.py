@@ -217,9 +217,9 @@ async def test_cdi_a_spec_changed_behind_gpuds_back_is_reported_and_rewritten(sh
                      "symlink": f"replaced by a symlink to {elsewhere}", "chmod": "mode changed from 0644 to 0666",
                      "given-to-another-user": "owner changed"}[change]
             assert words in noticed["changed_behind_gpud"]["last"], noticed["changed_behind_gpud"]
+            # The whole file is the condition: after a chmod alone the content already matches, and
+            # the report is visible before the rewrite lands.
             await until_async(lambda: _holds(spec_file, original), timeout=2, what="the spec rewritten")
-            info = os.lstat(spec_file)
-            assert stat.S_ISREG(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o644
             assert_cdi_library_accepts(json.loads(spec_file.read_text()))
             assert [e for e in logged if e["event"] == "cdi_spec_changed_behind_gpud" and words in e["change"]]
             await asyncio.sleep(CDI_RECHECK_S + 0.5)  # fixed time: once rewritten, the next recheck finds it gpud's
@@ -232,8 +232,11 @@ async def test_cdi_a_spec_changed_behind_gpuds_back_is_reported_and_rewritten(sh
 
 
 async def _holds(path: Path, spec: dict) -> bool:
+    """The spec is gpud's again: a regular file of root's, mode 0644, with this content."""
     try:
-        return not path.is_symlink() and json.loads(path.read_text()) == spec
+        info = os.lstat(path)
+        return (stat.S_ISREG(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o644
+                and json.loads(path.read_text()) == spec)
     except (OSError, ValueError):
         return False
 

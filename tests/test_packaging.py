@@ -31,11 +31,12 @@ OS_PYTHON = "/usr/bin/python3"
 ABIS = ("3.10", "3.11", "3.12", "3.13")
 LIB = "usr/lib/gpud"
 # The programs: gpud's launcher, and the wrappers slurm.conf names (slurmd runs them without arguments)
-EXECUTABLES = ("usr/bin/gpud", f"{LIB}/slurm/health-check", f"{LIB}/slurm/prolog")
+EXECUTABLES = ("usr/bin/gpud", "usr/bin/kubectl-gpud", f"{LIB}/slurm/health-check", f"{LIB}/slurm/prolog")
 # Where the package may put files (FHS; Debian policy and Fedora's guidelines accept each of them).
-ALLOWED_PLACES = ("usr/bin/gpud", f"{LIB}/", "usr/lib/systemd/system/gpud", "usr/lib/sysusers.d/gpud",
+ALLOWED_PLACES = ("usr/bin/gpud", "usr/bin/kubectl-gpud", f"{LIB}/", "usr/lib/systemd/system/gpud", "usr/lib/sysusers.d/gpud",
                   "usr/lib/tmpfiles.d/gpud", "usr/share/doc/gpud/", "usr/share/licenses/gpud/",
-                  "usr/share/man/man1/gpud.1.gz", "usr/share/bash-completion/completions/gpud",
+                  "usr/share/man/man1/gpud.1.gz", "usr/share/man/man1/kubectl-gpud.1.gz",
+                  "usr/share/bash-completion/completions/gpud",
                   "usr/share/zsh/vendor-completions/_gpud", "usr/share/lintian/overrides/gpud", "etc/gpud/",
                   "usr/share/gpud/")
 # What a build machine leaves in what it makes: our checkout's path (the venv, build/, the staged tree)
@@ -293,6 +294,21 @@ def test_the_packaged_gpud_runs_on_the_os_python_alone(unpacked, short_tmp):
     assert not list((unpacked / LIB).rglob("__pycache__"))
 
 
+def test_the_packaged_kubectl_plugin_is_the_launcher_under_its_name(unpacked, short_tmp):
+    """/usr/bin/kubectl-gpud is the launcher, which called by that name runs the plugin's command line
+    (launch.py run as kubectl-gpud.py); its man page is there, as lintian asks of every program in /usr/bin."""
+    assert (unpacked / "usr/bin/kubectl-gpud").read_bytes() == (unpacked / "usr/bin/gpud").read_bytes()
+    assert (unpacked / LIB / "kubectl-gpud.py").read_bytes() == (unpacked / LIB / "launch.py").read_bytes()
+    assert (unpacked / "usr/share/man/man1/kubectl-gpud.1.gz").is_file()
+    plugin = short_tmp / "kubectl-gpud"
+    plugin.symlink_to(launcher_for(unpacked, short_tmp))  # $0 is the name it is called by, as kubectl calls it
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(short_tmp)}
+    version = subprocess.run([str(plugin), "--version"], capture_output=True, text=True, env=env, timeout=60)
+    assert version.returncode == 0 and version.stdout == f"kubectl-gpud {__version__}\n", version.stdout + version.stderr
+    usage = subprocess.run([str(plugin), "inspect", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: kubectl gpud inspect"), usage.stderr
+
+
 def find_interpreter(abi: str) -> str | None:
     """A CPython `abi` on this machine: the OS's, or one a developer installed (pyenv)."""
     found = shutil.which(f"python{abi}", path="/usr/bin:/usr/local/bin")
@@ -394,7 +410,7 @@ def test_the_launcher_chooses_python3_if_it_fits_else_the_newest_python3_x(unpac
     launcher = launcher_for(unpacked, short_tmp)
     result = subprocess.run([str(launcher), "status", "--json"], capture_output=True, text=True, timeout=30,
                             env={"PATH": str(short_tmp)})
-    assert result.returncode == 0 and result.stdout == f"{chosen} -I {unpacked / LIB}/launch.py status --json\n", \
+    assert result.returncode == 0 and result.stdout == f"{chosen} -I -S {unpacked / LIB}/launch.py status --json\n", \
         result.stdout + result.stderr
 
 
@@ -406,14 +422,30 @@ def test_the_launcher_takes_the_newest_python3_x_across_path_and_gpud_python_fir
     launcher = launcher_for(unpacked, short_tmp)
     run = lambda **env: subprocess.run([str(launcher), "--version"], capture_output=True, text=True,  # noqa: E731
                                        timeout=30, env={"PATH": f"{first}::{second}", **env})
-    assert run().stdout.startswith("python3.13 -I "), run()
+    assert run().stdout.startswith("python3.13 -I -S "), run()
     fake_python(second, "python3", "3.14")
-    assert run().stdout.startswith("python3 -I ")
+    assert run().stdout.startswith("python3 -I -S ")
     # GPUD_PYTHON: an operator's choice (the device plugin on a version with compiled libraries)
-    assert run(GPUD_PYTHON="python3.11").stdout.startswith("python3.11 -I ")
+    assert run(GPUD_PYTHON="python3.11").stdout.startswith("python3.11 -I -S ")
     fake_python(second, "python3.9", "3.9")
     refused = run(GPUD_PYTHON="python3.9")
     assert refused.returncode == 127 and "GPUD_PYTHON=python3.9 is not a Python 3.10 or newer" in refused.stderr
+
+
+@pytest.mark.parametrize(("links_to", "chosen"), [("python3.12", "python3.12"), ("python3.9", "python3.11")])
+def test_the_launcher_tells_python3s_version_by_the_name_it_links_to(unpacked, short_tmp, links_to, chosen):
+    # Debian's and Fedora's python3 is a link to python3.X: no interpreter is started just to ask its
+    # version (every command, and Slurm's health check before each job, paid a second start for it)
+    for name in (links_to, "python3.11"):
+        script = short_tmp / name
+        script.write_text('#!/bin/sh\nif [ "$1 $2 $3" = "-I -S -c" ]; then echo probed >&2; exit 3; fi\n'
+                          'echo "${0##*/} $*"\n')
+        script.chmod(0o755)
+    (short_tmp / "python3").symlink_to(short_tmp / links_to)
+    result = subprocess.run([str(launcher_for(unpacked, short_tmp)), "status"], capture_output=True, text=True,
+                            timeout=30, env={"PATH": str(short_tmp)})
+    assert result.returncode == 0 and "probed" not in result.stderr, result.stderr
+    assert result.stdout == f"{chosen} -I -S {unpacked / LIB}/launch.py status\n"
 
 
 def test_the_launcher_says_when_no_python_fits(unpacked, short_tmp):

@@ -156,12 +156,12 @@ async def test_an_address_waiting_for_its_heads_gets_no_more_room(node):
 
 
 # A local user's process (a uid without an account, in no group): holds `per_address` connections
-# from each of 127.0.0.2-127.0.0.10 to the listener, trickles a byte of a request head on each every
+# from each of 9 addresses from 127.0.0.<first> (argv: port, per_address, first) to the listener, trickles a byte of a request head on each every
 # 0.2 s, and connects again whenever one is closed, until its stdin closes; then says how often it
 # connected and how often gpud closed one of its connections.
 TRICKLER = r"""
 import json, selectors, socket, sys, threading, time
-port, per_address = int(sys.argv[1]), int(sys.argv[2])
+port, per_address, first = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Trickle: " + b"a" * 4000
 selector = selectors.DefaultSelector()
 sent, stats = {}, {"connects": 0, "closed": 0}
@@ -173,7 +173,7 @@ def connect(address):
     selector.register(sock, selectors.EVENT_READ, address)
     sent[sock] = 0
     stats["connects"] += 1
-for n in range(2, 11):
+for n in range(first, first + 9):
     for _ in range(per_address):
         connect(f"127.0.0.{n}")
 done = threading.Event()
@@ -231,7 +231,7 @@ async def test_trickling_connections_from_many_loopback_addresses_do_not_lock_ou
     need(os.geteuid() == 0, "runs the trickler as another user")
     host, port = listen_address(node.address)
     trickler = await asyncio.create_subprocess_exec(
-        "/usr/bin/python3", "-c", TRICKLER, str(port), "30", stdin=asyncio.subprocess.PIPE,
+        "/usr/bin/python3", "-c", TRICKLER, str(port), "30", "2", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, user=60051, group=60051, extra_groups=[])
     try:
         assert await asyncio.wait_for(trickler.stdout.readline(), 20) == b"started\n"

@@ -68,7 +68,7 @@ def test_the_examples_put_the_set_ups_gpud_on_the_path_before_calling_a_bare_gpu
 @pytest.mark.parametrize("xdg_runtime_dir", ["/run/user/1000", None])
 def test_the_examples_socket_is_where_an_ordinary_users_gpud_listens(xdg_runtime_dir):
     """With $XDG_RUNTIME_DIR and without it (su, sudo -u, cron), the README's S is the socket that
-    an ordinary user's gpud serve picks (gpud.config.user_runtime_dir, run in a process of that environment)."""
+    an ordinary user's gpud serve picks (gpud.base.places.user_runtime_dir, run in a process of that environment)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv, to run both as an ordinary user")
     as_nobody = [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -76,7 +76,7 @@ def test_the_examples_socket_is_where_an_ordinary_users_gpud_listens(xdg_runtime
     env = {"PATH": "/usr/bin:/bin", **({"XDG_RUNTIME_DIR": xdg_runtime_dir} if xdg_runtime_dir else {})}
     readme = subprocess.run([*as_nobody, "bash", "-c", f'{socket_line}; printf %s "$S"'], capture_output=True,
                             text=True, timeout=60, env=env)
-    gpud = subprocess.run([*as_nobody, sys.executable, "-c", "from gpud.config import user_runtime_dir; print(user_runtime_dir() / 'gpud.sock', end='')"],
+    gpud = subprocess.run([*as_nobody, sys.executable, "-c", "import os; from gpud.base.places import user_runtime_dir; print(os.path.join(user_runtime_dir(), 'gpud.sock'), end='')"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert readme.stdout == gpud.stdout and gpud.stdout.endswith("/gpud.sock"), (readme, gpud)
 

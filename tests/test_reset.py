@@ -345,13 +345,20 @@ async def test_a_real_nvml_node_has_no_simulator_routes(short_tmp):
 # -- admin only ----------------------------------------------------------------------------------
 
 
-def test_resets_and_holders_are_for_admins_only(run_gpud, short_tmp, users):  # noqa: F811
+def gpud_of_readers_and_admins(run_gpud, short_tmp):
+    """A simulated one-GPU gpud whose readers are group gpudt-readers and admins gpudt-admins (the users
+    fixture's groups)."""
     short_tmp.chmod(0o755)
     config = short_tmp / "gpud.yaml"
     config.write_text("api:\n  group: gpudt-readers\n  admin_group: gpudt-admins\n")
     gpud = run_gpud("--simulate", "A100-SXM4-40GB:1", "--sim-state", str(short_tmp / "sim.json"),
                     "--config", str(config))
     gpud.wait_healthy()
+    return gpud
+
+
+def test_resets_and_holders_are_for_admins_only(run_gpud, short_tmp, users):  # noqa: F811
+    gpud = gpud_of_readers_and_admins(run_gpud, short_tmp)
     for method, path, body in (("POST", "/v1/gpus/0/reset", {}), ("POST", "/v1/sim/holders",
                                                                    {"gpu": 0, "process": "x", "pid": 5}),
                                ("POST", "/v1/sim/gpu-recover", {"gpu": 0})):

@@ -199,13 +199,16 @@ def gpud():
 
 @pytest.fixture
 def fresh(cluster, gpud):
-    """Every GPU healthy and the node idle and undrained, before and after each test."""
+    """No job, every GPU healthy and held by nothing, and the node idle and undrained, before and after each
+    test (tests/test_slurm_remediation.py uses it with its own cluster and gpud)."""
     def reset():
+        subprocess.run(["scancel", "-u", "root"], capture_output=True, env=cluster.env, timeout=30)
         for index in range(8):
+            gpud.client.request("POST", "/v1/sim/holders", {"gpu": index, "release": True})
             gpud.client.request("POST", f"/v1/health/{index}/clear", {})
         if "DRAIN" in cluster.node_state():
             cluster.scontrol("update", f"nodename={cluster.node}", "state=resume")
-        until(lambda: idle(cluster), 10, "node idle")
+        until(lambda: idle(cluster), 20, "node idle")
     reset()
     yield cluster, gpud
     reset()
@@ -290,14 +293,16 @@ class _FakeGpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
 
 @contextlib.contextmanager
-def fake_gpud(status: int, body: bytes):
-    """A socket answering every request with status and body (gpud gone wrong); yields its path."""
+def answering_gpud(answer):
+    """A socket whose every GET and POST is answered by answer(handler) (gpud gone wrong); yields its path."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                answer(self)
+            except OSError:  # the client hung up on an answer it would not read whole
+                pass
+
+        do_POST = do_GET
 
         def log_message(self, *args):
             pass
@@ -311,6 +316,19 @@ def fake_gpud(status: int, body: bytes):
         server.shutdown()
         server.server_close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def send(handler, status: int, body: bytes, length: int | None = None) -> None:
+    """An answer of status and body, its Content-Length saying length (default: the body's)."""
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body) if length is None else length))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def fake_gpud(status: int, body: bytes):
+    """A socket answering every request with status and body; yields its path."""
+    return answering_gpud(lambda handler: send(handler, status, body))
 
 
 @pytest.mark.parametrize("status, body", [(500, b'{"error": {"code": "internal", "message": "boom"}}'),
