@@ -33,7 +33,11 @@ class Container:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             for pid in descendants(self.boot.pid):
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
+                try:
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:  # a short-lived process of the boot ended between the listing and this read
+                    continue
+                if name == "systemd":
                     return pid
             time.sleep(0.2)
         raise AssertionError("the container did not boot")
@@ -65,7 +69,16 @@ class Container:
             if check():
                 return
             time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}")
+        raise AssertionError(f"timed out waiting for {what}\n{self.gpud_journal()}")
+
+    def gpud_journal(self) -> str:
+        """What systemd says of gpud: a wait that timed out shows why (not started, restarted, hung)."""
+        status = self.run("systemctl", "status", "--no-pager", "gpud")
+        journal = self.run("journalctl", "-u", "gpud", "--no-pager", "-n", "60")
+        # who owns what gpud writes at run time: a directory it cannot write stops a simulated node
+        owners = self.run("sh", "-c", "ls -lan /run/gpud /run/gpud/*.sysfs /run/gpud/*.sysfs/* 2>&1 | head -60")
+        return (status.stdout + status.stderr + owners.stdout + "\n".join(
+            line[:2000] for line in journal.stdout.splitlines()[-40:]) + journal.stderr)
 
     def stop(self) -> None:
         self.boot.terminate()

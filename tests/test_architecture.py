@@ -501,3 +501,13 @@ def test_only_the_layout_engine_and_the_dynamic_engine_make_or_destroy_gpu_insta
                      if not path.is_relative_to(PACKAGE / "nvml") and any(
                          f"nvml_mig.{call}" in path.read_text() for call in calls))
     assert writers == ["gpud/mig/dynamic_instances.py", "gpud/mig/instances.py"]
+
+
+def test_no_module_changes_the_process_umask():
+    """The umask is the whole process's: changed around one call, it is changed for every thread at that
+    instant. Binding the API socket under umask 0117 once gave the simulator's sysfs, made meanwhile by
+    NVML's thread, a directory of mode 0660 that gpud, root without CAP_DAC_OVERRIDE under systemd,
+    could not write (CI, Debian 12: "Permission denied: .../sysfs/bus/pci")."""
+    calls = [_where(path, node) for path, tree in _trees().items() for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "umask"]
+    assert calls == []

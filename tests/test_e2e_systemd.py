@@ -69,11 +69,6 @@ def container(request, release, tmp_path_factory):
                     "--components=main,non-free", f"--include={PACKAGES}", codename, str(root),
                     apt_mirror()], check=True, capture_output=True, timeout=1200)
     shutil.copy(release.deb, root / "root" / "gpud.deb")
-    dropin = root / "etc/systemd/system/gpud.service.d"
-    dropin.mkdir(parents=True)
-    # The operator's drop-in that puts this install on a simulated node, with MPS on and a short
-    # watchdog so the stall test is quick.
-    (dropin / "simulate.conf").write_text("[Service]\nWatchdogSec=4s\n")
     box = Container.__new__(Container)
     try:
         box.__init__(root)
@@ -149,11 +144,21 @@ def test_install_start_reload_restart_access_watchdog_remove_purge(container):
     assert box.curl("/v1/gpus", user="gpud-reader")[0] == 200
     assert box.curl("/v1/mig", "PUT", {"layout": "all-balanced"}, user="gpud-reader")[0] == 403
 
+    # A short watchdog for the stall alone, so it is caught quickly: kept for the other steps too, it
+    # had a gpud slowed by a loaded machine killed over and over.
+    dropin = box.root / "etc/systemd/system/gpud.service.d/short-watchdog.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text("[Service]\nWatchdogSec=4s\n")
+    box.run("systemctl", "daemon-reload", check=True)
+    box.run("systemctl", "restart", "gpud", check=True)
+    box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud with a short watchdog")
     stalled = box.show("MainPID")
     box.kill("STOP", stalled).check_returncode()  # a hung event loop: no more WATCHDOG=1
     box.wait_for(lambda: box.show("MainPID") not in (stalled, "0") and box.show("ActiveState") == "active",
                  "systemd to catch the stalled watchdog and restart gpud", timeout=60)
     assert "watchdog" in box.run("journalctl", "-u", "gpud", "--no-pager").stdout.lower()
+    dropin.unlink()
+    box.run("systemctl", "daemon-reload", check=True)
 
     mps_pid = json.loads(box.curl("/v1/mps")[1])["daemons"][0]["pid"]
     box.run("apt-get", "remove", "-y", "gpud", check=True)
@@ -219,13 +224,22 @@ def _enabled_in(root: Path, unit: str) -> str:
                           timeout=600).stdout.strip()
 
 
+def _install_unless_whole(box: Container) -> None:
+    """The .deb installed, where a test run alone, or after one that purged it, finds it missing. dpkg's
+    record alone is not enough: the rpm tests install and erase the same files with rpm, so an earlier
+    test that failed half-way can leave dpkg's gpud "installed" with its files gone."""
+    status = box.run("dpkg-query", "-W", "-f", "${db:Status-Status}", "gpud").stdout
+    if status == "installed" and box.run("test", "-f", "/usr/lib/gpud/common/gpud/__init__.py").returncode == 0:
+        return
+    install = box.run("dpkg", "-i", "/root/gpud.deb")
+    assert install.returncode == 0, install.stdout + install.stderr
+
+
 def test_a_gpu_process_in_a_systemd_run_scope_is_owned_by_that_scope(container):
     """gpud on a simulated node names the transient scope `systemd-run --scope` puts a process in,
     and drops the process once systemd stops the scope."""
     box = container
-    if box.run("dpkg", "-s", "gpud").returncode != 0:  # run alone, or after the test that purges it
-        install = box.run("dpkg", "-i", "/root/gpud.deb")
-        assert install.returncode == 0, install.stdout + install.stderr
+    _install_unless_whole(box)
     (box.root / "etc/gpud/gpud.yaml").write_text("simulate: H100-SXM5-80GB:1\nhealth:\n  check_interval_s: 0.5\n")
     box.run("systemctl", "restart", "gpud", check=True)
     box.wait_for(lambda: box.curl("/healthz")[0] == 200, "gpud")
@@ -272,9 +286,7 @@ def test_the_sandbox_holds_gpud_and_its_mps_daemons_and_mig_mps_reset_still_work
     daemon it starts as mps.user, and the privileged work still succeeds under it: a MIG apply
     with its GPU reset, an MPS daemon started as another user, an explicit reset, the device plugin."""
     box = container
-    if box.run("dpkg", "-s", "gpud").returncode != 0:  # run alone, or after the test that purges it
-        install = box.run("dpkg", "-i", "/root/gpud.deb")
-        assert install.returncode == 0, install.stdout + install.stderr
+    _install_unless_whole(box)
     box.run("sh", "-c", "id gpud-mps >/dev/null 2>&1 || useradd -r -M gpud-mps", check=True)
     mps_uid = box.run("id", "-u", "gpud-mps", check=True).stdout.strip()
     (box.root / "etc/gpud/gpud.yaml").write_text(
@@ -397,7 +409,7 @@ def test_upgrade_downgrade_and_reinstall_keep_the_config_mig_layout_and_mps_daem
     version in a new process, the operator's gpud.yaml as edited (the changed package's default beside
     it as gpud.yaml.dpkg-dist), the MIG layout with no MIG operation, the MPS daemons with their PIDs."""
     box = container
-    if box.run("dpkg", "-s", "gpud").returncode == 0:  # an earlier test's install
+    if box.run("dpkg-query", "-W", "gpud").returncode == 0:  # an earlier test's install, or what is left of it
         box.run("apt-get", "purge", "-y", "gpud", check=True)
     shutil.copy(next_release.deb, box.root / "root" / "gpud-next.deb")
     install = box.run("dpkg", "-i", "/root/gpud.deb")
@@ -523,9 +535,7 @@ def test_the_fabric_manager_check_reads_real_systemd(container):
     """gpud's Fabric Manager check, as packaged, asks the container's real systemd: a unit not installed,
     one that failed, one that runs."""
     box = container
-    if box.run("dpkg", "-s", "gpud").returncode != 0:
-        install = box.run("dpkg", "-i", "/root/gpud.deb")
-        assert install.returncode == 0, install.stdout + install.stderr
+    _install_unless_whole(box)
 
     def check() -> tuple[dict | None, list | None]:
         done = box.run("python3", "-I", "-c", FABRIC_MANAGER_CHECK)

@@ -271,13 +271,16 @@ class UnixSocketListener:
         if self.path.exists() or self.path.is_symlink():
             self._remove_stale()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o777 & ~self.mode)  # never world-accessible, not even for an instant
-        try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old_umask)
+        # Never world-accessible, not even for an instant: bind(2) gives the new file the socket's own
+        # mode less the umask (linux net/unix/af_unix.c unix_bind: SOCK_INODE(sock)->i_mode &
+        # ~current_umask()), so the mode is set on the socket first. Not os.umask(): it is the whole
+        # process's, and a thread creating a directory meanwhile (the simulator's sysfs) got one it
+        # could not write (CI: "Permission denied" under /run/gpud with no CAP_DAC_OVERRIDE).
+        os.fchmod(sock.fileno(), self.mode)
+        sock.bind(str(self.path))
         if self._gid is not None:
             os.chown(self.path, 0, self._gid, follow_symlinks=False)
+        os.chmod(self.path, self.mode)  # the bits the umask took (0660 under 0022 is 0640)
         sock.listen(128)
         sock.setblocking(False)
         self.sock = sock
