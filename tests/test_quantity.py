@@ -24,6 +24,14 @@ def test_what_is_no_quantity_is_refused(text):
         parse_quantity(text)
 
 
+def test_an_exponent_past_100_is_refused_unread():
+    """apimachinery reads "1e99999999" (any int32 exponent); read exactly, that number took seconds."""
+    assert parse_quantity("1e100") == 10 ** 100 and parse_quantity("1e-100") == Fraction(1, 10 ** 100)
+    for text in ("1e101", "1e-101", "1e99999999", "9E-2147483648"):
+        with pytest.raises(ValueError, match="exponent past"):
+            parse_quantity(text)
+
+
 def test_whole_quantities_are_whole_numbers_at_least_zero():
     assert [whole_quantity(v) for v in ("80Gi", "132", 7, "2e3")] == [80 << 30, 132, 7, 2000]
     for value in ("1.5", "100m", "-1", -1, True, 1.0, None):
