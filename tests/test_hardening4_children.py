@@ -216,6 +216,17 @@ def test_an_endless_trailer_section_is_refused_at_a_heads_bound():
             Client(path, timeout=10).get("/v1/health")
 
 
+def test_a_stream_whose_head_never_comes_ends_at_the_clients_timeout_and_its_events_have_none():
+    with answering_gpud(lambda handler: time.sleep(5)) as path:
+        started = time.monotonic()
+        with pytest.raises(DaemonUnreachable, match="did not answer whole within 1 s"):
+            next(Client(path, timeout=1).stream("/v1/watch"))
+        assert time.monotonic() - started < 3
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with answering_gpud(raw_answer(head, b"b\r\n{\"seq\": 1}\n\r\n0\r\n\r\n", pause_s=1.5)) as path:
+        assert list(Client(path, timeout=1).stream("/v1/watch")) == [{"seq": 1}]
+
+
 def test_an_answer_nested_40000_deep_is_a_documented_exit_not_a_traceback(tmp_path):
     deep = b"[" * 40_000 + b"]" * 40_000
     with answering_gpud(lambda handler: send(handler, 200, deep)) as path:
