@@ -133,7 +133,8 @@ MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]);
             "sys.exit(r.returncode)")
 
 
-def slurm_health(socket: Path, scontrol: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, int]:
+def slurm_health(socket: Path, scontrol: Path, *args: str,
+                 timeout: float = 60) -> tuple[subprocess.CompletedProcess, int]:
     """`gpud slurm health`, its exit, its output and its peak memory (KiB)."""
     command = [sys.executable, "-c", MEASURED, sys.executable, "-m", "gpud", "slurm", "health", "--socket",
                str(socket), "--scontrol", str(scontrol), "--node-name", "vm", *args]
