@@ -36,6 +36,7 @@ GOALS = {"--help": 3.0}  # every other command: 2.0
 # What any Python command line that asks gpud's socket for JSON imports, gpud or not: a floor, printed
 # beside the baseline to tell the interpreter's share from gpud's.
 FLOOR = "import argparse, json, socket"
+COMMAND_LIMIT_S = 60  # each command takes well under a second: one that hangs ends the benchmark, saying so
 
 
 def gpud_command() -> list[str]:
@@ -52,7 +53,11 @@ def commands(sock: Path, scontrol: Path) -> dict[str, list[str]]:
 
 def timed(argv: list[str], env: dict[str, str]) -> float:
     started = time.perf_counter()
-    done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd="/")
+    try:
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd="/",
+                              timeout=COMMAND_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{' '.join(argv)} did not finish within {COMMAND_LIMIT_S} s") from None
     elapsed = time.perf_counter() - started
     if done.returncode not in (0, 1):  # 1: a problem reported (a command's answer), not a failure to run
         raise SystemExit(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode()[-500:]}")

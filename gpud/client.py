@@ -192,9 +192,10 @@ class Client:
     def stream(self, path: str, on_open: Callable[[], None] | None = None) -> Iterator[Any]:
         """The JSON lines of a streaming route, as they arrive (on_open is called once gpud has accepted
         the request). Returns when gpud ends the stream (it is stopping); DaemonUnreachable when the
-        connection breaks off."""
+        connection breaks off. The connection and the answer's head (or error) have the client's timeout,
+        as any exchange; the stream itself none: events may be minutes apart."""
         try:
-            conn = _connect(self.socket_path, None)
+            conn = _connect(self.socket_path, self.timeout)
         except OSError as exc:
             raise self._unreachable(exc) from None
         with conn:
@@ -202,6 +203,8 @@ class Client:
                 answer = http1.exchange(conn, "GET", path)
                 if answer.status >= 400:
                     raise ApiFailure(answer.status, _json_or_none(answer.body(self.max_answer_bytes)))
+                conn.deadline = None
+                conn.settimeout(None)
             except OSError as exc:
                 raise self._unreachable(exc) from None
             except http1.TooLarge as exc:

@@ -49,7 +49,8 @@ def test_every_error_of_a_config_file_is_reported_with_its_line_and_key(tmp_path
 def test_a_single_error_reads_as_before_and_an_int_is_shown_as_written():
     with pytest.raises(ConfigError) as raised:
         parse_config("health:\n  check_interval_s: 150000\n", "x.yaml")
-    assert str(raised.value) == "x.yaml, line 2, key 'health.check_interval_s': must be between 0.5 and 3600; got 150000"
+    assert str(raised.value) == ("x.yaml, line 2, key 'health.check_interval_s': must be between 0.5 and 3600; "
+                                 "got 150000")
     assert (raised.value.key, raised.value.line) == ("health.check_interval_s", 2)
 
 
@@ -180,7 +181,8 @@ def test_the_gpu_operators_mig_parted_configmap_is_validated(tmp_path):
         """))
     done = cli("mig", "validate", str(path))
     assert done.returncode == 0, done
-    assert done.stdout.splitlines() == [f"{path}: ConfigMap default-mig-parted-config, 1 entry, each a MIG layouts file",
+    assert done.stdout.splitlines() == [f"{path}: ConfigMap default-mig-parted-config, 1 entry, each a MIG layouts "
+                                        "file",
                                         "  config.yaml: valid, 2 layouts: all-disabled, all-1g.5gb"]
     path.write_text(path.read_text().replace('"1g.5gb": 7', '"1g.5gb": x'))
     bad = cli("mig", "validate", str(path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 from test_slurm_health import answering_gpud, gpu, line, reason, send, view
 
 from gpud.base import child
+from gpud.client import Client, DaemonUnreachable
 from gpud.health.diag import MAX_OUTPUT_BYTES, run_diag
 from gpud.slurm.health import EXIT_GPUD_ANSWER, EXIT_UNREACHABLE, HealthCheckFailed, Scontrol
 
@@ -131,7 +133,8 @@ MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]);
             "sys.exit(r.returncode)")
 
 
-def slurm_health(socket: Path, scontrol: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, int]:
+def slurm_health(socket: Path, scontrol: Path, *args: str,
+                 timeout: float = 60) -> tuple[subprocess.CompletedProcess, int]:
     """`gpud slurm health`, its exit, its output and its peak memory (KiB)."""
     command = [sys.executable, "-c", MEASURED, sys.executable, "-m", "gpud", "slurm", "health", "--socket",
                str(socket), "--scontrol", str(scontrol), "--node-name", "vm", *args]
@@ -182,6 +185,47 @@ def test_a_trickled_answer_times_out_within_the_checks_timeout(tmp_path):
         result, _ = slurm_health(path, node_scontrol(tmp_path), "--timeout", "3")
     assert result.returncode == EXIT_UNREACHABLE and "did not answer whole within" in result.stderr, result
     assert time.monotonic() - started < 3 + 5  # the check's --timeout, and Python's start
+
+
+def raw_answer(*parts: bytes, pause_s: float = 0.0):
+    """An answer written as bytes (what no HTTP server library would send), pause_s between its parts."""
+    def answer(handler):
+        for number, part in enumerate(parts):
+            if number:
+                time.sleep(pause_s)
+            handler.wfile.write(part)
+    return answer
+
+
+@pytest.mark.parametrize("answer, said", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "a Content-Length of '\xb2'"),
+    (b"HTTP/1.1 \xb200 OK\r\nContent-Length: 0\r\n\r\n", "a status line of 'HTTP/1.1 \xb200 OK'"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-2\r\n{}\r\n0\r\n\r\n", "a chunk size of b'-2'"),
+])
+def test_a_number_in_an_answer_that_is_not_ascii_digits_is_refused_not_a_traceback(answer, said):
+    """latin-1's superscripts pass str.isdigit() and fail int(); int(..., 16) takes a sign."""
+    with answering_gpud(raw_answer(answer)) as path:
+        with pytest.raises(DaemonUnreachable, match=re.escape(said)):
+            Client(path, timeout=10).get("/v1/health")
+
+
+def test_an_endless_trailer_section_is_refused_at_a_heads_bound():
+    trailers = b"X-Trailer: y\r\n" * 10_000
+    with answering_gpud(raw_answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n",
+                                   *[trailers] * 100)) as path:
+        with pytest.raises(DaemonUnreachable, match="a trailer section over 65536 bytes"):
+            Client(path, timeout=10).get("/v1/health")
+
+
+def test_a_stream_whose_head_never_comes_ends_at_the_clients_timeout_and_its_events_have_none():
+    with answering_gpud(lambda handler: time.sleep(5)) as path:
+        started = time.monotonic()
+        with pytest.raises(DaemonUnreachable, match="did not answer whole within 1 s"):
+            next(Client(path, timeout=1).stream("/v1/watch"))
+        assert time.monotonic() - started < 3
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with answering_gpud(raw_answer(head, b"b\r\n{\"seq\": 1}\n\r\n0\r\n\r\n", pause_s=1.5)) as path:
+        assert list(Client(path, timeout=1).stream("/v1/watch")) == [{"seq": 1}]
 
 
 def test_an_answer_nested_40000_deep_is_a_documented_exit_not_a_traceback(tmp_path):

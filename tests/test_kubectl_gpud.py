@@ -19,7 +19,8 @@ KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None and not IN_CI, reason="no kubectl here (Debian: apt-get install "
                                 "kubernetes-client; scripts/test-all installs it)")
 DRIVER = "gpu.nvidia.com"
-A100 = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+A100 = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81920",
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
         "nvidia.com/gpu.replicas": "1"}
 
 
@@ -60,7 +61,8 @@ def gpu_cluster(api: KubeApiStandIn) -> None:
     api.create_pod("default", "train", "node-a", [{"name": "main", "limits": {"nvidia.com/gpu": "2"}}],
                    init_containers=[{"name": "warm", "limits": {"nvidia.com/gpu": "3"}}])
     api.create_pod("default", "infer", "node-a", [{"name": "main", "limits": {"nvidia.com/gpu": "1"}}])
-    api.create_pod("default", "done", "node-a", [{"name": "main", "limits": {"nvidia.com/gpu": "4"}}], phase="Succeeded")
+    api.create_pod("default", "done", "node-a", [{"name": "main", "limits": {"nvidia.com/gpu": "4"}}],
+                   phase="Succeeded")
     api.create_pod("default", "pending", None, [{"name": "main", "limits": {"nvidia.com/gpu": "4"}}], phase="Pending")
     api.create_pod("kube-system", "small", "node-c", [{"name": "main", "limits": {"nvidia.com/gpu-memory": "7"}}])
     devices = [{"name": "gpu-0", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-0"}},
@@ -75,9 +77,11 @@ def gpu_cluster(api: KubeApiStandIn) -> None:
                                                                    "resourceSliceCount": 1}, "devices": devices}})
     assert status == 201, answer
     api.create_resource_claim("default", "whole", [{"name": "gpu", "deviceClassName": "gpu.nvidia.com"}],
-                              [{"request": "gpu", "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}], node="node-b")
+                              [{"request": "gpu", "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}],
+                              node="node-b")
     api.create_resource_claim("default", "mig", [{"name": "mig", "deviceClassName": "mig.nvidia.com"}],
-                              [{"request": "mig", "driver": DRIVER, "pool": "node-b", "device": "gpu-1-mig-3g40gb-9-4"}],
+                              [{"request": "mig", "driver": DRIVER, "pool": "node-b",
+                                "device": "gpu-1-mig-3g40gb-9-4"}],
                               node="node-b")
     api.create_resource_claim("default", "waiting", [{"name": "gpu", "deviceClassName": "gpu.nvidia.com"}], None)
 

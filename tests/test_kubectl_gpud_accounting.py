@@ -66,11 +66,10 @@ def test_a_shared_dra_gpu_counts_each_claims_consumed_memory_and_the_device_once
 
 
 def test_the_plugin_starts_without_the_daemons_libraries():
-    """Only what `kubectl gpud inspect` needs: no YAML, logging, HTTP server or gpud config (asyncio comes
-    with gpud/base/child.py, the one place that starts programs)."""
-    code = "import sys, gpud.kubectl_plugin.main; print(sorted(sys.modules))"
-    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code.replace("print(", "import json; print(json.dumps(")
-                                            + ")"], capture_output=True, text=True, timeout=60, check=True).stdout))
+    """Only what `kubectl gpud inspect` needs: no YAML, logging, HTTP server or gpud config."""
+    code = "import json, sys, gpud.kubectl_plugin.main; print(json.dumps(sorted(sys.modules)))"
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                           check=True).stdout))
     heavy = {"yaml", "structlog", "aiohttp", "gpud.config", "gpud.client", "kubernetes_asyncio", "grpc", "http.client"}
     assert loaded & heavy == set()
 
@@ -108,7 +107,8 @@ def test_the_aggregated_answer_says_so_in_its_content_type():
     with KubeApiStandIn() as api:
         context = ssl.create_default_context(cafile=str(api.ca_file))
         connection = http.client.HTTPSConnection("127.0.0.1", api.port, context=context, timeout=10)
-        connection.request("GET", "/api", headers={"Accept": ACCEPT_V2, "Authorization": f"Bearer {api.tokens['admin']}"})
+        connection.request("GET", "/api",
+                           headers={"Accept": ACCEPT_V2, "Authorization": f"Bearer {api.tokens['admin']}"})
         response = connection.getresponse()
         assert response.getheader("Content-Type") == AGGREGATED_CONTENT_TYPE
         assert [item["metadata"]["name"] for item in json.loads(response.read())["items"]] == [""]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 MAX_HEAD_BYTES = 64 << 10  # aiohttp's own limit on a head it reads (8190 bytes a line, 32,768 headers)
 MAX_CHUNK_LINE_BYTES = 1024
 RECV_BYTES = 1 << 16
+HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class NotHttp(Exception):
@@ -37,7 +38,7 @@ class Answer:
     def body(self, limit: int) -> bytes:
         """The whole body; TooLarge past limit bytes (a Content-Length over it is refused unread)."""
         length = self.headers.get("content-length")
-        if length is not None and length.strip().isdigit() and int(length) > limit:
+        if length is not None and _is_decimal(length.strip()) and int(length) > limit:
             raise TooLarge(f"{int(length)} bytes")
         parts, size = [], 0
         for piece in self._pieces():
@@ -68,7 +69,7 @@ class Answer:
         if "chunked" in self.headers.get("transfer-encoding", "").lower():
             yield from self._chunks()
         elif (length := self.headers.get("content-length")) is not None:
-            if not length.strip().isdigit():
+            if not _is_decimal(length.strip()):
                 raise NotHttp(f"a Content-Length of {length[:40]!r}")
             left = int(length)
             while left:
@@ -85,13 +86,16 @@ class Answer:
         while True:
             size_line = self._line(MAX_CHUNK_LINE_BYTES, "a chunk's size line")
             size_text = size_line.split(b";", 1)[0].strip()
-            try:
-                left = int(size_text, 16)
-            except ValueError:
-                raise NotHttp(f"a chunk size of {size_text[:40]!r}") from None
-            if left == 0:
-                while self._line(MAX_HEAD_BYTES, "a trailer line").strip():
-                    pass
+            # hex digits only (RFC 9112 section 7.1): int(..., 16) also takes a sign, "0x" and "_"
+            if not size_text or size_text.translate(None, HEX_DIGITS):
+                raise NotHttp(f"a chunk size of {size_text[:40]!r}")
+            left = int(size_text, 16)
+            if left == 0:  # the trailer section: read and dropped, bounded as a head is
+                trailers = 0
+                while (line := self._line(MAX_HEAD_BYTES, "a trailer line")).strip():
+                    trailers += len(line)
+                    if trailers > MAX_HEAD_BYTES:
+                        raise NotHttp(f"a trailer section over {MAX_HEAD_BYTES} bytes")
                 return
             while left:
                 piece = self._take(left)
@@ -111,8 +115,8 @@ class Answer:
         return piece
 
     def _line(self, limit: int, what: str) -> bytes:
-        while (end := self._buffer.find(b"\n")) < 0:
-            if len(self._buffer) > limit:
+        while (end := self._buffer.find(b"\n", 0, limit)) < 0:
+            if len(self._buffer) >= limit:
                 raise NotHttp(f"{what} over {limit} bytes")
             if not self._fill():
                 raise NotHttp(f"the connection closed inside {what}")
@@ -146,7 +150,7 @@ def exchange(conn: socket.socket, method: str, path: str, body: bytes | None = N
     status_line, *header_lines = bytes(received[:end]).decode("latin-1").split("\r\n")
     version, _, rest = status_line.partition(" ")
     status_text = rest[:3]
-    if not version.startswith("HTTP/1.") or not status_text.isdigit() or rest[3:4] not in ("", " "):
+    if not version.startswith("HTTP/1.") or not _is_decimal(status_text) or rest[3:4] not in ("", " "):
         raise NotHttp(f"a status line of {status_line[:80]!r}")
     headers: dict[str, str] = {}
     for line in header_lines:
@@ -155,3 +159,9 @@ def exchange(conn: socket.socket, method: str, path: str, body: bytes | None = N
             raise NotHttp(f"a header line of {line[:80]!r}")
         headers[name.lower()] = value.strip()
     return Answer(conn, int(status_text), headers, bytes(received[end + 4:]))
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes the superscripts of the latin-1 the head is decoded as
+    ("\u00b2"), which int() refuses."""
+    return text.isascii() and text.isdigit()

@@ -234,9 +234,12 @@ def _dra(views: dict[str, NodeView], slices: list[dict], claims: list[dict], dri
                     view.memory_allocated_mib += device.memory_mib
             if consumed is not None:  # a share of a device several claims hold (consumable capacity)
                 view.memory_allocated_mib += consumed
+    by_node: dict[str, dict[tuple[str, str], SliceDevice]] = {}
+    for key, device in devices.items():  # once: a cluster's devices, not once per node
+        by_node.setdefault(device.node, {})[key] = device
     totals: dict[str, tuple] = {}
     for node in views:
-        mine = {key: d for key, d in devices.items() if d.node == node}
+        mine = by_node.get(node, {})
         gpus = [d for d in mine.values() if d.type == GPU_TYPE]
         migs = [d for key, d in mine.items() if d.type == MIG_TYPE and (d.has_uuid or key in allocated.get(node, ()))]
         whole = {key[1] for key, d in mine.items() if d.type == GPU_TYPE}

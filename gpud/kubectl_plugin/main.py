@@ -93,7 +93,8 @@ def render(views: list[NodeView], totals: dict, resource_api: bool) -> str:
                      str(len(view.pods)), str(len(view.claims)) if resource_api else "-", view.product or "-"))
     memory = totals["gpu_memory_mib"]
     share = f" ({100 * memory['allocated'] / memory['total']:.0f}%)" if memory["total"] else ""
-    rows.append((f"cluster ({totals['nodes']} node{'' if totals['nodes'] == 1 else 's'})", f"{totals['gpus']['allocated']}/{totals['gpus']['total']}",
+    rows.append((f"cluster ({totals['nodes']} node{'' if totals['nodes'] == 1 else 's'})",
+                 f"{totals['gpus']['allocated']}/{totals['gpus']['total']}",
                  f"{totals['mig_devices']['allocated']}/{totals['mig_devices']['total']}",
                  _memory(memory["allocated"], memory["total"], any(v.memory_unknown for v in views)) + share,
                  str(totals["pods"]), str(totals["claims"]) if resource_api else "-", ""))
