@@ -279,11 +279,12 @@ class Daemon:
         """What makes a cached /metrics render stale before its max age."""
         return self.bus.sequence, self.health.readings, self.processes.current, self.pod_resources.state()
 
-    def _files_current(self, reason: str) -> None:
+    async def _files_current(self, reason: str) -> None:
         """The CDI spec rebuilt now, not after its debounce: the DRA plugin reads it as soon as a dynamic
-        MIG device is made."""
+        MIG device is made, and a `gpud cdi` typed after a reload shows what a runtime gets. On a thread,
+        as the writer's own refreshes: a build scans /dev and reads driver files."""
         if isinstance(self.cdi, CdiWriter):
-            self.cdi.refresh(reason)
+            await asyncio.to_thread(self.cdi.refresh, reason)
 
     def _kubernetes_config(self):
         return self.config.kubernetes
@@ -363,10 +364,8 @@ class Daemon:
             self.bus.publish(EventType.KUBERNETES, asdict(config.kubernetes))
         self.config = replace(self.config, mps=config.mps, log=config.log, sharing=config.sharing,
                               metrics=config.metrics, kubernetes=config.kubernetes, remediation=config.remediation)
-        if isinstance(self.cdi, CdiWriter):
-            # The spec runtimes read follows the new sharing config and MPS daemons before the answer, not
-            # a moment after it (its writer's debounce): a `gpud cdi` typed next shows what a runtime gets.
-            await asyncio.to_thread(self.cdi.refresh, "reload")
+        # The spec runtimes read follows the new sharing config and MPS daemons before the answer.
+        await self._files_current("reload")
         log.info("reloaded")
 
     async def _move_metrics_listener(self, address: str | None) -> None:

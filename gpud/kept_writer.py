@@ -138,8 +138,8 @@ class KeptFileWriter(Component):
 
     def refresh(self, reason: str, rewrite: bool = False) -> None:
         """Rebuilds the content and writes it if it changed (or `rewrite`); never raises for a directory it
-        cannot write. Called on a thread by run() (a build scans /dev, reads driver files), on the loop
-        by a caller that needs the file at once: one at a time."""
+        cannot write. Called on a thread (a build scans /dev, reads driver files), by run() and by a caller
+        that needs the file at once: one at a time."""
         with self._refreshing:
             self._refresh(reason, rewrite)
 

@@ -53,7 +53,7 @@ async def test_choosing_a_198_kb_config_does_not_hold_other_clients(short_tmp):
             latencies = await prober
             assert status == 200, body
             assert body["config"]["name"] == "big"
-            # on the loop, one read alone held every client that long (two are made: checked, then applied)
+            # on the loop, the one read (checked, then applied as read) held every client that long
             assert max(latencies) < 0.6 * one_read_s, \
                 f"/healthz took {max(latencies) * 1000:.0f} ms while the config was read ({one_read_s * 1000:.0f} ms)"
             await put(node, "/v1/sharing/config", {"name": "two"})

@@ -107,7 +107,6 @@ class MetricsRoute:
         _write(lines, errors, with_processes, {})
         return "\n".join(lines) + "\n"
 
-
     def _left_out(self, collector: str, family: Family, kept: list) -> None:
         """A sample whose value is no number Prometheus takes (a bug, or a host file gone wrong) is left
         out, and its collector counted as failed: one bad value never breaks the scrape

@@ -292,8 +292,7 @@ class Slots:
                 deciding.transport.resume_reading()
         elif time.monotonic() >= deciding.until:
             del self._deciding[handler]
-            deciding.transport.abort()
-            self._log_shed("refused", deciding.address)
+            self._refuse(deciding.transport, deciding.address)
         else:
             asyncio.get_running_loop().call_later(DECIDE_EVERY_S, self._decide, handler)
 

@@ -12,7 +12,7 @@ at the next start, and answers only once the inventory and the CDI spec show the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from gpud.base.errors import ErrorKind, GpudError, nvml_unavailable
@@ -56,7 +56,7 @@ class DynamicMig(Component):
     def __init__(self, session: NvmlSession, inventory: InventoryService, records: DynamicRecords,
                  instances: MigInstances, resetter: GpuResetter, operations: NodeOperations, gpus: DynamicGpus, *,
                  allow_reset: bool, processes: ProcessMonitor | None = None,
-                 files_current: Callable[[str], None] = lambda reason: None):
+                 files_current: Callable[[str], Awaitable[None]]):
         self.session = session
         self.inventory = inventory
         self.records = records
@@ -125,7 +125,7 @@ class DynamicMig(Component):
         if not all(r.state == RecordState.PRESENT for r in held):
             raise GpudError(ErrorKind.FAILED, "dynamic-mig-failed", "; ".join(self._problems)
                             or f"the dynamic MIG devices of DRA claim {claim} could not be made")
-        self._files_current(f"dynamic MIG devices of claim {claim}")
+        await self._files_current(f"dynamic MIG devices of claim {claim}")
         return claim_answer(claim, wanted, held, inventory)
 
     async def unprepare(self, claim: str) -> dict:
@@ -155,7 +155,7 @@ class DynamicMig(Component):
             self._instances.note_uuids(await self._refreshed(f"dynamic MIG devices of claim {claim} destroyed"))
         finally:
             self._operations.release()
-        self._files_current(f"dynamic MIG devices of claim {claim} destroyed")
+        await self._files_current(f"dynamic MIG devices of claim {claim} destroyed")
         log.info("dynamic_mig_claim_released", claim=claim, destroyed=destroyed)
         return {"claim": claim, "destroyed": [uuid for uuid in destroyed if uuid]}
 
@@ -229,7 +229,7 @@ class DynamicMig(Component):
             self._instances.note_uuids(await self._refreshed("dynamic MIG converged"))
         finally:
             self._operations.release()
-        self._files_current("dynamic MIG converged")
+        await self._files_current("dynamic MIG converged")
 
     async def _converge_gpus(self, inventory: Inventory, uuids: set[str] | frozenset[str]) -> None:
         for gpu in inventory.gpus:

@@ -101,7 +101,6 @@ class SharingConfigs:
         self.in_force: Candidate | None = None
         self.problem: str | None = None
         self._seen: tuple | None = None  # what the last selection looked at, for changed()
-        self.available: list[str] = []  # the names the last look found (view() shows them)
         self._listed = Listing(None, 0.0, [], None, None)  # the directory's last listing
         self.configure(file, configs_dir, default)
 
@@ -243,8 +242,12 @@ class SharingConfigs:
         """What select() depends on, whose change calls for it again: the names, and which file should be
         in force with its identity (a ConfigMap update swaps ..data: the file has a new inode)."""
         candidates, _ = self._candidates(names)
-        self.available = names
         return tuple(names), candidates[0], _identity(candidates[0].path)
+
+    @property
+    def available(self) -> list[str]:
+        """The config names the last selection found (view() shows them: no listing on the event loop)."""
+        return list(self._seen[0]) if self._seen else []
 
     def changed(self) -> bool:
         """Whether the directory or the file that should be in force changed since select() looked."""
