@@ -387,7 +387,8 @@ def _refusal_details(error: dict) -> str:
     said = ""
     if isinstance(error.get("retry_after_s"), (int, float)):
         said += f" (a reset is free again in {error['retry_after_s']:.0f} s)"
-    for blocker in (error.get("blockers") or [])[:8] if isinstance(error.get("blockers"), list) else []:
+    blockers = error.get("blockers")
+    for blocker in blockers[:8] if isinstance(blockers, list) else []:
         if isinstance(blocker, dict):
             said += f"; blocker: GPU {_clean(blocker.get('gpu'))}: {_brief(_clean(blocker.get('reason', '')))}"
     return said
