@@ -60,8 +60,8 @@ def test_a_gpus_remedy_is_gpuds_and_its_mig_devices_carry_it_and_no_other_value_
             "gpus": [{"index": 0, **sick, "remedy": "reset-gpu",  # the driver says a reset mends this XID 48
                       "mig_devices": [{"profile": "1g.5gb", **sick}]},
                      {"index": 1, **sick, "remedy": "reboot; rm -rf /", "mig_devices": []}]}
-    assert [(p.subject, p.remedy) for p in problems(view)] == [("GPU 0", "reset-gpu"), ("GPU 0 MIG 1g.5gb", "reset-gpu"),
-                                                                ("GPU 1", None)]
+    assert [(p.subject, p.remedy) for p in problems(view)] == \
+        [("GPU 0", "reset-gpu"), ("GPU 0 MIG 1g.5gb", "reset-gpu"), ("GPU 1", None)]
 
 
 SICK = [Problem("GPU 2", 2, "unhealthy", "XID 95 (reset-gpu)", ("reset-gpu",), "reset-gpu")]
