@@ -68,7 +68,6 @@ async def test_a_gpu_whose_driver_asks_for_a_reset_is_reset_checked_and_healthy_
         health = await sick(node, 0, 48)
         assert health["state"] == "unhealthy" and health["driver_action"] == "gpu-reset"
         assert health["suggested_action"] == "reboot" and health["remedy"] == "reset-gpu"  # the driver decides
-        assert health["suggested_action"] == "reboot"
         since = node.daemon.bus.sequence
         status, body = await remediate(node, 0, {"requester": "k8s-agent"})
         assert status == 200, body

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import GpudProcess, until
 from slurm_cluster import SlurmCluster, need_slurm
-from test_slurm_health import answering_gpud, fresh, idle, run_health, send, xid  # noqa: F401 (fixture)
+from test_slurm_health import (answering_gpud, cluster, fresh, idle, run_health, send,  # noqa: F401 (fixtures)
+                               xid)
 
 from gpud.slurm.health import (BUDGET_SPENT, CHECK_FAILED, LEAVE, NOTHING, REBOOT_NEEDED, RESET_BLOCKED,
                                RESET_FAILED, UPDATE, Problem, SlurmNode, decide, drain_reason, mark_of, problems)
@@ -59,8 +60,8 @@ def test_a_gpus_remedy_is_gpuds_and_its_mig_devices_carry_it_and_no_other_value_
             "gpus": [{"index": 0, **sick, "remedy": "reset-gpu",  # the driver says a reset mends this XID 48
                       "mig_devices": [{"profile": "1g.5gb", **sick}]},
                      {"index": 1, **sick, "remedy": "reboot; rm -rf /", "mig_devices": []}]}
-    assert [(p.subject, p.remedy) for p in problems(view)] == [("GPU 0", "reset-gpu"), ("GPU 0 MIG 1g.5gb", "reset-gpu"),
-                                                                ("GPU 1", None)]
+    assert [(p.subject, p.remedy) for p in problems(view)] == \
+        [("GPU 0", "reset-gpu"), ("GPU 0 MIG 1g.5gb", "reset-gpu"), ("GPU 1", None)]
 
 
 SICK = [Problem("GPU 2", 2, "unhealthy", "XID 95 (reset-gpu)", ("reset-gpu",), "reset-gpu")]
@@ -92,14 +93,6 @@ def test_a_node_asked_to_reboot_is_left_to_slurm(state):
 
 
 # -- against a real Slurm cluster and a simulated gpud with remediation on -----------------------
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    need_slurm()
-    running = SlurmCluster()
-    yield running
-    running.stop()
 
 
 def start_gpud(prefix: str, remediation: dict, health: dict | None = None,

@@ -9,7 +9,6 @@ the same way (the simulator's kernel log, tests), like `tail -f`. Only the kerne
 
 from __future__ import annotations
 
-import collections
 import os
 import select
 import threading
@@ -78,7 +77,7 @@ class KernelLogFollower:
         self._boot_id: str | None = None
         self._skip_through: int | None = None  # records up to this seq were handled before a restart
         self._last_seq: int | None = None  # the last record handled, this run
-        self._seen_seqs: collections.deque[int] = collections.deque(maxlen=SEEN_SEQS)  # in this source
+        self._seen_seqs: dict[int, None] = {}  # the last SEEN_SEQS numbers in this source, oldest first
         self._non_records = 0  # reads in a row that yielded no record
         self._device = False  # following /dev/kmsg, whose numbers only grow within a boot
         self._cursor_dirty = False
@@ -289,7 +288,9 @@ class KernelLogFollower:
         self.lines_read += 1
         if record.seq in self._seen_seqs or (self._device and record.seq <= (self._last_seq or -1)):
             return  # a repeated line of a file, or the ring buffer replayed by a reopen: handled once
-        self._seen_seqs.append(record.seq)
+        self._seen_seqs[record.seq] = None  # a dict: looked up in constant time, once per record
+        if len(self._seen_seqs) > SEEN_SEQS:
+            del self._seen_seqs[next(iter(self._seen_seqs))]
         if self._last_seq is not None and record.seq <= self._last_seq and self._skip_through is None:
             # within one source the kernel's numbers only grow: the log was replaced
             log.info("kmsg_sequence_went_back", seq=record.seq, after=self._last_seq,

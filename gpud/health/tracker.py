@@ -223,8 +223,9 @@ class HealthTracker:
         mig_devices = [{"uuid": mig.uuid, "profile": mig.profile, "gi_id": mig.gi_id, "ci_id": mig.ci_id,
                         **self._health_view(mig.uuid)} for mig in gpu.mig.devices]
         view, driver = self._health_view(gpu.uuid), self._driver_actions.get(gpu.uuid)
+        strongest = suggested_action([reason for device in (view, *mig_devices) for reason in device["reasons"]])
         return {"index": gpu.index, "uuid": gpu.uuid, **view, "suggested_action": suggested_action(view["reasons"]),
-                "driver_action": driver, "remedy": remedy(self.worst_action(gpu), driver), "mig_devices": mig_devices}
+                "driver_action": driver, "remedy": remedy(strongest, driver), "mig_devices": mig_devices}
 
     def _health_view(self, uuid: str) -> dict:
         """State and reasons; a device not learned yet has nothing recorded against it."""

@@ -259,6 +259,8 @@ def _asked(unhealthy: list[Problem]) -> set[str]:
     XID catalog's), the node's and other subjects' suggested actions."""
     return {p.remedy for p in unhealthy if p.remedy} | \
         {action for p in unhealthy if p.gpu_index is None for action in p.actions}
+
+
 # POST /v1/gpus/{id}/remediate's outcomes, as this program names them in its lines
 PASSED, FAILED_CHECK, BLOCKED, BUDGET, NEEDS_REBOOT, NEEDS_INSPECTION, FAILED = (
     "passed", "check-failed", "blocked", "budget-spent", "needs-reboot", "needs-inspection", "failed")
@@ -351,11 +353,8 @@ class Remediation:
 
     def _after(self, node: SlurmNode, outcomes: dict[int, str], policy: dict) -> Decision:
         """The decision from gpud's health read again after the resets, and their outcomes."""
-        try:
-            unhealthy = [p for p in problems(_gpud_exchange(self.client, "GET", "/v1/health", self.deadline)[1],
-                                             self.include_infiniband) if p.state == UNHEALTHY]
-        except ValueError as exc:
-            raise HealthCheckFailed(EXIT_GPUD_ANSWER, f"gpud's /v1/health is not a health document: {exc}") from None
+        unhealthy = [p for p in _read_health(self.client, self.deadline, self.include_infiniband)
+                     if p.state == UNHEALTHY]
         for problem in unhealthy[:MAX_PROBLEMS_PRINTED]:
             print(f"gpud: after remediation: {_brief(problem.subject)} unhealthy: {_brief(problem.text)}")
         if not unhealthy:
@@ -388,7 +387,8 @@ def _refusal_details(error: dict) -> str:
     said = ""
     if isinstance(error.get("retry_after_s"), (int, float)):
         said += f" (a reset is free again in {error['retry_after_s']:.0f} s)"
-    for blocker in (error.get("blockers") or [])[:8] if isinstance(error.get("blockers"), list) else []:
+    blockers = error.get("blockers")
+    for blocker in blockers[:8] if isinstance(blockers, list) else []:
         if isinstance(blocker, dict):
             said += f"; blocker: GPU {_clean(blocker.get('gpu'))}: {_brief(_clean(blocker.get('reason', '')))}"
     return said
@@ -541,6 +541,14 @@ def _read_gpud(client: Client, path: str, deadline: float):
     return _gpud_exchange(client, "GET", path, deadline)[1]
 
 
+def _read_health(client: Client, deadline: float, include_infiniband: bool) -> list[Problem]:
+    """What is not healthy in gpud's /v1/health now (problems)."""
+    try:
+        return problems(_read_gpud(client, "/v1/health", deadline), include_infiniband)
+    except ValueError as exc:
+        raise HealthCheckFailed(EXIT_GPUD_ANSWER, f"gpud's /v1/health is not a health document: {exc}") from None
+
+
 def node_name(args: argparse.Namespace) -> str:
     return args.node_name or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
@@ -553,10 +561,7 @@ def check(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     name = node_name(args)
     client = Client(getattr(args, "socket", None), max_answer_bytes=MAX_GPUD_ANSWER)
-    try:
-        found = problems(_read_gpud(client, "/v1/health", deadline), args.drain_on_infiniband)
-    except ValueError as exc:
-        raise HealthCheckFailed(EXIT_GPUD_ANSWER, f"gpud's /v1/health is not a health document: {exc}") from None
+    found = _read_health(client, deadline, args.drain_on_infiniband)
     unhealthy = [p for p in found if p.state == UNHEALTHY]
     for problem in found[:MAX_PROBLEMS_PRINTED]:
         print(f"gpud: {_brief(problem.subject)} {problem.state}: {_brief(problem.text)}" +
