@@ -10,8 +10,7 @@ import asyncio
 import json
 
 import pytest
-from kube_api_stand_in import KubeApiStandIn
-from kube_manifests import agent_rbac_rules, agent_role_rules
+from kube_manifests import stand_in_as_deployed
 
 from gpud.kubernetes.leases import LeaseSlots, pool_part
 from gpud.kubernetes.node_api import NodeApi, api_client
@@ -21,11 +20,8 @@ NAMESPACE = "gpud-system"
 
 @pytest.fixture
 def kube():
-    with KubeApiStandIn() as api:
-        api.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
-        api.create_namespace(NAMESPACE)
+    with stand_in_as_deployed([NAMESPACE]) as api:
         yield api
-        assert api.unmodelled == []
 
 
 async def slots_of(kube, nodes: list[str], pool: str = "cluster", slots: int = 1, duration_s: int = 1):
@@ -78,3 +74,4 @@ def test_only_a_state_the_agent_wrote_is_resumed_from_the_annotation():
                     json.dumps({**written, "passed": [{}]}), json.dumps({**written, "drain_since": "soon"}),
                     json.dumps({k: v for k, v in written.items() if k != "since"})):
         assert state_from_annotation(hostile) is None, hostile[:80]
+
