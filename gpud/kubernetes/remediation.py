@@ -318,14 +318,14 @@ class Remediation:
         await self._step(WAITING, "the slot was lost")
         return False
 
-    async def _pods_in_the_way(self) -> tuple[list[dict], list[str]]:
-        """The pod objects to evict or wait for, and what holds the GPUs that no pod object explains."""
+    async def _pods_in_the_way(self, gpus: list[dict]) -> tuple[list[dict], list[str]]:
+        """The pod objects to evict or wait for, and what holds these GPUs that no pod object explains."""
         pods = await self.api.list_pods()
         if self.policy.get("evict") == "node":
             return [pod for pod in pods if drainable(pod)], []
         by_key = {_pod_key(pod): pod for pod in pods}
         found, unexplained = {}, []
-        for gpu in self.state["gpus"]:
+        for gpu in gpus:
             try:
                 document = await self.agent._gpud("GET", f"/v1/gpus/{gpu['uuid']}/pods")
             except ApiFailure as exc:
@@ -344,7 +344,7 @@ class Remediation:
     async def _draining(self) -> None:
         if not await self._holding():
             return
-        pods, waiting = await self._pods_in_the_way()
+        pods, waiting = await self._pods_in_the_way(self.state["gpus"])
         annotation = self.policy.get("opt_out_annotation")
         grace = self.policy.get("grace_period_s")
         for pod in pods:
@@ -489,11 +489,7 @@ class Remediation:
             slots = self._slots()
             steps.append(f"taint the node ({_named(resets)} needs a reset)")
             steps.append(f"take one of {slots.slots} remediation slots of pool {slots.pool!r}")
-            self.state = {"gpus": resets}
-            try:
-                pods, waiting = await self._pods_in_the_way()
-            finally:
-                self.state = None
+            pods, waiting = await self._pods_in_the_way(resets)
             annotation = self.policy.get("opt_out_annotation")
             for pod in pods:
                 namespace, name = _pod_key(pod)
