@@ -4,12 +4,14 @@ gpud-sharing-configs."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import yaml
 
 from helpers import REPO
+from kube_api_stand_in import KubeApiStandIn
 
 MANIFESTS = REPO / "deploy" / "kubernetes"
 NAMESPACE = "gpud-system"
@@ -57,6 +59,20 @@ def agent_role_rules() -> dict[str, list[dict[str, Any]]]:
             namespace = binding["metadata"]["namespace"]
             granted.setdefault(namespace, []).extend(roles[(namespace, binding["roleRef"]["name"])])
     return granted
+
+
+@contextlib.contextmanager
+def stand_in_as_deployed(namespaces: Iterable[str] = (), nodes: Iterable[str] = ()) -> Iterator[KubeApiStandIn]:
+    """The API stand-in with the agent's RBAC as rbac.yaml grants it, these namespaces and these Nodes; on
+    leaving, it asserts that no call was one it does not model."""
+    with KubeApiStandIn() as stand_in:
+        stand_in.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
+        for namespace in namespaces:
+            stand_in.create_namespace(namespace)
+        for node in nodes:
+            stand_in.create_node(node)
+        yield stand_in
+        assert stand_in.unmodelled == [], "the agent made calls the stand-in does not model"
 
 
 def dra_rbac_rules() -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio import client as k8s
 
-from gpud.dra import kube
+from gpud.kubernetes import node_api
 from gpud.dra.claim_cdi import claim_specs_on_disk, spec_path
 from gpud.dra.config import ConfigError, parse
 from gpud.dra.kube import DraApi
@@ -156,7 +156,7 @@ async def test_a_watch_event_that_is_no_event_of_a_slice_is_a_kube_error(hostile
 
 async def test_a_watch_event_over_the_size_bound_is_not_read(hostile, monkeypatch):
     server, api = hostile
-    monkeypatch.setattr(kube, "MAX_ANSWER_BYTES", 64 << 10)
+    monkeypatch.setattr(node_api, "MAX_ANSWER_BYTES", 64 << 10)
     big = json.dumps({"type": "ADDED", "object": slice_object("big", annotations={"x": "y" * (1 << 20)})}).encode()
     server.watch_answer = (200, [big[i:i + 8192] for i in range(0, len(big), 8192)] + [b"\n"])
     with pytest.raises(KubeError, match=f"a watch event is over {64 << 10} bytes: not read"):
@@ -165,7 +165,7 @@ async def test_a_watch_event_over_the_size_bound_is_not_read(hostile, monkeypatc
 
 async def test_a_watch_trickling_bytes_that_make_no_event_is_dropped(hostile, monkeypatch):
     server, api = hostile
-    monkeypatch.setattr(kube, "WATCH_IDLE_S", 0.5)
+    monkeypatch.setattr(node_api, "WATCH_IDLE_S", 0.5)
     first = json.dumps({"type": "ADDED", "object": slice_object("first")}).encode() + b"\n"
     server.watch_answer, server.trickle_s = (200, [first] + [b" "] * 400), 0.02  # 8 s of a byte each 20 ms
     events, started = [], time.monotonic()

@@ -1,7 +1,7 @@
 """The Kubernetes agent's kubeconfig and watches (issue 38, defects 4, 5 and 11): a kubeconfig, a file it
 names or its credential plugin that another user controls is refused, naming the file, its owner and
 mode; a watch the server ends at once is retried with client-go's backoff, not in a loop; a watch that
-trickles is dropped."""
+trickles is dropped; an answer or a watch event is read bounded in size and nesting."""
 
 from __future__ import annotations
 
@@ -113,15 +113,15 @@ class FakeApiServer:
     """An API server gone wrong for the Node watch only: GET answers the Node, a watch what `watch` does.
     Counts the watch requests."""
 
-    def __init__(self, watch):
-        self.watch, self.watches = watch, 0
+    def __init__(self, watch, node: bytes = json.dumps(NODE).encode()):
+        self.watch, self.watches, self.node = watch, 0, node
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("watch", "").lower() in ("true", "1"):
             self.watches += 1
             return await self.watch(request)
         if request.method == "GET" and request.path == "/api/v1/nodes/n1":
-            return web.json_response(NODE)
+            return web.Response(body=self.node, content_type="application/json")
         return web.json_response(NODE)  # the agent's writes: answered, not judged here
 
     async def __aenter__(self) -> str:
@@ -183,7 +183,9 @@ async def test_a_trickling_watch_is_dropped_at_the_idle_deadline(home, monkeypat
         await client.close()
 
 
-async def test_an_event_line_over_the_read_limit_is_an_error_not_a_hang(home):
+async def test_an_event_line_over_the_read_limit_is_an_error_not_a_hang(home, monkeypatch):
+    monkeypatch.setattr(node_api, "MAX_ANSWER_BYTES", 1 << 20)
+
     async def huge(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         await response.prepare(request)
@@ -193,9 +195,44 @@ async def test_an_event_line_over_the_read_limit_is_an_error_not_a_hang(home):
 
     async with FakeApiServer(huge) as url:
         client = await api_client(kubeconfig(home, server=url))
-        with pytest.raises(KubeError):
+        started = time.monotonic()
+        with pytest.raises(KubeError, match=f"a watch event is over {1 << 20} bytes: not read"):
             async for _ in NodeApi(client, "n1").watch("7"):
                 pass
+        assert time.monotonic() - started < 10
+        await client.close()
+
+
+async def test_a_node_over_aiohttps_line_limit_is_watched_and_read(home):
+    """A Node may carry 256 KiB of annotations (k8s.io/apimachinery pkg/api/validation/objectmeta.go
+    TotalAnnotationSizeLimitB): more than aiohttp's 128 KiB readline limit, which the agent's watch once
+    met as "Line is too long", forever."""
+    big = {**NODE, "metadata": {**NODE["metadata"], "annotations": {"example.com/big": "a" * (200 << 10)}}}
+
+    async def one_big_event(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(json.dumps({"type": "MODIFIED", "object": big}).encode() + b"\n")
+        return response
+
+    async with FakeApiServer(one_big_event) as url:
+        client = await api_client(kubeconfig(home, server=url))
+        api = NodeApi(client, "n1")
+        assert [(kind, obj) async for kind, obj in api.watch("7")] == [("MODIFIED", big)]
+        await client.close()
+
+
+@pytest.mark.parametrize("answer, why", [
+    (b'{"metadata": ' * 100 + b"{}" + b"}" * 100, "nests lists or objects more than 64 deep"),
+    (b"[" * 40_000 + b"]" * 40_000, "nests lists or objects more than 64 deep"),  # RecursionError in json.loads
+    (b"[]", "is a JSON list, not an object"),
+    (b'{"kind": "Node", "metadata": {"name": "n1", "x": "' + b"a" * (17 << 20) + b'"}}', "over 16777216 bytes"),
+], ids=["nested-100", "nested-40000", "a-list", "17-MiB"])
+async def test_an_answer_too_deep_too_large_or_no_object_is_a_kube_error(home, answer, why):
+    async with FakeApiServer(empty_200, node=answer) as url:
+        client = await api_client(kubeconfig(home, server=url))
+        with pytest.raises(KubeError, match=why):
+            await NodeApi(client, "n1").read_node()
         await client.close()
 
 

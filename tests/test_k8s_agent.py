@@ -25,7 +25,7 @@ import pytest
 from helpers import REPO, cli, mig_settled, need, start_daemon, stop_daemon, until_async
 from kube_api_stand_in import AGENT_USER, ApiError, KubeApiStandIn
 from kube_http import node_path
-from kube_manifests import agent_rbac_rules, agent_role_rules, sharing_configs
+from kube_manifests import agent_rbac_rules, sharing_configs, stand_in_as_deployed
 
 from gpud.config import Config
 from gpud.kubernetes.agent import Agent
@@ -128,11 +128,8 @@ class LabelRecorder:
 
 @pytest.fixture
 def kube():
-    with KubeApiStandIn() as api:
-        api.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
-        api.create_node(NODE)
+    with stand_in_as_deployed(nodes=[NODE]) as api:
         yield api
-        assert api.unmodelled == [], "the agent made calls the stand-in does not model"
 
 
 def state_label(kube) -> str | None:

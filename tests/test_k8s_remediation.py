@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import cli, start_daemon, stop_daemon, until_async
 from kube_api_stand_in import KubeApiStandIn
-from kube_manifests import agent_rbac_rules, agent_role_rules
+from kube_manifests import stand_in_as_deployed
 from kubelet_stand_in import Kubelet as KubeletStandIn
 from test_k8s_agent import AgentProcess, gpud_config
 
@@ -37,13 +37,8 @@ REBOOT_XID = 79  # fallen off the bus: a reboot
 
 @pytest.fixture
 def kube():
-    with KubeApiStandIn() as api:
-        api.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
-        api.create_namespace(LEASE_NAMESPACE)
-        for name in NODES:
-            api.create_node(name)
+    with stand_in_as_deployed([LEASE_NAMESPACE], NODES) as api:
         yield api
-        assert api.unmodelled == [], "the agent made calls the stand-in does not model"
 
 
 @dataclass

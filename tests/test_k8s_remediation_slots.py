@@ -10,8 +10,7 @@ import asyncio
 import json
 
 import pytest
-from kube_api_stand_in import KubeApiStandIn
-from kube_manifests import agent_rbac_rules, agent_role_rules
+from kube_manifests import stand_in_as_deployed
 
 from gpud.kubernetes.leases import LeaseSlots, pool_part
 from gpud.kubernetes.node_api import NodeApi, api_client
@@ -21,11 +20,8 @@ NAMESPACE = "gpud-system"
 
 @pytest.fixture
 def kube():
-    with KubeApiStandIn() as api:
-        api.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
-        api.create_namespace(NAMESPACE)
+    with stand_in_as_deployed([NAMESPACE]) as api:
         yield api
-        assert api.unmodelled == []
 
 
 async def slots_of(kube, nodes: list[str], pool: str = "cluster", slots: int = 1, duration_s: int = 1):
@@ -71,10 +67,47 @@ def test_only_a_state_the_agent_wrote_is_resumed_from_the_annotation():
     from gpud.kubernetes.remediation import state_from_annotation
 
     written = {"step": "draining", "gpus": [{"index": 0, "uuid": "GPU-a"}], "why": "GPU 0: XID 95", "since": 1.0,
-               "step_since": 2.0, "lease": "gpud-remediation-cluster-0", "detail": None, "passed": [], "drain_since": 2.0}
+               "step_since": 2.0, "lease": "gpud-remediation-cluster-0", "detail": None, "passed": [],
+               "drain_since": 2.0}
     assert state_from_annotation(json.dumps(written)) == written
     for hostile in ("", "not json", "[" * 100_000, json.dumps([written]), json.dumps({**written, "step": "rm -rf"}),
                     json.dumps({**written, "why": None}), json.dumps({**written, "gpus": [{"uuid": 7, "index": 0}]}),
                     json.dumps({**written, "passed": [{}]}), json.dumps({**written, "drain_since": "soon"}),
                     json.dumps({k: v for k, v in written.items() if k != "since"})):
         assert state_from_annotation(hostile) is None, hostile[:80]
+
+
+async def test_a_dry_run_holds_no_state_while_it_asks_which_pods_are_in_the_way():
+    """The health loop reads the remediation's state at any await (condition, holds_taint): a dry run that
+    set a partial state while it listed pods once had the node tainted, or the health loop fail on it."""
+    from types import SimpleNamespace
+
+    from gpud.kubernetes.health import Verdict
+    from gpud.kubernetes.remediation import Remediation
+
+    listing, release = asyncio.Event(), asyncio.Event()
+
+    async def list_pods() -> list[dict]:
+        listing.set()
+        await release.wait()
+        return []
+
+    async def gpud(method: str, path: str, *args) -> dict:
+        return {"pods": []}
+
+    async def event(*args) -> None:
+        pass
+
+    api = SimpleNamespace(list_pods=list_pods, node_name="node-a")
+    agent = SimpleNamespace(api=api, node={"metadata": {}}, node_name="node-a", _gpud=gpud, _event=event,
+                            _note=lambda *args, **kwargs: None)
+    remediation = Remediation(agent)
+    remediation.policy = {"enabled": True, "dry_run": True}
+    dry_run = asyncio.create_task(remediation._dry_run([{"index": 0, "uuid": "GPU-a", "action": "reset-gpu",
+                                                          "why": "XID 95"}], []))
+    await listing.wait()
+    healthy = Verdict("True", "GPUsHealthy", "", taint=False)
+    assert not remediation.holds_taint() and remediation.condition(healthy) == healthy
+    release.set()
+    await dry_run
+    assert remediation.state is None

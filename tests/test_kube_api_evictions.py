@@ -13,7 +13,7 @@ import time
 import pytest
 from kube_api_stand_in import AGENT_USER, KubeApiStandIn
 from kube_http import KubeHttp
-from kube_manifests import NAMESPACE, agent_rbac_rules, agent_role_rules
+from kube_manifests import NAMESPACE, agent_rbac_rules, stand_in_as_deployed
 
 GPU = [{"name": "main", "limits": {"nvidia.com/gpu": "1"}}]
 APP = {"app": "train"}
@@ -24,11 +24,8 @@ LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
 
 @pytest.fixture
 def kube_api():
-    with KubeApiStandIn() as stand_in:
-        stand_in.create_namespace(NAMESPACE)
-        stand_in.bind_agent_rbac(agent_rbac_rules(), agent_role_rules())
+    with stand_in_as_deployed([NAMESPACE]) as stand_in:
         yield stand_in
-        assert stand_in.unmodelled == []
 
 
 def eviction(name: str, namespace: str = "default", **delete_options) -> dict:

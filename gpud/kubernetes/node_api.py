@@ -1,4 +1,5 @@
-"""The agent's calls to the Kubernetes API, about its own Node only (kubernetes_asyncio).
+"""The agent's calls to the Kubernetes API, about its own Node only (kubernetes_asyncio), and the bounded
+reading of every answer that it and the DRA plugin (gpud/dra/kube.py) share.
 
 Fleet scale shapes each call (5,000 nodes, one agent each, one API server): the Node is watched with a
 field selector on its name, never listed with the others; a watch resumes from the last resourceVersion
@@ -6,6 +7,10 @@ it saw (bookmarks keep that fresh while nothing changes) and is re-read with one
 server says it is too old (410 Gone); writes are patches of the agent's own keys; a taint change
 carries the resourceVersion it was computed from, so a concurrent writer makes it fail with 409
 Conflict (then it is recomputed) instead of being overwritten.
+
+Bodies and answers stay JSON documents: the generated models would drop fields a newer server adds. Every
+answer and every watch event is read by size (MAX_ANSWER_BYTES) and parsed with its nesting bounded
+(gpud.base.bounded_json): whatever the server sends, a KubeError says what was wrong with it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from pathlib import Path
 
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpud.base import bounded_json
@@ -31,6 +35,9 @@ from gpud.base.yamlfile import at_line, load_yaml, read_yaml_text
 from gpud.kubernetes import COMPONENT
 
 REQUEST_TIMEOUT_S = 30.0
+# A call's keywords: its answer left unread for read_answer, and the whole call (the body read included:
+# aiohttp's ClientTimeout total) within REQUEST_TIMEOUT_S.
+RAW_CALL = {"_preload_content": False, "_request_timeout": REQUEST_TIMEOUT_S}
 # A watch asks the server to end it after a random 5 to 10 minutes, as client-go's reflector does
 # (tools/cache/reflector.go: minWatchTimeout = 5 min, timeoutSeconds = min * (1 + rand)): the agents
 # of a fleet do not all come back at once, and a connection some middlebox dropped silently is
@@ -43,6 +50,14 @@ WATCH_GRACE_S = 30.0
 # than held until its timeout. One event is one line of at most aiohttp's read buffer limit (a
 # longer one is an error, ValueError "Line is too long"): a Node is some tens of KiB.
 WATCH_IDLE_S = 150.0
+# One object is at most about 1.5 MiB (etcd's default request limit), a Node's annotations alone up to
+# 256 KiB (k8s.io/apimachinery pkg/api/validation/objectmeta.go TotalAnnotationSizeLimitB), and the
+# answers read are a node's own objects: an answer, or one watch event, beyond this is no sane server's,
+# and is not read into memory.
+MAX_ANSWER_BYTES = 16 << 20
+# The watch event types client-go's decoder accepts (client-go rest/watch/decoder.go Decode: any other is
+# "got invalid watch event type").
+WATCH_EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 # Kubernetes Events: core/v1 Event.message has no limit, events.k8s.io/v1's note is 1 kB
 # (pkg/apis/core/validation/events.go, NoteLengthLimit); the agent keeps to the smaller one.
 EVENT_MESSAGE_LIMIT = 1024
@@ -152,6 +167,118 @@ def _check_programs(user: dict) -> None:
             check_trusted_file(Path(command), "the kubeconfig's auth-provider cmd-path")
 
 
+async def read_answer(action: str, call) -> dict:
+    """The answer's JSON object (`call` made with _preload_content=False); KubeError for any status but
+    2xx, no answer, or one that is no JSON object (too large, too deep, not JSON)."""
+    try:
+        response = await call
+        status = response.status
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(64 * 1024):
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                response.close()
+                raise KubeError(action, status, f"the answer is over {MAX_ANSWER_BYTES} bytes: not read")
+        response.release()
+    except KubeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - aiohttp's and the client's errors share no base
+        raise _error(action, exc) from None
+    if not 200 <= status <= 299:
+        raise KubeError(action, status, _status_message(body))
+    try:
+        return _json_object(body, f"the answer to {action}")
+    except ValueError as exc:
+        raise KubeError(action, status, str(exc)) from None
+
+
+async def watch_events(action: str, call) -> AsyncIterator[tuple[str, dict]]:
+    """(event type, object) of a watch (`call` made with watch=True, _preload_content=False), bookmarks
+    included, until the server ends it. KubeError 410: the version is too old; KubeError with no status:
+    an event over MAX_ANSWER_BYTES, not JSON, nested too deep, or not a watch event of a named object, or
+    none for WATCH_IDLE_S."""
+    try:
+        response = await call
+    except Exception as exc:  # noqa: BLE001 - as in read_answer
+        raise _error(action, exc) from None
+    try:
+        if not 200 <= response.status <= 299:  # refused before the watch began: a Status, as any answer
+            body = await response.content.read(MAX_ANSWER_BYTES)
+            raise KubeError(action, response.status, _status_message(body))
+        lines = _lines(response, action)
+        while True:  # one silent, or trickling bytes that make no event, is dropped
+            try:
+                line = await asyncio.wait_for(anext(lines), WATCH_IDLE_S)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise KubeError(action, None, f"no event nor bookmark in {WATCH_IDLE_S:g} s: the watch is "
+                                              "dropped and made again") from None
+            yield _watch_event(line, action)
+    except KubeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as in read_answer
+        raise _error(action, exc) from None
+    finally:
+        response.close()
+
+
+async def _lines(response, action: str) -> AsyncIterator[bytes]:
+    """The non-blank lines of a watch answer (the API server ends each event with a newline), none longer
+    than MAX_ANSWER_BYTES: a longer one is a KubeError once that much is read, not a line kept growing.
+    Each chunk is searched once, so a line sent a byte at a time costs no more than one sent whole."""
+    pending = bytearray()
+    async for chunk in response.content.iter_any():
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending += chunk[start:end]
+            if pending.strip():
+                yield bytes(pending)
+            pending.clear()
+            start = end + 1
+        pending += chunk[start:]
+        if len(pending) > MAX_ANSWER_BYTES:
+            raise KubeError(action, None, f"a watch event is over {MAX_ANSWER_BYTES} bytes: not read")
+    if pending.strip():
+        yield bytes(pending)
+
+
+def _watch_event(line: bytes, action: str) -> tuple[str, dict]:
+    """(type, object) of one event, checked as client-go's decoder checks it (a known type, an object),
+    and as the watchers read it (an object with metadata; a named one unless a bookmark)."""
+    try:
+        event = _json_object(line, "a watch event")
+    except ValueError as exc:
+        raise KubeError(action, None, str(exc)) from None
+    kind, obj = event.get("type"), event.get("object")
+    if kind not in WATCH_EVENT_TYPES or not isinstance(obj, dict):
+        raise KubeError(action, None, f"a watch event of type {str(kind)[:40]!r} with no object: not a watch event")
+    if kind == "ERROR":  # a Status: 410 Expired when the version is too old
+        code = obj.get("code")
+        raise KubeError(action, code if isinstance(code, int) else None, str(obj.get("message", ""))[:1000])
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, dict) or kind != "BOOKMARK" and not isinstance(metadata.get("name"), str):
+        raise KubeError(action, None, f"a {kind} watch event's object has no metadata.name: not an object watched")
+    return kind, obj
+
+
+def _json_object(raw: bytes | bytearray, what: str) -> dict:
+    """raw as a JSON object (bounded_json's nesting bound); ValueError naming `what` otherwise."""
+    document = bounded_json.loads(bytes(raw), what=what)
+    if not isinstance(document, dict):
+        raise ValueError(f"{what} is a JSON {type(document).__name__}, not an object")
+    return document
+
+
+def _status_message(body: bytes | bytearray) -> str:
+    """What a refusal's body says: its Status's message, else its first 200 bytes as text."""
+    try:
+        message = _json_object(body, "the refusal").get("message")
+    except ValueError:
+        message = None
+    return message if isinstance(message, str) and message else bytes(body[:200]).decode(errors="replace")
+
+
 class NodeApi:
     """The calls, each counted by verb (the agent's status and the benchmark report them)."""
 
@@ -162,18 +289,13 @@ class NodeApi:
         self.node_name = node_name
         self.requests: collections.Counter[str] = collections.Counter()
 
-    async def _call(self, verb: str, action: str, call):
+    async def _call(self, verb: str, action: str, call) -> dict:
+        """`call` (made with _preload_content=False) counted by verb, and its answer read by read_answer."""
         self.requests[verb] += 1
-        try:
-            return self.client.sanitize_for_serialization(await call)
-        except (ApiException, OSError, asyncio.TimeoutError, ValueError) as exc:
-            raise _error(action, exc) from None
-        except Exception as exc:  # noqa: BLE001 - the client's transport errors (aiohttp's) share no base
-            raise _error(action, exc) from None
+        return await read_answer(action, call)
 
     async def read_node(self) -> dict:
-        return await self._call("get", f"get node {self.node_name}",
-                                self.core.read_node(self.node_name, _request_timeout=REQUEST_TIMEOUT_S))
+        return await self._call("get", f"get node {self.node_name}", self.core.read_node(self.node_name, **RAW_CALL))
 
     async def watch(self, resource_version: str | None) -> AsyncIterator[tuple[str, dict]]:
         """(event type, object) of the Node from resource_version on (None: from the most recent, the
@@ -183,60 +305,39 @@ class NodeApi:
         self.requests["watch"] += 1
         action = f"watch node {self.node_name}"
         since = {"resource_version": resource_version} if resource_version is not None else {}
-        stream = k8s_watch.Watch().stream(
-            self.core.list_node, field_selector=f"metadata.name={self.node_name}", allow_watch_bookmarks=True,
-            timeout_seconds=timeout, _request_timeout=timeout + WATCH_GRACE_S, **since)
-        events = stream.__aiter__()
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.__anext__(), WATCH_IDLE_S)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    raise KubeError(action, None, f"no event nor bookmark in {WATCH_IDLE_S:g} s: the watch is "
-                                                  "dropped and made again") from None
-                yield event["type"], event["raw_object"]
-        except KubeError:
-            raise
-        except (ApiException, OSError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
-            raise _error(action, exc) from None
-        except Exception as exc:  # noqa: BLE001 - as in _call
-            raise _error(action, exc) from None
-        finally:
-            await stream.close()
+        async for event in watch_events(action, self.core.list_node(
+                field_selector=f"metadata.name={self.node_name}", allow_watch_bookmarks=True, watch=True,
+                timeout_seconds=timeout, _preload_content=False, _request_timeout=timeout + WATCH_GRACE_S, **since)):
+            yield event
 
     async def patch_labels(self, labels: dict[str, str | None]) -> dict:
         """Sets (None: removes) these labels and no others: a JSON merge patch merges maps."""
         return await self._call("patch", f"patch labels of node {self.node_name}", self.core.patch_node(
-            self.node_name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH,
-            _request_timeout=REQUEST_TIMEOUT_S))
+            self.node_name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH, **RAW_CALL))
 
     async def patch_condition(self, condition: dict) -> dict:
         """Sets one condition of the Node's status, leaving the kubelet's: in a strategic merge patch,
         NodeStatus.conditions merge by `type` (k8s.io/api core/v1 types.go: patchMergeKey=type)."""
         return await self._call("patch", f"patch condition {condition['type']} of node {self.node_name}",
                                 self.core.patch_node_status(self.node_name, {"status": {"conditions": [condition]}},
-                                                            _content_type=STRATEGIC_MERGE_PATCH,
-                                                            _request_timeout=REQUEST_TIMEOUT_S))
+                                                            _content_type=STRATEGIC_MERGE_PATCH, **RAW_CALL))
 
     async def replace_taints(self, taints: list[dict], resource_version: str) -> dict:
         """NodeSpec.taints is an atomic list (types.go: no patch merge key), so a change sends the whole
         list, with the resourceVersion it was computed from as a precondition: 409 if it moved on."""
         return await self._call("patch", f"patch taints of node {self.node_name}", self.core.patch_node(
             self.node_name, {"metadata": {"resourceVersion": resource_version}, "spec": {"taints": taints}},
-            _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_S))
+            _content_type=MERGE_PATCH, **RAW_CALL))
 
     async def patch_annotations(self, annotations: dict[str, str | None]) -> dict:
         """Sets (None: removes) these annotations and no others, as patch_labels does labels."""
         return await self._call("patch", f"patch annotations of node {self.node_name}", self.core.patch_node(
-            self.node_name, {"metadata": {"annotations": annotations}}, _content_type=MERGE_PATCH,
-            _request_timeout=REQUEST_TIMEOUT_S))
+            self.node_name, {"metadata": {"annotations": annotations}}, _content_type=MERGE_PATCH, **RAW_CALL))
 
     async def list_pods(self) -> list[dict]:
         """The pods bound to this node, in every namespace: a field selector, never the cluster's pods."""
         listed = await self._call("list", f"list pods of node {self.node_name}", self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={self.node_name}", _request_timeout=REQUEST_TIMEOUT_S))
+            field_selector=f"spec.nodeName={self.node_name}", **RAW_CALL))
         return listed.get("items") or []
 
     async def evict(self, namespace: str, name: str, grace_period_s: int | None) -> None:
@@ -246,23 +347,22 @@ class NodeApi:
         body = k8s.V1Eviction(api_version="policy/v1", kind="Eviction", delete_options=options,
                               metadata=k8s.V1ObjectMeta(name=name, namespace=namespace))
         await self._call("create", f"evict pod {namespace}/{name}", self.core.create_namespaced_pod_eviction(
-            name, namespace, body, _request_timeout=REQUEST_TIMEOUT_S))
+            name, namespace, body, **RAW_CALL))
 
     async def read_lease(self, namespace: str, name: str) -> dict:
         return await self._call("get", f"get lease {namespace}/{name}", self.coordination.read_namespaced_lease(
-            name, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+            name, namespace, **RAW_CALL))
 
     async def create_lease(self, namespace: str, lease: dict) -> dict:
         return await self._call("create", f"create lease {namespace}/{lease['metadata']['name']}",
-                                self.coordination.create_namespaced_lease(namespace, lease,
-                                                                          _request_timeout=REQUEST_TIMEOUT_S))
+                                self.coordination.create_namespaced_lease(namespace, lease, **RAW_CALL))
 
     async def replace_lease(self, namespace: str, lease: dict) -> dict:
         """An update carrying the resourceVersion it read: 409 when another holder wrote it meanwhile (the
         compare-and-swap client-go's resourcelock.LeaseLock relies on)."""
         return await self._call("update", f"update lease {namespace}/{lease['metadata']['name']}",
                                 self.coordination.replace_namespaced_lease(lease["metadata"]["name"], namespace, lease,
-                                                                           _request_timeout=REQUEST_TIMEOUT_S))
+                                                                           **RAW_CALL))
 
     async def create_event(self, node: dict, event_type: str, reason: str, message: str) -> None:
         """A core/v1 Event on the Node, in namespace default: where events of cluster-scoped objects go
@@ -279,4 +379,4 @@ class NodeApi:
             "reportingComponent": COMPONENT, "reportingInstance": self.node_name,
         }
         await self._call("create", f"create event {reason} on node {self.node_name}",
-                         self.core.create_namespaced_event("default", body, _request_timeout=REQUEST_TIMEOUT_S))
+                         self.core.create_namespaced_event("default", body, **RAW_CALL))

@@ -242,14 +242,13 @@ class Remediation:
         watch event from before that write must not count)."""
         if self.state is None or self.state["step"] != ESCALATED:
             return False
-        meta = (self.agent.node or {}).get("metadata") or {}
-        if ANNOTATION in (meta.get("annotations") or {}):
+        if ANNOTATION in self._annotations():
             return False
-        return int(meta.get("resourceVersion") or 0) > self._saved_version
+        return int(((self.agent.node or {}).get("metadata") or {}).get("resourceVersion") or 0) > self._saved_version
 
     def _load(self) -> None:
         self._loaded = True
-        raw = ((self.agent.node or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION)
+        raw = self._annotations().get(ANNOTATION)
         if raw is None:
             return
         state = state_from_annotation(raw)
@@ -318,14 +317,14 @@ class Remediation:
         await self._step(WAITING, "the slot was lost")
         return False
 
-    async def _pods_in_the_way(self) -> tuple[list[dict], list[str]]:
-        """The pod objects to evict or wait for, and what holds the GPUs that no pod object explains."""
+    async def _pods_in_the_way(self, gpus: list[dict]) -> tuple[list[dict], list[str]]:
+        """The pod objects to evict or wait for, and what holds these GPUs that no pod object explains."""
         pods = await self.api.list_pods()
         if self.policy.get("evict") == "node":
             return [pod for pod in pods if drainable(pod)], []
         by_key = {_pod_key(pod): pod for pod in pods}
         found, unexplained = {}, []
-        for gpu in self.state["gpus"]:
+        for gpu in gpus:
             try:
                 document = await self.agent._gpud("GET", f"/v1/gpus/{gpu['uuid']}/pods")
             except ApiFailure as exc:
@@ -344,7 +343,7 @@ class Remediation:
     async def _draining(self) -> None:
         if not await self._holding():
             return
-        pods, waiting = await self._pods_in_the_way()
+        pods, waiting = await self._pods_in_the_way(self.state["gpus"])
         annotation = self.policy.get("opt_out_annotation")
         grace = self.policy.get("grace_period_s")
         for pod in pods:
@@ -398,8 +397,7 @@ class Remediation:
             if gpu["uuid"] in self.state["passed"]:
                 continue
             try:
-                result = await self.agent._gpud("POST", f"/v1/gpus/{gpu['uuid']}/remediate",
-                                                {"requester": "k8s-agent"}, self.agent.gpud_apply)
+                result = await self._remediate(gpu)
             except ApiFailure as exc:
                 if exc.code == "reset-blocked":  # a pod the kubelet had not reported yet, or a process outside pods
                     self._note(detail=f"GPU {gpu['index']}: {exc}")
@@ -441,8 +439,7 @@ class Remediation:
         self._last_check = time.monotonic()
         for gpu in self.state["gpus"]:
             try:
-                result = await self.agent._gpud("POST", f"/v1/gpus/{gpu['uuid']}/remediate",
-                                                {"requester": "k8s-agent"}, self.agent.gpud_apply)
+                result = await self._remediate(gpu)
             except ApiFailure as exc:
                 self._note(detail=f"{self.state['detail']} (re-check: {exc})")
                 return
@@ -450,6 +447,11 @@ class Remediation:
                 return
         await self._end("RemediationSucceeded", "Normal", f"{_named(self.state['gpus'])} healthy again and checked: "
                         "back in service, the taint removed")
+
+    async def _remediate(self, gpu: dict) -> dict:
+        """gpud's POST /v1/gpus/{id}/remediate: a reset where one is due, and the check after it."""
+        return await self.agent._gpud("POST", f"/v1/gpus/{gpu['uuid']}/remediate", {"requester": "k8s-agent"},
+                                      self.agent.gpud_apply)
 
     async def _escalate(self, detail: str) -> None:
         self.counts["escalated"] += 1
@@ -489,11 +491,7 @@ class Remediation:
             slots = self._slots()
             steps.append(f"taint the node ({_named(resets)} needs a reset)")
             steps.append(f"take one of {slots.slots} remediation slots of pool {slots.pool!r}")
-            self.state = {"gpus": resets}
-            try:
-                pods, waiting = await self._pods_in_the_way()
-            finally:
-                self.state = None
+            pods, waiting = await self._pods_in_the_way(resets)
             annotation = self.policy.get("opt_out_annotation")
             for pod in pods:
                 namespace, name = _pod_key(pod)
@@ -523,8 +521,7 @@ class Remediation:
 
     async def _save(self) -> None:
         value = json.dumps(self.state, separators=(",", ":")) if self.state is not None else None
-        current = ((self.agent.node or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION)
-        if value != current:
+        if value != self._annotations().get(ANNOTATION):
             self.agent.node = await self.api.patch_annotations({ANNOTATION: value})
             self._saved_version = int(self.agent.node["metadata"].get("resourceVersion") or 0)
         self._note()
@@ -533,9 +530,9 @@ class Remediation:
         """remediation.reboot_marker: what a reboot manager reads (kured's sentinel file, or an annotation)."""
         marker = self.policy.get("reboot_marker") or "none"
         if marker == "annotation":
-            annotations = (self.agent.node or {}).get("metadata", {}).get("annotations") or {}
-            if annotations.get(REBOOT_ANNOTATION) != (why[:1024] if why else None):
-                self.agent.node = await self.api.patch_annotations({REBOOT_ANNOTATION: why[:1024] if why else None})
+            value = why[:1024] if why else None
+            if self._annotations().get(REBOOT_ANNOTATION) != value:
+                self.agent.node = await self.api.patch_annotations({REBOOT_ANNOTATION: value})
         elif marker == "kured":
             sentinel = Path(self.policy.get("reboot_sentinel") or "/var/run/reboot-required")
             try:
@@ -552,6 +549,10 @@ class Remediation:
         if why:
             log.warning("remediation_reboot_marked", node=self.agent.node_name, marker=marker, why=why)
 
+    def _annotations(self) -> dict:
+        """The Node's annotations as the agent last saw them."""
+        return ((self.agent.node or {}).get("metadata") or {}).get("annotations") or {}
+
     async def _event(self, event_type: str, reason: str, message: str) -> None:
         await self.agent._event(event_type, reason, message)
 
@@ -564,7 +565,7 @@ class Remediation:
         state = self.state or {}
         self.agent._note("remediation", enabled=bool(self.policy.get("enabled")),
                          dry_run=bool(self.policy.get("dry_run")),
-                         step=state.get("step") if state else None,
+                         step=state.get("step"),
                          gpus=[g.get("index") for g in state.get("gpus", [])] or None,
                          why=state.get("why"), lease=state.get("lease"),
                          detail=extra.get("detail", state.get("detail")),
