@@ -51,17 +51,20 @@ def lease(name: str, holder: str = "node-a", version: str | None = None, **spec)
 # -- RBAC: exactly what rbac.yaml grants the agent ----------------------------------------------------
 
 
-def test_the_agent_may_read_pods_evict_them_and_use_leases_in_its_namespace_only(kube_api):
+def test_the_agent_may_list_pods_evict_them_and_use_leases_in_its_namespace_only(kube_api):
     kube_api.create_pod("default", "p", "node-a", GPU)
     agent = kube_api.http("agent")
-    assert agent.get(pod_path("p"))["metadata"]["name"] == "p"
     assert agent.get("/api/v1/pods", fieldSelector="spec.nodeName=node-a")["items"][0]["metadata"]["name"] == "p"
     assert agent.request("POST", LEASES, lease("slot-0"))[0] == 201
     assert agent.get(f"{LEASES}/slot-0")["spec"]["holderIdentity"] == "node-a"
-    assert agent.get(LEASES)["kind"] == "LeaseList"
-    assert evict(agent, "p") == (201, EVICTED)
 
     refused = {
+        ("GET", pod_path("p")):  # it lists its node's pods again at each look: it reads none by name
+            f'pods "p" is forbidden: User "{AGENT_USER}" cannot get resource "pods" in API group "" in the '
+            'namespace "default"',
+        ("GET", LEASES):  # it reads its slots by their names
+            f'leases.coordination.k8s.io is forbidden: User "{AGENT_USER}" cannot list resource "leases" in API '
+            f'group "coordination.k8s.io" in the namespace "{NAMESPACE}"',
         ("DELETE", pod_path("p")): f'pods "p" is forbidden: User "{AGENT_USER}" cannot delete resource "pods" in API '
                                    'group "" in the namespace "default"',
         ("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/x"):
@@ -80,6 +83,7 @@ def test_the_agent_may_read_pods_evict_them_and_use_leases_in_its_namespace_only
     for (method, path), message in refused.items():
         status, answer = agent.request(method, path)
         assert (status, answer["reason"], answer["message"]) == (403, "Forbidden", message), (method, path)
+    assert evict(agent, "p") == (201, EVICTED)
 
     kube_api.bind_agent_rbac(agent_rbac_rules())  # the ClusterRole alone: no lease anywhere
     assert agent.request("GET", f"{LEASES}/slot-0")[0] == 403
@@ -354,11 +358,11 @@ def test_leases_compare_and_swap(kube_api):
     status, answer = agent.put(f"{LEASES}/slot-1", lease("slot-1"))  # AllowCreateOnUpdate
     assert status == 201 and answer["metadata"]["name"] == "slot-1"
     slot_1_uid = answer["metadata"]["uid"]
-    listed = agent.get(LEASES)
+    admin = kube_api.http("admin")  # the agent lists no Leases (rbac.yaml): the list as another client sees it
+    listed = admin.get(LEASES)
     assert [item["metadata"]["name"] for item in listed["items"]] == ["slot-0", "slot-1"]
-    assert agent.get(LEASES, fieldSelector="metadata.name=slot-1")["items"][0]["metadata"]["name"] == "slot-1"
+    assert admin.get(LEASES, fieldSelector="metadata.name=slot-1")["items"][0]["metadata"]["name"] == "slot-1"
 
-    admin = kube_api.http("admin")
     status, answer = admin.delete(f"{LEASES}/slot-1")
     assert (status, answer) == (200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                                       "details": {"name": "slot-1", "group": "coordination.k8s.io", "kind": "leases",
@@ -432,7 +436,9 @@ def test_the_agents_client_calls(kube_api):
             assert refused.value.status == 429 and "disruption budget" in refused.value.body
             kube_api.set_pdb_status("default", "train", 1)
             await core.create_namespaced_pod_eviction("a", "default", body)
-            assert (await core.read_namespaced_pod("a", "default")).metadata.deletion_grace_period_seconds == 10
+            listed = await core.list_pod_for_all_namespaces(field_selector="spec.nodeName=node-a")  # as the agent looks
+            evicted = next(p for p in listed.items if (p.metadata.namespace, p.metadata.name) == ("default", "a"))
+            assert evicted.metadata.deletion_grace_period_seconds == 10
             await core.create_namespaced_pod_eviction(
                 "b", "kube-system", k8s.V1Eviction(metadata=k8s.V1ObjectMeta(name="b", namespace="kube-system")))
 

@@ -120,11 +120,11 @@ def test_agent_rbac_is_exactly_what_it_calls():
     assert granted == {("", "nodes", "get"), ("", "nodes", "watch"), ("", "nodes", "patch"),
                        ("", "nodes/status", "patch"), ("", "events", "create"),
                        # remediation: the pods of its node, in any namespace, and their eviction
-                       ("", "pods", "get"), ("", "pods", "list"), ("", "pods/eviction", "create")}
+                       ("", "pods", "list"), ("", "pods/eviction", "create")}
     # the remediation slots, in gpud-system only (a Role and its RoleBinding, not a cluster-wide grant)
     assert {namespace: kube_manifests.rbac_grants(rules) for namespace, rules in namespaced.items()} == {
         kube_manifests.NAMESPACE: {("coordination.k8s.io", "leases", verb)
-                                   for verb in ("get", "list", "create", "update")}}
+                                   for verb in ("get", "create", "update")}}
     # Spelled out, so that a later edit that adds one shows here too.
     everything = granted | kube_manifests.rbac_grants(namespaced[kube_manifests.NAMESPACE])
     assert not any("*" in item for item in everything)
