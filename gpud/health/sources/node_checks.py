@@ -54,15 +54,19 @@ class NodeChecks:
         if self._ib_reading is None:
             self._ib_reading = asyncio.ensure_future(asyncio.to_thread(infiniband.read_ports, self._sysfs))
             self._ib_reading_since = time.monotonic()
+        # this pass's reading, held here: a check_node_once() beside the loop's pass waits on the same one,
+        # and whichever ends first clears self._ib_reading
+        reading = self._ib_reading
         left = self._ib_reading_since + IB_READ_DEADLINE_S - time.monotonic()
-        done, _ = await asyncio.wait({self._ib_reading}, timeout=max(left, 0.0))
+        done, _ = await asyncio.wait({reading}, timeout=max(left, 0.0))
         if not done:  # said on node and in /healthz: a check that cannot finish is not hidden
             self.stuck = (f"reading the InfiniBand ports under {self._sysfs / 'class' / 'infiniband'} has not "
                           f"finished in {time.monotonic() - self._ib_reading_since:.0f} s: their health is "
                           "unknown; look for a hung filesystem or a FIFO mounted there")
             return self._tracker.observe(NODE, "infiniband", "read-stuck",
                                          (Health.DEGRADED, Action.INSPECT_HARDWARE, self.stuck))
-        reading, self._ib_reading, self.stuck = self._ib_reading, None, None
+        if self._ib_reading is reading:
+            self._ib_reading, self.stuck = None, None
         self.ib_ports = reading.result()
         changes = self._tracker.observe(NODE, "infiniband", "read-stuck", None)
         changes += self._tracker.set_subjects("ib:", [port.subject for port in self.ib_ports])
