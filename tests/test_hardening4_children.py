@@ -218,7 +218,7 @@ def test_an_endless_trailer_section_is_refused_at_a_heads_bound():
 
 
 def test_a_stream_whose_head_never_comes_ends_at_the_clients_timeout_and_its_events_have_none():
-    with answering_gpud(lambda handler: time.sleep(5)) as path:
+    with answering_gpud(lambda handler: time.sleep(5)) as path:  # fixed time: no head within the 1 s timeout
         started = time.monotonic()
         with pytest.raises(DaemonUnreachable, match="did not answer whole within 1 s"):
             next(Client(path, timeout=1).stream("/v1/watch"))

@@ -89,7 +89,7 @@ async def test_a_dry_run_holds_no_state_while_it_asks_which_pods_are_in_the_way(
 
     async def list_pods() -> list[dict]:
         listing.set()
-        await release.wait()
+        await asyncio.wait_for(release.wait(), 10)
         return []
 
     async def gpud(method: str, path: str, *args) -> dict:
@@ -105,7 +105,7 @@ async def test_a_dry_run_holds_no_state_while_it_asks_which_pods_are_in_the_way(
     remediation.policy = {"enabled": True, "dry_run": True}
     dry_run = asyncio.create_task(remediation._dry_run([{"index": 0, "uuid": "GPU-a", "action": "reset-gpu",
                                                           "why": "XID 95"}], []))
-    await listing.wait()
+    await asyncio.wait_for(listing.wait(), 10)
     healthy = Verdict("True", "GPUsHealthy", "", taint=False)
     assert not remediation.holds_taint() and remediation.condition(healthy) == healthy
     release.set()
