@@ -117,7 +117,8 @@ class SlurmNode:
             self.box.wait_for(ok, what, timeout)
         except AssertionError as exc:
             logs = self.run("tail", "-n", "30", "/var/log/slurm/slurmd.log", "/var/log/slurm/slurmctld.log").stdout
-            raise AssertionError(f"{exc}; node: {seen[-1] if seen else None}\n{logs}") from None
+            # Slurm's side first: CI shows a long failure's beginning and end, and gpud's journal is long
+            raise AssertionError(f"{what}: node: {seen[-1] if seen else None}\n{logs}\n{exc}") from None
         return seen[0]
 
     def slurm_view(self) -> dict:
@@ -290,12 +291,18 @@ def test_a_mig_layout_change_is_reflected_in_the_gres(slurm):
     slurm.make_device_nodes()
     assert slurm.configure_slurm() == "Gres=gpu:3g.20gb:4"
     # The controller first, then slurmd registers with it: restarted together, slurmd's registration
-    # can reach the controller before it read the new count, and the node stays INVALID_REG.
-    slurm.run("systemctl", "restart", "slurmctld")
-    slurm.wait_state("the controller's new GRES", lambda node: node.get("Gres") == "gpu:3g.20gb:4")
+    # can reach the controller before it read the new count, and the node stays INVALID_REG. The new
+    # controller answers once it read slurm.conf. The node's Gres= is no sign of that: slurmd, still
+    # holding what it read on gpud's reconfigure, registers with the new controller at once, and each
+    # registration rebuilds Gres= from what slurmd reported (slurm src/common/gres.c
+    # gres_node_config_validate), so until slurmd's restart it shows whatever that was.
+    slurm.run("systemctl", "restart", "slurmctld")  # returns once the old controller stopped
+    slurm.box.wait_for(lambda: slurm.run("scontrol", "show", "config", check=False).returncode == 0,
+                       "the new controller")
     slurm.run("systemctl", "restart", "slurmd")
     node = slurm.wait_state("slurmd's registration", lambda node: "INVALID_REG" not in node["State"] and
                             "NOT_RESPONDING" not in node["State"] and node.get("Version"))
+    assert node["Gres"] == "gpu:3g.20gb:4", node
     # Still drained: by the operator, or (24.11, whose reconfigure restarts slurmd) by slurmctld's own
     # check of the count slurmd registered on gpud's reconfigure, which replaced the operator's reason.
     print("reason after the restarts:", node.get("Reason"))

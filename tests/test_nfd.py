@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import (REPO, GpudProcess, cli, mig_settled, put_layout, sharing_config, start_daemon, stop_daemon,
-                     until_async)
+from helpers import (REPO, GpudProcess, answer_until, cli, mig_settled, put_layout, sharing_config, start_daemon,
+                     stop_daemon, until_async)
 from openapi_check import assert_matches_openapi
 
 from gpud.cli.parser import build_parser
@@ -138,7 +138,8 @@ async def test_the_file_holds_gfds_labels_and_gpuds_own(dgx):
     assert path.read_text().startswith(HEADER) and oct(path.stat().st_mode & 0o777) == "0o644"
     assert [p.name for p in path.parent.iterdir()] == ["gpud"]  # no temporary file left behind
 
-    status, view = await node.get("/v1/nfd")
+    # the file appears on the rename, the writer's view just after it (when the writing thread hands back)
+    status, view = await answer_until(node, "/v1/nfd", lambda _, view: view["labels"] == labels, timeout=2.0)
     assert status == 200
     assert_matches_openapi("GET", "/v1/nfd", 200, view)
     assert view["enabled"] and view["path"] == str(path) and view["labels"] == labels and view["error"] is None
