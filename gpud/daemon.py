@@ -293,10 +293,11 @@ class Daemon:
         return self.config.remediation
 
     async def _nfd_labels(self) -> dict[str, str] | None:
-        """The node's labels for NFD; None until the first inventory. The vGPU reading scans every PCI
-        device's sysfs files: a thread's work, not the event loop's."""
+        """The node's labels for NFD; None until the first inventory, and while a GPU reset is under way
+        (its MIG instances come back after it: no label counts them gone). The vGPU reading scans every
+        PCI device's sysfs files: a thread's work, not the event loop's."""
         inventory = self.inventory.current
-        if inventory is None:
+        if inventory is None or self.inventory.transition is not None:
             return None
         vgpu = await asyncio.to_thread(self._vgpu.reading, inventory)
         return node_labels(inventory, self._sysfs, self._machine, self.sharing.document, self.mig.view(inventory),

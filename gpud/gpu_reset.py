@@ -170,11 +170,14 @@ class GpuResetter:
         await self._each(gpus, 0)
         before = self._health_reasons()
         try:
-            outcome.output, after = await self._reset_released(gpus, why)
-            for gpu in gpus:
-                self.after_gpu_reset(gpu.uuid)
-            if restore is not None:
-                await restore(gpus, after)
+            # The instances a reset destroys come back with restore: until then no file kept for others
+            # is written from the snapshots without them (slurmd would register fewer GPUs).
+            with self.inventory.in_transition(f"a reset of GPUs {', '.join(str(g.index) for g in gpus)}"):
+                outcome.output, after = await self._reset_released(gpus, why)
+                for gpu in gpus:
+                    self.after_gpu_reset(gpu.uuid)
+                if restore is not None:
+                    await restore(gpus, after)
         finally:
             await self._each(gpus, 1)
         outcome.cleared = _cleared(before, self._health_reasons())

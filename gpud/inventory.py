@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
@@ -42,6 +43,17 @@ class InventoryService(Component):
         # while gpud is down is still named (UUID, bus id) when gpud comes back.
         self._known_path = known_gpus_path
         self.known: dict[int, Gpu] = {}
+        # Why the snapshots show a passing state (a reset's MIG instances not made again yet), None
+        # otherwise: the files gpud keeps for others (gres.conf, the CDI spec) wait it out.
+        self.transition: str | None = None
+
+    @contextmanager
+    def in_transition(self, why: str) -> Iterator[None]:
+        self.transition = why
+        try:
+            yield
+        finally:
+            self.transition = None
 
     async def start(self, tasks: Tasks) -> None:
         self.known = _load_known(self._known_path)

@@ -1,6 +1,8 @@
 """A file gpud keeps current from what it knows (the CDI spec, Slurm's gres.conf): rebuilt shortly after
 every inventory, MIG, MPS or sharing change (and every inventory refresh), written only when its content
-changes, by a rename (safefs.KeptFile), so a reader never sees half a file.
+changes, by a rename (safefs.KeptFile), so a reader never sees half a file. While a GPU reset is under
+way (InventoryService.transition: the MIG instances it destroys are not made again yet) it waits, and writes
+from the snapshot after it: a reset alone never takes devices out of the file.
 
 A directory refused or unwritable is reported (log once per cause, the view's `error`, /healthz) and
 tried again every RECHECK_S, and said in /metrics (gpud_file_write_failing). Every RECHECK_S the file is also compared with what gpud wrote: one
@@ -96,6 +98,8 @@ class KeptFileWriter(Component):
                     await asyncio.to_thread(self.recheck)
                     continue
                 await asyncio.sleep(DEBOUNCE_S)
+                while self._inventory.transition is not None:  # the snapshot after it is the one to write
+                    await asyncio.sleep(DEBOUNCE_S)
                 self._changed.clear()
                 reasons, self._reasons = self._reasons, set()
                 await asyncio.to_thread(self.refresh, ",".join(sorted(reasons)))

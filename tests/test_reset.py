@@ -21,7 +21,7 @@ import pynvml
 import pytest
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import Lines, curl_as, mig_config, put_layout, start_daemon, stop_daemon
+from helpers import Lines, curl_as, mig_config, put_layout, start_daemon, stop_daemon, until_async
 from openapi_check import assert_matches_openapi
 
 from gpud.daemon import Daemon
@@ -263,6 +263,39 @@ async def test_reset_of_a_mig_gpu_with_busy_devices_is_refused_unless_forced(sho
         assert all(d["pids"] == [] for d in after["mig"]["devices"])
         _, mig = await node.get("/v1/mig")
         assert mig["in_sync"] is True
+    finally:
+        await stop_daemon(node)
+
+
+async def test_files_kept_for_others_wait_out_a_reset_whose_mig_instances_come_back(short_tmp):
+    """A reset destroys a MIG GPU's instances and gpud makes them again: gres.conf, the CDI spec and NFD's
+    labels never lose them meanwhile. A gres.conf with fewer records, and the `scontrol reconfigure` after it, has
+    slurmd register a lower count, and Slurm marks the node invalid; a spec without the devices fails a
+    container that names one."""
+    gres_path = short_tmp / "gres.conf"
+    node = await start_daemon(mig_config(short_tmp, "A100-SXM4-40GB:2").with_overrides(
+        **{"slurm.gres_file": str(gres_path)}))
+    try:
+        assert (await put_layout(node, "all-3g.20gb"))[0] == 200
+        gres, cdi = node.daemon.slurm_gres, node.daemon.cdi
+        await until_async(lambda: gres.content is not None and gres.content.count("Type=3g.20gb") == 4
+                          and cdi.content is not None, what="gres.conf and the CDI spec with 4 MIG devices")
+        nfd = node.daemon.nfd.path
+        await until_async(lambda: nfd.exists() and "nvidia.com/mig.config.state=success" in nfd.read_text(),
+                          what="NFD's labels of the layout applied")
+        before = (gres_path.read_text(), cdi.path.read_text(), gres.written_at, cdi.written_at, nfd.read_text())
+        restore = node.daemon.resetter._restore
+
+        async def slow_restore(gpus, after):
+            # fixed time: a real GPU takes seconds to make its MIG instances again, the writers wait 0.15 s
+            await asyncio.sleep(1.0)
+            await restore(gpus, after)
+        node.daemon.resetter._restore = slow_restore
+        status, body = await post(node, "/v1/gpus/1/reset")
+        assert status == 200, body
+        assert len((await gpus(node))[1]["mig"]["devices"]) == 2
+        await asyncio.sleep(0.5)  # fixed time: past the writers' debounce, were they to write again
+        assert (gres_path.read_text(), cdi.path.read_text(), gres.written_at, cdi.written_at, nfd.read_text()) == before
     finally:
         await stop_daemon(node)
 
