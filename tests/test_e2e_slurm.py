@@ -242,7 +242,7 @@ def test_a_gpu_asking_a_reset_is_remediated_once_its_job_ends_and_the_node_takes
     try:
         job = slurm.run("sbatch", "--parsable", "--gres=gpu:1g.5gb:1", "-o", "/dev/null", "--wrap", "sleep 300")
         slurm.wait_state("the job running", lambda node: node["State"].split("+")[0] in ("MIXED", "ALLOCATED"))
-        before = _remediated(slurm)
+        before, gres_written = _remediated(slurm), slurm.slurm_view()["written_at"]
         slurm.run("gpud", "sim", "xid", "1", "95")  # xids.yaml: uncontained memory error, reset-gpu
         node = slurm.wait_state("gpud's drain while the job runs", lambda node: "DRAIN" in node["State"])
         assert node["Reason"].startswith("gpud: GPU 1 XID 95 (reset-gpu)"), node
@@ -255,6 +255,9 @@ def test_a_gpu_asking_a_reset_is_remediated_once_its_job_ends_and_the_node_takes
         # the job gone, the next check resets GPU 1 through gpud, checks it and resumes the node
         node = slurm.wait_state("the remediation's resume", lambda node: node["State"] == "IDLE")
         assert _remediated(slurm)["passed"] == before["passed"] + 1, _remediated(slurm)
+        # The reset destroyed GPU 1's MIG instances and gpud made them again: gres.conf waited, so slurmd
+        # never re-read it with fewer records (and never registered a lower count with slurmctld).
+        assert slurm.slurm_view()["written_at"] == gres_written
         status, text = slurm.box.curl("/v1/health")
         assert json.loads(text)["gpus"][1]["state"] == "healthy", text
         placed = slurm.srun("gpu:1g.5gb:1")
