@@ -506,6 +506,17 @@ def test_allocate_refuses_what_it_cannot_give():
         "NVIDIA_VISIBLE_DEVICES": "GPU-0"}  # envvar needs no spec
 
 
+def test_a_cdi_spec_still_to_come_or_behind_the_devices_has_the_plugin_read_again():
+    """No event says when gpud's spec is written: the follower reads again while it lags the devices,
+    and while it is still to come (at start, or after a GPU reset gpud's writers wait out)."""
+    resources = {"nvidia.com/gpu": _resource()}
+    named = frozenset({"GPU-0", "GPU-1"})
+    assert NodeState(resources, cdi_pending=True).cdi_behind()
+    assert NodeState(resources, "gpud/gpu", frozenset({"GPU-0"})).cdi_behind()
+    assert not NodeState(resources, "gpud/gpu", named).cdi_behind()
+    assert not NodeState(resources).cdi_behind()  # a gpud that keeps no spec: nothing to wait for
+
+
 def test_each_strategy_gives_only_its_own_answer():
     state = NodeState(cdi_kind="gpud/gpu", cdi_names=frozenset({"GPU-0", "GPU-1"}))
     resource = _resource(replicas=1)

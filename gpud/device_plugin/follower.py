@@ -120,6 +120,7 @@ class GpudFollower:
         resources = without_claimed(resources_from_sharing(sharing, gpus), claimed, counted)
         status, cdi = self.client.request("GET", "/v1/cdi", ok_statuses=(404, 503))  # 404: a gpud without CDI
         written = status == 200 and cdi["enabled"] and cdi["written_at"] is not None
+        pending = status == 200 and cdi["enabled"] and not written
         cdi_kind, cdi_names = (cdi["kind"], frozenset(cdi["devices"])) if written else (None, frozenset())
         mps_clients = {}
         if any(r.served_by_mps for r in resources.values()):
@@ -127,7 +128,7 @@ class GpudFollower:
                 client = mps_client(self.client.get(f"/v1/mps/{urllib.parse.quote(daemon['name'])}/client-env"))
                 mps_clients.update({uuid: client for uuid in daemon["devices"]})
         return NodeState(resources, cdi_kind, cdi_names, mps_clients, sharing.get("error"), nvlink_peers(gpus), claimed,
-                         counted)
+                         counted, cdi_pending=pending)
 
     async def _fence_loop(self) -> None:
         """Reports every device Unhealthy once gpud has been unreachable past the grace period."""

@@ -66,6 +66,8 @@ class NodeState:
     claimed: dict[str, str] = field(default_factory=dict)
     # GPUs DRA claims hold only as shares with counted memory: gpud withdraws their gpu-memory units itself
     counted: frozenset[str] = frozenset()
+    # gpud keeps a CDI spec but has not written it yet (at start, or a GPU reset it waits out)
+    cdi_pending: bool = False
 
     def holder(self, resource: Resource, device: PluginDevice) -> str | None:
         return claim_holding(self.claimed, self.counted, resource, device)
@@ -74,9 +76,9 @@ class NodeState:
         return sum(len(r.devices) for r in self.resources.values())
 
     def cdi_behind(self) -> bool:
-        """gpud writes a CDI spec that does not name every device yet: it is written a moment after the
-        change that made the devices (debounced, on a thread), and no event says when."""
-        return self.cdi_kind is not None and any(
+        """gpud's CDI spec is still to come, or does not name every device yet: it is written a moment
+        after the change that made the devices (debounced, on a thread), and no event says when."""
+        return self.cdi_pending or self.cdi_kind is not None and any(
             d.id not in self.cdi_names and d.device not in self.cdi_names
             for r in self.resources.values() for d in r.devices)
 
