@@ -104,6 +104,8 @@ def test_status_and_gpus_show_health_and_status_exits_1_when_a_gpu_is_not(node, 
     assert code == 0 and health_lines(out) == ["health:  ok (4 of 4 GPUs healthy)"]
 
     assert run(capsys, *on(node, "sim", "xid", "3", "79"))[0] == 0
+    # the XID reaches health through the driver's event stream, a moment after the simulator raised it
+    node.wait_for(lambda: node.client.get("/v1/health")["gpus"][3]["state"] == "unhealthy", 10, "GPU 3 unhealthy")
     code, out, _ = run(capsys, *on(node, "status"))
     assert code == 1 and health_lines(out) == ["health:  unhealthy (3 of 4 GPUs healthy)"]  # one verdict, not "ok"
     assert "GPU 3: unhealthy" in out and "xid 79" in out and "action: reboot" in out

@@ -287,8 +287,8 @@ async def test_files_kept_for_others_wait_out_a_reset_whose_mig_instances_come_b
         restore = node.daemon.resetter._restore
 
         async def slow_restore(gpus, after):
-            # fixed time: a real GPU takes seconds to make its MIG instances again, the writers wait 0.15 s
-            await asyncio.sleep(1.0)
+            # a real GPU takes seconds to make its MIG instances again
+            await asyncio.sleep(1.0)  # fixed time: longer than the writers' debounce (0.15 s)
             await restore(gpus, after)
         node.daemon.resetter._restore = slow_restore
         status, body = await post(node, "/v1/gpus/1/reset")
