@@ -89,11 +89,11 @@ def test_random_bytes_are_an_answer_or_refused_never_anything_else():
 class Scripted:
     """A Unix socket server that reads the client's opening, then writes `answer` (or nothing: hangs)."""
 
-    def __init__(self, path, answer: bytes | None, close: bool = True):
+    def __init__(self, path, answer: bytes | None, close: bool = True, delay_s: float = 0.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(4)
-        self.answer, self.close = answer, close
+        self.answer, self.close, self.delay_s = answer, close, delay_s
         self.received = bytearray()
         self.stop = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
@@ -106,6 +106,7 @@ class Scripted:
         except socket.timeout:
             pass
         if self.answer is not None:
+            self.stop.wait(self.delay_s)
             connection.sendall(self.answer)
             if self.close:
                 connection.close()
@@ -184,6 +185,21 @@ def test_a_silent_server_costs_the_deadline_and_no_more(short_tmp):
         call(short_tmp / "k.sock", "/v1.PodResourcesLister/List", b"", 0.5, 1024)
     assert 0.45 < time.monotonic() - started < 1.5
     server.stop.set()
+
+
+@pytest.mark.parametrize("ending", [
+    headers(OK_HEADERS) + frame(RstStreamFrame, error_code=8),  # grpc-go's server: http2_server.go closeStream
+    headers([*OK_HEADERS, ("grpc-status", "4"), ("grpc-message", "Deadline Exceeded")], "END_STREAM"),  # grpc core
+])
+def test_a_server_ending_the_call_at_the_deadline_sent_is_a_timeout(short_tmp, ending):
+    """Whichever gives up first at the deadline, gpud or the server it sent grpc-timeout, it is said the same."""
+    server = Scripted(short_tmp / "k.sock", SETTINGS + ending, close=False, delay_s=0.5)
+    with pytest.raises(GrpcCallError, match="no answer within 0.5 s"):
+        call(short_tmp / "k.sock", "/v1.PodResourcesLister/List", b"", 0.5, 1024)
+    server.stop.set()
+    Scripted(short_tmp / "early.sock", SETTINGS + ending)  # the same ending well before the deadline says what it is
+    with pytest.raises(GrpcCallError, match="RST_STREAM, error code 8|gRPC status 4: Deadline Exceeded"):
+        call(short_tmp / "early.sock", "/v1.PodResourcesLister/List", b"", 2.0, 1024)
 
 
 def test_no_socket_and_a_refused_one_are_said(short_tmp):

@@ -26,6 +26,10 @@ from h2.settings import SettingCodes, Settings
 
 DEFAULT_WINDOW = 65535  # RFC 9113 6.9.2
 STREAM = 1
+CANCEL = 0x8  # RFC 9113 7, an RST_STREAM's error code
+DEADLINE_EXCEEDED = "4"  # grpc doc/statuscodes.md
+# grpc-timeout goes in whole milliseconds, rounded down: the server's deadline may pass that much before ours
+DEADLINE_SLACK_S = 0.005
 
 
 class GrpcCallError(Exception):
@@ -90,6 +94,10 @@ class _Answer:
         if getattr(event, "stream_id", STREAM) != STREAM:
             return False
         if isinstance(event, StreamReset):
+            if event.error_code == CANCEL and self._past_deadline():
+                # grpc-go's server (the kubelet's) resets the stream once the grpc-timeout sent runs out
+                # (internal/transport/http2_server.go operateHeaders: closeStream with ErrCodeCancel)
+                raise socket.timeout()
             raise GrpcCallError(f"the server reset the call (RST_STREAM, error code {int(event.error_code)})")
         if isinstance(event, ResponseReceived):
             self.headers = dict(event.headers)
@@ -100,6 +108,10 @@ class _Answer:
             if len(self.body) > self.max_bytes + 5:
                 raise GrpcCallError(f"the answer is larger than {self.max_bytes} bytes")
         return isinstance(event, StreamEnded)
+
+    def _past_deadline(self) -> bool:
+        """Whether the server ended the call at the deadline gpud sent it: said as gpud's own timeout."""
+        return time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
     def _received(self) -> bytes:
         left = self.deadline - time.monotonic()
@@ -128,6 +140,8 @@ class _Answer:
         last = self.trailers or self.headers  # a Trailers-Only answer has its status in its headers
         status = last.get(b"grpc-status", b"").decode(errors="replace")
         if status != "0":
+            if status == DEADLINE_EXCEEDED and self._past_deadline():  # grpc core's server answers so instead
+                raise socket.timeout()
             message = unquote(last.get(b"grpc-message", b"").decode(errors="replace"))
             raise GrpcCallError(f"gRPC status {status}: {message}")
         if len(self.body) < 5 or self.body[0] != 0:
