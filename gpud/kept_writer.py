@@ -98,7 +98,9 @@ class KeptFileWriter(Component):
                     await asyncio.to_thread(self.recheck)
                     continue
                 await asyncio.sleep(DEBOUNCE_S)
-                while self._inventory.transition is not None:  # the snapshot after it is the one to write
+                if self._inventory.transition is not None:  # the snapshot after it is the one to write
+                    self._log.info(f"{self.event}_write_waits", path=str(self.path), until=self._inventory.transition)
+                while self._inventory.transition is not None:
                     await asyncio.sleep(DEBOUNCE_S)
                 self._changed.clear()
                 reasons, self._reasons = self._reasons, set()

@@ -291,9 +291,13 @@ async def test_files_kept_for_others_wait_out_a_reset_whose_mig_instances_come_b
             await asyncio.sleep(1.0)  # fixed time: longer than the writers' debounce (0.15 s)
             await restore(gpus, after)
         node.daemon.resetter._restore = slow_restore
-        status, body = await post(node, "/v1/gpus/1/reset")
+        with structlog.testing.capture_logs() as logs:
+            status, body = await post(node, "/v1/gpus/1/reset")
         assert status == 200, body
         assert len((await gpus(node))[1]["mig"]["devices"]) == 2
+        # said while it waited: what for
+        waits = [entry for entry in logs if entry["event"].endswith("_write_waits")]
+        assert waits and all(entry["until"] == "a reset of GPUs 1" for entry in waits), logs
         await asyncio.sleep(0.5)  # fixed time: past the writers' debounce, were they to write again
         assert (gres_path.read_text(), cdi.path.read_text(), gres.written_at, cdi.written_at, nfd.read_text()) == before
     finally:
