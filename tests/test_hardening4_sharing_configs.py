@@ -13,7 +13,6 @@ from helpers import start_daemon, stop_daemon
 from test_sharing_configs import TIME_SLICED, configs_config, mount_configmap, put
 
 from gpud.client import ApiFailure, Client, DaemonUnreachable
-from gpud.sharing.config import check_sharing
 from gpud.sharing import configs as configs_module
 from gpud.sharing.configs import MAX_CONFIG_NAMES, SharingConfigs
 
@@ -60,7 +59,6 @@ async def test_choosing_a_198_kb_config_does_not_hold_other_clients(short_tmp, m
         status, body = await put(node, "/v1/sharing/config", {"name": "big"})
         assert await prober, "/healthz went unanswered while the chosen config was read"
         assert status == 200 and body["config"]["name"] == "big", body
-        check_sharing(text)  # the config is valid: the one chosen is the one read
     finally:
         release.set()
         await stop_daemon(node)
