@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
+from gpud.base.loops import within
 from gpud.base.samples import Family
 from gpud.base.safefs import KeptFile, UnsafePath
 from gpud.events import CLOSED, EventBus
@@ -93,7 +94,7 @@ class KeptFileWriter(Component):
         try:
             while True:
                 try:
-                    await asyncio.wait_for(self._changed.wait(), RECHECK_S)
+                    await within(self._changed.wait(), RECHECK_S)
                 except asyncio.TimeoutError:
                     await asyncio.to_thread(self.recheck)
                     continue

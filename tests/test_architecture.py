@@ -511,3 +511,13 @@ def test_no_module_changes_the_process_umask():
     calls = [_where(path, node) for path, tree in _trees().items() for node in ast.walk(tree)
              if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "umask"]
     assert calls == []
+
+
+def test_no_module_waits_with_asyncio_wait_for():
+    """Before Python 3.12 asyncio.wait_for loses a cancellation that arrives in the same loop turn as what it
+    waits for (python/cpython#86296): the loop goes on, and a stop waits for it for ever. gpud waits with
+    gpud.base.loops.within (tests/test_within.py)."""
+    calls = [_where(path, node) for path, tree in _trees().items() for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr == "wait_for"
+             and isinstance(node.value, ast.Name) and node.value.id == "asyncio"]
+    assert calls == []

@@ -4,9 +4,9 @@ machine loses (issue 28: `gpud watch` started after a 0.5 s sleep missed its eve
 
 The rules, read from every test module's syntax tree:
 - a child's output stream (`.stdout`/`.stderr`) is never read directly: helpers.Lines reads it with a
-  deadline (an asyncio stream may be, inside asyncio.wait_for);
+  deadline (an asyncio stream may be, inside asyncio.wait_for or gpud.base.loops.within);
 - every wait for a process, a thread, an event or a queue passes a timeout (`wait(10)`, `join(5)`), or
-  stands inside asyncio.wait_for;
+  stands inside asyncio.wait_for or within;
 - subprocess.run and its kin pass timeout=, and so do urlopen and communicate;
 - a sleep outside a loop is not a wait for state: it says `# fixed time: why` on its line, the time
   itself being what the test is about; a sleep inside a loop is a poll interval, and the loop is bounded
@@ -69,7 +69,7 @@ class _Checker(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         name = _dotted(node.func)
-        if name.endswith("wait_for"):  # asyncio.wait_for(awaitable, timeout): its awaitable has a deadline
+        if name.endswith("wait_for") or name == "within":  # (awaitable, timeout): its awaitable has a deadline
             self._inside_wait_for += 1
             self.generic_visit(node)
             self._inside_wait_for -= 1

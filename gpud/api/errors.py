@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from gpud.api.responses import json_response
 from gpud.base import bounded_json
 from gpud.base.errors import ErrorKind, GpudError
+from gpud.base.loops import within
 
 MAX_BODY_BYTES = 1 << 20
 # No route takes anything nested deeper than a list in an object; this leaves room and keeps a
@@ -171,7 +172,7 @@ async def _read_body(request: web.Request, timeout_s: float, limit: int) -> byte
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
     try:
-        raw = await asyncio.wait_for(request.read(), timeout_s)
+        raw = await within(request.read(), timeout_s)
     except asyncio.TimeoutError:
         raise ApiError(ErrorKind.TIMED_OUT, "body-timeout",
                        f"the request body did not arrive within {timeout_s:g} s") from None

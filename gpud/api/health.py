@@ -13,6 +13,7 @@ from gpud.api.responses import json_response
 from gpud.base.encoding import encode
 from gpud.base.errors import ErrorKind
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.events import CLOSED, EVENT_TYPES, OVERFLOW, Event, EventBus, Subscription
 from gpud.health.service import HealthService
 from gpud.inventory import InventoryService
@@ -105,7 +106,7 @@ class HealthRoutes:
             last = await _write_if_wanted(response, event, types, last)
         while True:
             try:
-                item = await asyncio.wait_for(subscription.queue.get(), HEARTBEAT_S)
+                item = await within(subscription.queue.get(), HEARTBEAT_S)
             except asyncio.TimeoutError:
                 await response.write(encode({"seq": self.bus.sequence, "type": "heartbeat",
                                              "epoch": self.bus.epoch}) + b"\n")

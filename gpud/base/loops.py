@@ -1,14 +1,35 @@
 """A client process's loops (the device plugin's, the DRA plugin's), run until SIGTERM or SIGINT, or until one
 of them fails: then the rest are cancelled, and the process exits non-zero so that systemd or the DaemonSet
-restarts it."""
+restarts it. And `within`, the one way gpud's loops wait with a time limit."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
-from collections.abc import Coroutine
-from typing import Any
+import sys
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # its backport, which aiohttp requires on 3.10 as well
+    from async_timeout import timeout
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], seconds: float | None) -> T:
+    """awaitable's result, or asyncio.TimeoutError once `seconds` have passed (None: no limit).
+
+    Not asyncio.wait_for: before Python 3.12 it awaits in a second task, and when that task ends in the
+    same loop turn as a cancellation of the caller, it hands back the task's result or error instead of
+    the CancelledError (python/cpython#86296, gone with 3.12's rewrite on asyncio.timeout,
+    python/cpython#98518). A loop calling it carries on as if never cancelled, and a stop that cancels it
+    once waits for it for ever: a Kubernetes watch cancelled as its connection closed did so (CI, 3.11).
+    This awaits in the caller's own task, where a cancellation always arrives."""
+    async with timeout(seconds):
+        return await awaitable
 
 
 def stop_on_signals() -> asyncio.Event:

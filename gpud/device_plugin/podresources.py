@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.client import ApiFailure, Client, DaemonUnreachable
 from gpud.device_plugin.api import podresources_pb, podresources_rpc
 
@@ -72,7 +73,7 @@ class AllocationReporter:
     async def run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), READ_EVERY_S)
+                await within(self._wake.wait(), READ_EVERY_S)
                 await asyncio.sleep(AFTER_ALLOCATE_S)  # fixed time: the kubelet records the allocation after our answer
             except asyncio.TimeoutError:
                 pass

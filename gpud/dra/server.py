@@ -16,6 +16,7 @@ from types import ModuleType
 import grpc
 
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.dra.api import (PLUGIN_TYPE, SUPPORTED_SERVICES, health_pb, health_rpc, registration_pb, registration_rpc,
                           v1_pb, v1_rpc, v1beta1_pb, v1beta1_rpc)
 from gpud.dra.checkpoint import PreparedClaim
@@ -115,7 +116,7 @@ class HealthService(health_rpc.DRAResourceHealthServicer):
         while True:
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._version != sent), HEALTH_REFRESH_S)
+                    await within(self._changed.wait_for(lambda: self._version != sent), HEALTH_REFRESH_S)
                 except asyncio.TimeoutError:
                     pass  # nothing changed: the same list again, with a fresh time
                 sent = self._version

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.client import ApiFailure, Client, DaemonUnreachable, follow_stream
 from gpud.kubernetes import (CONDITION_TYPE, MIG_CONFIG_LABEL, MIG_STATE_LABEL, SHARING_CONFIG_LABEL, TAINT_EFFECT,
                              TAINT_KEY, TAINT_VALUE)
@@ -200,7 +201,7 @@ class Agent:
         STATUS_HEARTBEAT_S (gpud's socket, not the API server): `gpud kubernetes` tells a stale one."""
         while True:
             try:
-                await asyncio.wait_for(self._status_dirty.wait(), STATUS_HEARTBEAT_S)
+                await within(self._status_dirty.wait(), STATUS_HEARTBEAT_S)
             except asyncio.TimeoutError:
                 pass
             self._status_dirty.clear()
@@ -397,7 +398,7 @@ class Agent:
         """Waits, or less when the label changes meanwhile (the new value is then applied instead) or
         gpud's GPUs change (the processes in the way may have ended)."""
         try:
-            await asyncio.wait_for(self._mig_changed.wait(), max(seconds, 0.0))
+            await within(self._mig_changed.wait(), max(seconds, 0.0))
         except asyncio.TimeoutError:
             pass
         self._mig_changed.clear()

@@ -30,6 +30,7 @@ from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpud.base import bounded_json
+from gpud.base.loops import within
 from gpud.base.safefs import check_trusted_file
 from gpud.base.yamlfile import at_line, load_yaml, read_yaml_text
 from gpud.kubernetes import COMPONENT
@@ -208,7 +209,7 @@ async def watch_events(action: str, call) -> AsyncIterator[tuple[str, dict]]:
         lines = _lines(response, action)
         while True:  # one silent, or trickling bytes that make no event, is dropped
             try:
-                line = await asyncio.wait_for(anext(lines), WATCH_IDLE_S)
+                line = await within(anext(lines), WATCH_IDLE_S)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpud.base import bounded_json
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.client import ApiFailure, DaemonUnreachable
 from gpud.kubernetes.health import MESSAGE_LIMIT, Verdict
 from gpud.kubernetes.leases import WHOLE_CLUSTER, LeaseSlots
@@ -169,7 +170,7 @@ class Remediation:
         backoff = Backoff()
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), TICK_S if self.state or not self._loaded else None)
+                await within(self.wake.wait(), TICK_S if self.state or not self._loaded else None)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()

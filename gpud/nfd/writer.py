@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, Iterator
 
 from gpud.base.lifecycle import Component, Tasks
 from gpud.base.logs import get_logger
+from gpud.base.loops import within
 from gpud.base.safefs import KeptFile, UnsafePath
 from gpud.base.samples import Family
 from gpud.config import NfdConfig
@@ -96,7 +97,7 @@ class NfdWriter(Component):
             while True:
                 await self.write_if_changed()
                 try:
-                    first = await asyncio.wait_for(subscription.queue.get(), self._next_wake())
+                    first = await within(subscription.queue.get(), self._next_wake())
                 except asyncio.TimeoutError:
                     continue
                 await asyncio.sleep(QUIET_S)
