@@ -302,10 +302,17 @@ def test_a_mig_layout_change_is_reflected_in_the_gres(slurm):
     slurm.run("systemctl", "restart", "slurmctld")  # returns once the old controller stopped
     slurm.box.wait_for(lambda: slurm.run("scontrol", "show", "config", check=False).returncode == 0,
                        "the new controller")
+    # The old slurmd's registration stays on the node until the new one registers, and `systemctl restart`
+    # returns before that: only a slurmd started since the restart read the gres.conf of the new layout
+    # (the stale one showed the old slurmd's count, gpu:1g.5gb:21, and the job found no 3g.20gb).
+    restarted_at = slurm.run("date", "+%Y-%m-%dT%H:%M:%S").stdout.strip()  # as scontrol prints times
     slurm.run("systemctl", "restart", "slurmd")
-    node = slurm.wait_state("slurmd's registration", lambda node: "INVALID_REG" not in node["State"] and
-                            "NOT_RESPONDING" not in node["State"] and node.get("Version"))
-    print("Gres after the restarts:", node.get("Gres"))
+    def registered_since_the_restart(node: dict[str, str]) -> bool:
+        started = node.get("SlurmdStartTime", "")  # "None" until a slurmd registered
+        return "INVALID_REG" not in node["State"] and "NOT_RESPONDING" not in node["State"] \
+            and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", started) is not None and started >= restarted_at
+    node = slurm.wait_state("the new slurmd's registration", registered_since_the_restart)
+    assert node["Gres"] == "gpu:3g.20gb:4", node
     # Still drained: by the operator, or (24.11, whose reconfigure restarts slurmd) by slurmctld's own
     # check of the count slurmd registered on gpud's reconfigure, which replaced the operator's reason.
     print("reason after the restarts:", node.get("Reason"))
