@@ -44,10 +44,23 @@ async def _partitioned(node: Node) -> None:
     await until_async(complete, timeout=20, what="the pool published whole, its counter slice with it")
 
 
-def _schedule(node: Node, name: str, request: dict) -> tuple:
-    """The claim allocated as the scheduler allocates it, written to the API server: (namespace, name, uid)."""
+def _whole_pool(node: Node) -> list[dict] | None:
+    """The node's slices when they make the pool whole: one generation, as many slices as it counts. The
+    plugin rewrites its slices one by one when gpud's devices change (a prepared MIG device is one such
+    change), and the scheduler's allocator skips a pool caught part-way (incomplete: pools_incubating.go
+    GatherPools), so a claim scheduled then is unschedulable, and the real scheduler tries again later."""
+    slices = node.slices()
+    generations = {s["spec"]["pool"]["generation"] for s in slices}
+    counts = {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
+    return slices if len(generations) == 1 and counts == {len(slices)} else None
+
+
+async def _schedule(node: Node, name: str, request: dict) -> tuple:
+    """The claim allocated as the scheduler allocates it, from a whole pool, written to the API server:
+    (namespace, name, uid)."""
     document = claim_document("default", name, [request])
-    allocation = allocate(node.slices(), document, node.allocated, NODE, CLASSES, server_version="1.35", gates=GATES)
+    slices = await until_async(lambda: _whole_pool(node), timeout=10, what="the pool whole")
+    allocation = allocate(slices, document, node.allocated, NODE, CLASSES, server_version="1.35", gates=GATES)
     created = node.kube.create_resource_claim("default", name, document["spec"]["devices"]["requests"], None)
     store(node.kube, created, allocation, NODE)
     node.allocated.append(allocated_claim(created, allocation))
@@ -72,13 +85,13 @@ async def _gpu0(node: Node) -> dict:
 
 async def test_a_claim_for_a_mig_profile_gets_a_device_made_at_its_placement_and_others_untouched(node):
     await _partitioned(node)
-    first = _schedule(node, "first", _mig("3g.40gb"))
+    first = await _schedule(node, "first", _mig("3g.40gb"))
     await asyncio.to_thread(node.kubelet.prepare, [first])
     (made,) = (await _gpu0(node))["mig"]["devices"]
     assert made["profile"] == "3g.40gb"
     _, _ = await node.gpud.post("/v1/sim/processes", {"gpu": made["uuid"], "pids": [4242]})
 
-    second = _schedule(node, "second", _mig("1g.10gb"))
+    second = await _schedule(node, "second", _mig("1g.10gb"))
     result = node.kube.resource_claim("default", "second")["status"]["allocation"]["devices"]["results"][0]
     answer = await asyncio.to_thread(node.kubelet.prepare, [second])
     assert list(answer[second[2]].devices[0].cdi_device_ids) == [f"k8s.{DRIVER}/claim={second[2]}-{result['device']}"]
@@ -97,7 +110,7 @@ async def test_a_claim_for_a_mig_profile_gets_a_device_made_at_its_placement_and
 async def test_the_plugin_refuses_an_allocation_that_overcommits_a_counter_set(node):
     await _partitioned(node)
     published = {d["name"]: d for s in node.slices() for d in s["spec"].get("devices") or []}
-    three = _schedule(node, "three", _mig("3g.40gb"))
+    three = await _schedule(node, "three", _mig("3g.40gb"))
     taken = node.kube.resource_claim("default", "three")["status"]["allocation"]["devices"]["results"][0]["device"]
     await asyncio.to_thread(node.kubelet.prepare, [three])
     # an allocation no counting scheduler makes: a 1g.10gb on a memory slice the 3g.40gb holds
@@ -115,8 +128,8 @@ async def test_shares_of_one_gpu_hold_their_memory_as_mps_limits_and_never_overc
     await _partitioned(node)
     (share,) = [d for s in node.slices() for d in s["spec"].get("devices") or [] if d.get("allowMultipleAllocations")]
     total = share["capacity"]["memory"]["value"]
-    a = _schedule(node, "a", _share("10Gi", "30"))
-    b = _schedule(node, "b", _share("20Gi", "50"))
+    a = await _schedule(node, "a", _share("10Gi", "30"))
+    b = await _schedule(node, "b", _share("20Gi", "50"))
     answers = await asyncio.to_thread(direct_prepare, node, [a, b])
     results = {c[2]: node.kube.resource_claim("default", c[1])["status"]["allocation"]["devices"]["results"][0]
                for c in (a, b)}
@@ -129,7 +142,7 @@ async def test_shares_of_one_gpu_hold_their_memory_as_mps_limits_and_never_overc
     assert "10240M" in env["a"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert "20480M" in env["b"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     with pytest.raises(Unschedulable):  # the scheduler counts the capacity left
-        _schedule(node, "too-much", _share(total, "10"))
+        await _schedule(node, "too-much", _share(total, "10"))
     # an allocation no counting scheduler makes: all the memory again, while a and b hold 30Gi of it
     forged = node.claim("forged", [share["name"]], requests=[_share(total, "10")])
     document = node.kube.resource_claim("default", "forged")
