@@ -31,6 +31,7 @@ from gpud.dra.claim_cdi import spec_path
 NODE = "gpu-node-1"
 DRIVER = "gpu.nvidia.com"
 GPU_CLASS = {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
+PLUGIN_LOG_TAIL = 60  # lines of the plugin's log a failed test shows
 
 
 class PluginProcess:
@@ -110,6 +111,10 @@ async def running_node(tmp: Path, preset: str = "hgx-a100-4gpu", server_version:
     finally:
         if running.plugin is not None:
             running.plugin.stop()
+            # the plugin's side of a failure, in the failed test's report (pytest shows a passed test's
+            # output to no one): its JSON log is a file that goes with the test's directory
+            print(f"the plugin's log, last {PLUGIN_LOG_TAIL} lines:",
+                  *running.plugin.log_path.read_text().splitlines()[-PLUGIN_LOG_TAIL:], sep="\n")
         kubelet.stop()
         if running.gpud is not None:
             await stop_daemon(running.gpud)
