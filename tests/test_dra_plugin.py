@@ -323,7 +323,11 @@ async def test_while_gpud_is_away_every_device_reads_unknown_and_comes_back(node
     await until_async(lambda: all(any(t["key"] == "gpu.nvidia.com/unmonitored" for t in d.get("taints") or [])
                                   for d in node.devices().values()), timeout=10, what="every device unmonitored")
     node.gpud = await start_daemon(mig_config(node.tmp, "hgx-a100-4gpu"))
-    await until_async(lambda: node.kubelet.health(NODE, "gpu-0") == "Healthy", timeout=15, what="gpu-0 Healthy again")
+    try:
+        await until_async(lambda: node.kubelet.health(NODE, "gpu-0") == "Healthy", timeout=15, what="gpu-0 Healthy again")
+    except AssertionError as exc:  # the kubelet's side of it (CI once saw it never come)
+        raise AssertionError(f"{exc}; the kubelet's last health message: {node.kubelet.health_messages[-1:]}; "
+                             f"its health streams' ends: {node.kubelet.health_stream_errors[-3:]}") from None
     await until_async(lambda: not any(d.get("taints") for d in node.devices().values()), timeout=10,
                       what="no taint once gpud is back")
 
