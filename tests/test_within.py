@@ -11,6 +11,7 @@ import json
 
 import aiohttp
 import pytest
+from helpers import until_async
 
 from gpud.base.loops import within
 from gpud.kubernetes.node_api import KubeError, watch_events
@@ -90,10 +91,7 @@ async def test_a_watch_cancelled_as_its_connection_closes_ends():
     task = asyncio.create_task(follow())
     event = {"type": "ADDED", "object": {"metadata": {"name": "slice-a", "resourceVersion": "5"}}}
     response.content.feed_data(json.dumps(event).encode() + b"\n")
-    for _ in range(100):
-        if seen:
-            break
-        await asyncio.sleep(0.01)  # fixed time: polls for the event, at most 1 s
+    await until_async(lambda: seen, timeout=2, what="the event")
     assert seen == [("ADDED", "slice-a")]
     response.content.set_exception(aiohttp.ClientConnectionError("Connection closed."))  # the stop's close
     task.cancel()  # ... and the stop's cancel, in the same loop turn
