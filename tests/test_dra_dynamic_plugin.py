@@ -13,7 +13,7 @@ import json
 import pytest
 from helpers import MPS_CONTROL, kill_mps_under, need, until_async
 from structured_allocator import Unschedulable, allocate, allocated_claim, claim_document, store
-from test_dra_plugin import DRIVER, NODE, Node, direct_prepare, refused, registered, running_node
+from test_dra_plugin import DRIVER, NODE, Node, direct_prepare, refused, registered, running_node, whole_pool
 
 from gpud.dra.claim_cdi import spec_path
 
@@ -38,28 +38,17 @@ async def _partitioned(node: Node) -> None:
     node.start_plugin()
     await registered(node)
     def complete() -> bool:
-        slices = node.slices()
-        return any(s["spec"].get("sharedCounters") for s in slices) and \
-            {len(slices)} == {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
+        slices = whole_pool(node.slices())
+        return slices is not None and any(s["spec"].get("sharedCounters") for s in slices)
     await until_async(complete, timeout=20, what="the pool published whole, its counter slice with it")
 
 
-def _whole_pool(node: Node) -> list[dict] | None:
-    """The node's slices when they make the pool whole: one generation, as many slices as it counts. The
-    plugin rewrites its slices one by one when gpud's devices change (a prepared MIG device is one such
-    change), and the scheduler's allocator skips a pool caught part-way (incomplete: pools_incubating.go
-    GatherPools), so a claim scheduled then is unschedulable, and the real scheduler tries again later."""
-    slices = node.slices()
-    generations = {s["spec"]["pool"]["generation"] for s in slices}
-    counts = {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
-    return slices if len(generations) == 1 and counts == {len(slices)} else None
-
-
 async def _schedule(node: Node, name: str, request: dict) -> tuple:
-    """The claim allocated as the scheduler allocates it, from a whole pool, written to the API server:
-    (namespace, name, uid)."""
+    """The claim allocated as the scheduler allocates it, written to the API server: (namespace, name, uid).
+    From a whole pool: one caught part-way through a rewrite (a prepared MIG device makes one) is skipped by
+    the allocator, and the real scheduler tries again later."""
     document = claim_document("default", name, [request])
-    slices = await until_async(lambda: _whole_pool(node), timeout=10, what="the pool whole")
+    slices = await until_async(lambda: whole_pool(node.slices()), timeout=10, what="the pool whole")
     allocation = allocate(slices, document, node.allocated, NODE, CLASSES, server_version="1.35", gates=GATES)
     created = node.kube.create_resource_claim("default", name, document["spec"]["devices"]["requests"], None)
     store(node.kube, created, allocation, NODE)

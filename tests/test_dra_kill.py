@@ -17,7 +17,7 @@ from helpers import GpudProcess, until
 from kube_api_stand_in import KubeApiStandIn
 from kube_manifests import dra_rbac_rules
 from kubelet_dra_stand_in import DraKubelet, KubeletDraError
-from test_dra_plugin import DRIVER, GPU_CLASS, NODE, PluginProcess
+from test_dra_plugin import DRIVER, GPU_CLASS, NODE, PluginProcess, whole_pool
 
 from gpud.dra.claim_cdi import spec_path
 
@@ -43,7 +43,7 @@ def parts(short_tmp, request):
     def plugin() -> PluginProcess:
         started.append(PluginProcess(short_tmp, kube, gpud.socket))
         until(lambda: kubelet.connected(DRIVER), 20, "the plugin registered")
-        until(lambda: _pool_complete(kube.resource_slices(NODE, DRIVER)), 20, "the plugin's slices")
+        until(lambda: whole_pool(kube.resource_slices(NODE, DRIVER)), 20, "the plugin's slices")
         return started[-1]
 
     try:
@@ -55,10 +55,6 @@ def parts(short_tmp, request):
         kubelet.stop()
         gpud.stop()
         kube.stop()
-
-
-def _pool_complete(slices: list[dict]) -> bool:
-    return bool(slices) and {len(slices)} == {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
 
 
 def _checkpoint(tmp: Path) -> dict:
