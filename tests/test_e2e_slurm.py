@@ -293,26 +293,19 @@ def test_a_mig_layout_change_is_reflected_in_the_gres(slurm):
                        "gpud's scontrol reconfigure")
     slurm.make_device_nodes()
     assert slurm.configure_slurm() == "Gres=gpu:3g.20gb:4"
-    # The controller first, then slurmd registers with it: restarted together, slurmd's registration
-    # can reach the controller before it read the new count, and the node stays INVALID_REG. The new
-    # controller answers once it read slurm.conf. The node's Gres= is no sign of that: slurmd, still
-    # holding what it read on gpud's reconfigure, registers with the new controller at once, and each
-    # registration rebuilds Gres= from what slurmd reported (slurm src/common/gres.c
-    # gres_node_config_validate), so until slurmd's restart it shows whatever that was.
+    # slurmd stopped first: one still running from before holds the GRES it read earlier and registers them
+    # with the new controller, whose first registration with the count it expects sets the node's types for
+    # good, as a registration of an unchanged count rebuilds nothing (slurm src/common/gres.c
+    # _node_config_validate, `if (!updated_config) return rc;`): the new slurmd then left Gres=gpu:1g.5gb:21
+    # and a job asking 3g.20gb was refused. Then the controller, which reads the new count, then slurmd.
+    slurm.run("systemctl", "stop", "slurmd")
     slurm.run("systemctl", "restart", "slurmctld")  # returns once the old controller stopped
     slurm.box.wait_for(lambda: slurm.run("scontrol", "show", "config", check=False).returncode == 0,
                        "the new controller")
-    # The old slurmd's registration stays on the node until the new one registers, and `systemctl restart`
-    # returns before that: only a slurmd started since the restart read the gres.conf of the new layout
-    # (the stale one showed the old slurmd's count, gpu:1g.5gb:21, and the job found no 3g.20gb).
-    restarted_at = slurm.run("date", "+%Y-%m-%dT%H:%M:%S").stdout.strip()  # as scontrol prints times
-    slurm.run("systemctl", "restart", "slurmd")
-    def registered_since_the_restart(node: dict[str, str]) -> bool:
-        started = node.get("SlurmdStartTime", "")  # "None" until a slurmd registered
-        return "INVALID_REG" not in node["State"] and "NOT_RESPONDING" not in node["State"] \
-            and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", started) is not None and started >= restarted_at
-    node = slurm.wait_state("the new slurmd's registration", registered_since_the_restart)
-    assert node["Gres"] == "gpu:3g.20gb:4", node
+    slurm.run("systemctl", "start", "slurmd")
+    node = slurm.wait_state("slurmd's registration", lambda node: node.get("SlurmdStartTime", "None") != "None"
+                            and "INVALID_REG" not in node["State"] and "NOT_RESPONDING" not in node["State"])
+    assert node["Gres"] == "gpu:3g.20gb:4", f"{node}"  # whole: pytest cuts a dict short
     # Still drained: by the operator, or (24.11, whose reconfigure restarts slurmd) by slurmctld's own
     # check of the count slurmd registered on gpud's reconfigure, which replaced the operator's reason.
     print("reason after the restarts:", node.get("Reason"))
