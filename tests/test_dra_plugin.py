@@ -110,11 +110,13 @@ async def running_node(tmp: Path, preset: str = "hgx-a100-4gpu", server_version:
         yield running
     finally:
         if running.plugin is not None:
-            running.plugin.stop()
-            # the plugin's side of a failure, in the failed test's report (pytest shows a passed test's
-            # output to no one): its JSON log is a file that goes with the test's directory
-            print(f"the plugin's log, last {PLUGIN_LOG_TAIL} lines:",
-                  *running.plugin.log_path.read_text().splitlines()[-PLUGIN_LOG_TAIL:], sep="\n")
+            try:
+                running.plugin.stop()
+            finally:  # a plugin that outlives its SIGTERM is when its log matters most
+                # the plugin's side of a failure, in the failed test's report (pytest shows a passed test's
+                # output to no one): its JSON log is a file that goes with the test's directory
+                print(f"the plugin's log, last {PLUGIN_LOG_TAIL} lines:",
+                      *running.plugin.log_path.read_text().splitlines()[-PLUGIN_LOG_TAIL:], sep="\n")
         kubelet.stop()
         if running.gpud is not None:
             await stop_daemon(running.gpud)
