@@ -53,11 +53,12 @@ MAX_HEADERS = 32
 SHED_LOGGED_EVERY_S = 10.0
 # A newcomer beyond a cap from an address whose other connections still wait for their heads wins a
 # place only with a whole head of its own, looked for (MSG_PEEK, unread) in what it sent: a scraper
-# writes its request as it connects, a trickler never completes one. Its bytes can land just after
-# gpud accepts, so it is looked at again every DECIDE_EVERY_S for DECIDE_WITHIN_S before it is
-# closed; at most the address's share wait so at once, reading paused.
-DECIDE_WITHIN_S = 0.1
-DECIDE_EVERY_S = 0.01
+# writes its request as it connects, a trickler never completes one. Its bytes can land well after
+# gpud accepts when the scraper's host is loaded (0.1 s lost one scrape of 53 in CI), so it is looked
+# at again after DECIDE_FIRST_LOOK_S, then after twice as long each time, until DECIDE_WITHIN_S, before
+# it is closed: some eight looks in all. At most the address's share wait so at once, reading paused.
+DECIDE_WITHIN_S = 1.0
+DECIDE_FIRST_LOOK_S = 0.01
 HEAD_PEEK_BYTES = 16384  # Prometheus's head is some 300 bytes; one longer is not a scraper's
 NO_BODY_BYTES = 1024  # no route here reads a body
 
@@ -189,6 +190,7 @@ class _Deciding:
     address: str
     transport: asyncio.Transport
     until: float
+    next_look_s: float = DECIDE_FIRST_LOOK_S
 
 
 def _whole_head_sent(transport: asyncio.Transport) -> bool:
@@ -253,8 +255,8 @@ class Slots:
                 self._refuse(transport, address)
                 return
             transport.pause_reading()
-            self._deciding[handler] = _Deciding(address, transport, time.monotonic() + DECIDE_WITHIN_S)
-            asyncio.get_running_loop().call_later(DECIDE_EVERY_S, self._decide, handler)
+            deciding = self._deciding[handler] = _Deciding(address, transport, time.monotonic() + DECIDE_WITHIN_S)
+            asyncio.get_running_loop().call_later(deciding.next_look_s, self._decide, handler)
             return
         self._take_place(handler, transport, address)
 
@@ -294,7 +296,8 @@ class Slots:
             del self._deciding[handler]
             self._refuse(deciding.transport, deciding.address)
         else:
-            asyncio.get_running_loop().call_later(DECIDE_EVERY_S, self._decide, handler)
+            deciding.next_look_s = min(2 * deciding.next_look_s, deciding.until - time.monotonic())
+            asyncio.get_running_loop().call_later(deciding.next_look_s, self._decide, handler)
 
     def shed_for(self, address: str) -> RequestHandler | None:
         """The connection to close for a new one from address: among its own address's when that
