@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.simulated_gpud import wait_until_listening  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances  # noqa: E402
 
@@ -55,14 +56,6 @@ async def measure(path: str, connections: int, seconds: float) -> dict:
     latencies.sort()
     return {"rps": len(latencies) / elapsed, "p50_ms": latencies[len(latencies) // 2] * 1000,
             "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000}
-
-
-def _wait_for_socket(path: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"server did not start (exit {proc.poll()})")
-        time.sleep(0.05)
 
 
 async def _fetch_body(path: str) -> bytes:
@@ -98,12 +91,12 @@ def main() -> None:
                             env=env, stdout=subprocess.DEVNULL)
     bare = None
     try:
-        _wait_for_socket(gpud_sock, gpud)
+        wait_until_listening(gpud_sock, gpud)
         body = asyncio.run(_fetch_body(str(gpud_sock)))
         (workdir / "body.json").write_bytes(body)
         bare = subprocess.Popen([sys.executable, str(REPO / "bench" / "bare_server.py"), str(bare_sock),
                                  str(workdir / "body.json")], env=env, stdout=subprocess.DEVNULL)
-        _wait_for_socket(bare_sock, bare)
+        wait_until_listening(bare_sock, bare)
         print(f"GET /v1/gpus: dgx-a100, {mig_devices} MIG devices, {len(body)} bytes; "
               f"{args.rounds} alternating rounds of {args.seconds:g} s, median kept")
         print(f"{'conns':>5} {'server':>6} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}   ratio (gpud/bare req/s)")

@@ -25,12 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from api import _fetch_body, _wait_for_socket, measure
+from api import _fetch_body, measure
 from health import process_cost
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.simulated_gpud import wait_until_listening  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances  # noqa: E402
 
@@ -58,7 +59,7 @@ def _gpud(tree: Path, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]
                              str(sim_state), "--state-dir", str(node / "state"), "--socket", str(sock),
                              "--log-level", "error"], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                             stdout=subprocess.DEVNULL)
-    _wait_for_socket(sock, proc)
+    wait_until_listening(sock, proc)
     return proc, sock
 
 
@@ -93,7 +94,7 @@ def main() -> None:
         bare = subprocess.Popen([sys.executable, str(REPO / "bench" / "bare_server.py"), str(workdir / "b.sock"),
                                  str(workdir / "body.json")], stdout=subprocess.DEVNULL)
         procs.append(bare)
-        _wait_for_socket(workdir / "b.sock", bare)
+        wait_until_listening(workdir / "b.sock", bare)
         servers["bare"] = workdir / "b.sock"
         runs: dict[str, list[float]] = {name: [] for name in servers}
         for _ in range(args.rounds):

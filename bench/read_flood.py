@@ -26,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.api import _fetch_body, _wait_for_socket  # noqa: E402
+from bench.api import _fetch_body  # noqa: E402
+from bench.simulated_gpud import wait_until_listening  # noqa: E402
 from gpud.nvml.sim import SimulatedNvml  # noqa: E402
 from gpud.nvml.sim.scenarios import fill_with_gpu_instances  # noqa: E402
 
@@ -127,7 +128,7 @@ def main() -> None:
                              str(sim_state), "--socket", str(sock), "--config", str(config), "--log-level", "error"],
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
     try:
-        _wait_for_socket(sock, gpud)
+        wait_until_listening(sock, gpud)
         asyncio.run(_fetch_body(str(sock)))  # gpud has read its GPUs
         print(f"root's GET /healthz under a reader's flood: dgx-a100, {mig_devices} MIG devices, "
               f"{CONNECTIONS} connections, {args.seconds:g} s per route")

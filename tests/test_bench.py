@@ -2,11 +2,38 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 from helpers import REPO, need
+
+
+# Guards CI's "ConnectionRefusedError" in bench/api.py's first measurement: the benchmarks waited for the
+# server's socket file, which bind(2) makes before listen(2).
+def test_a_benchmark_waits_for_its_server_to_listen_not_for_its_socket_file(short_tmp):
+    from bench.simulated_gpud import wait_until_listening
+
+    path = short_tmp / "s.sock"
+    server = subprocess.Popen([sys.executable, "-c", BOUND_THEN_LISTENING, str(path)])
+    try:
+        wait_until_listening(path, server, timeout=20)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+BOUND_THEN_LISTENING = """
+import socket, sys, time
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+time.sleep(1.0)  # fixed time: the window a loaded server leaves between bind and listen, widened
+server.listen(8)
+time.sleep(60)  # fixed time: killed by the test
+"""
 
 
 def test_api_benchmark_runs_and_prints_ratios():
