@@ -171,6 +171,7 @@ class _Plugin:
     service: str
     versions: tuple[str, ...]
     channel: grpc.Channel
+    registered_at: float  # time.monotonic()
     connected: bool = False
     closed: bool = False
     health_cancel: threading.Event = field(default_factory=threading.Event)
@@ -529,9 +530,10 @@ class DraKubelet:
                 return "the kubelet is stopping"
             if any(p.endpoint == endpoint for p in self._store.get(driver, [])):
                 return f"endpoint {endpoint} already registered for DRA driver plugin {driver}"
-            plugin = _Plugin(driver, endpoint, service, versions, grpc.insecure_channel(f"unix:{endpoint}"))
+            plugin = _Plugin(driver, endpoint, service, versions, grpc.insecure_channel(f"unix:{endpoint}"),
+                             time.monotonic())
             self._store.setdefault(driver, []).append(plugin)
-            self.registrations.append(Registration(socket, driver, endpoint, service, versions, time.monotonic()))
+            self.registrations.append(Registration(socket, driver, endpoint, service, versions, plugin.registered_at))
             self._sync(driver)
             self._cond.notify_all()
 
@@ -751,9 +753,12 @@ class DraKubelet:
         with self._cond:
             return [(p.endpoint, p.service, p.connected) for p in self._store.get(driver, [])]
 
-    def connected(self, driver: str) -> bool:
+    def connected(self, driver: str, since: float = float("-inf")) -> bool:
+        """Whether a plugin of driver that registered at or after since (time.monotonic()) is connected. A
+        test that (re)starts a plugin passes when it did: a killed plugin stays registered until its
+        successor's registration replaces it, and its channel can read READY for a while after the kill."""
         with self._cond:
-            return any(p.connected for p in self._store.get(driver, []))
+            return any(p.connected and p.registered_at >= since for p in self._store.get(driver, []))
 
     def wipe_pending(self, driver: str) -> bool:
         with self._cond:

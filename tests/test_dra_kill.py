@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,9 @@ def parts(short_tmp, request):
     started: list[PluginProcess] = []
 
     def plugin() -> PluginProcess:
+        since = time.monotonic()
         started.append(PluginProcess(short_tmp, kube, gpud.socket))
-        until(lambda: kubelet.connected(DRIVER), 20, "the plugin registered")
+        until(lambda: kubelet.connected(DRIVER, since), 20, "the plugin registered")
         until(lambda: whole_pool(kube.resource_slices(NODE, DRIVER)), 20, "the plugin's slices")
         return started[-1]
 

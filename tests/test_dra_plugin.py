@@ -68,8 +68,10 @@ class Node:
     def __init__(self, tmp: Path, gpud, kube: KubeApiStandIn, kubelet: DraKubelet):
         self.tmp, self.gpud, self.kube, self.kubelet = tmp, gpud, kube, kubelet
         self.plugin: PluginProcess | None = None
+        self.plugin_started_at = float("-inf")  # time.monotonic()
 
     def start_plugin(self, *args: str) -> PluginProcess:
+        self.plugin_started_at = time.monotonic()
         self.plugin = PluginProcess(self.tmp, self.kube, self.tmp / "g.sock", *args)
         return self.plugin
 
@@ -145,8 +147,8 @@ def direct_prepare(node: Node, claims: list[tuple]):
 
 
 async def registered(node: Node, timeout: float = 20.0) -> None:
-    await until_async(lambda: node.kubelet.connected(DRIVER), timeout=timeout,
-                      what="the plugin registered with the kubelet and connected")
+    await until_async(lambda: node.kubelet.connected(DRIVER, node.plugin_started_at), timeout=timeout,
+                      what="the plugin started last registered with the kubelet and connected")
 
 
 def whole_pool(slices: list[dict]) -> list[dict] | None:
