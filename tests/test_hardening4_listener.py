@@ -40,8 +40,9 @@ async def test_a_trickler_on_the_scrapers_own_address_does_not_lock_it_out(node,
         stats = json.loads(await asyncio.wait_for(trickler.stdout.readline(), 20))
         await asyncio.wait_for(trickler.wait(), 20)
     failed = [failure for failure in failures if failure is not None]
-    print(f"scrapes answered {len(failures) - len(failed)}/{len(failures)}; the trickler connected {stats['connects']} times "
-          f"({stats['connects'] / elapsed:.0f}/s), {stats['closed']} of its connections closed")
+    print(f"scrapes answered {len(failures) - len(failed)}/{len(failures)}; the trickler connected "
+          f"{stats['connects']} times ({stats['connects'] / elapsed:.0f}/s), {stats['closed']} of its connections "
+          "closed")
     assert stats["connects"] >= 9 * MAX_CONNECTIONS_PER_ADDRESS and stats["closed"] > 0, stats
     assert len(failed) <= 0.01 * len(failures), f"{len(failed)} of {len(failures)} scrapes failed: {failed}"
 
