@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from dra_side_by_side import (DRA_RULES, GpudDraPlugin, SideBySide, allocated_claim, devices_of,  # noqa: E402
                               mock_config, nvidia_missing)
 from helpers import SHARED  # noqa: E402
-from simulated_gpud import wait as wait_every  # noqa: E402
+from simulated_gpud import wait as wait_every, wait_until_listening  # noqa: E402
 from kube_api_stand_in import DRA_USER, KubeApiStandIn  # noqa: E402
 
 from gpud.client import Client  # noqa: E402
@@ -204,8 +204,8 @@ def simulated(args, work: Path, measure_prepare: bool) -> None:
         kube.create_node(NODE)
         kube.bind_rbac("dra", DRA_RULES)
         gpud = Client(sock, timeout=120)
-        wait(lambda: sock.exists() and gpud.request("GET", "/healthz", ok_statuses=(503,))[0] == 200, 30,
-             "gpud healthy")
+        wait_until_listening(sock, gpud_proc)
+        wait(lambda: gpud.request("GET", "/healthz", ok_statuses=(503,))[0] == 200, 30, "gpud healthy")
         wait(lambda: gpud.get("/v1/mig")["state"] not in ("pending", "applying"), 30, "MIG start-up convergence")
         plugin = GpudDraPlugin(work / "simplugin", kube.kubeconfig("dra"), NODE, sock, "--log-level", "error")
         plugin.wait_serving()

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.simulated_gpud import wait, wait_until_listening  # noqa: E402
 from gpud.client import Client  # noqa: E402
 
 
@@ -47,11 +48,8 @@ def measure(preset: str, seconds: float, lose: str | None) -> float:
                              "--log-level", "error"], cwd=REPO, stdout=subprocess.DEVNULL)
     try:
         client = Client(sock, timeout=10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if sock.exists() and client.request("GET", "/healthz", ok_statuses=(503,))[0] == 200:
-                break
-            time.sleep(0.05)
+        wait_until_listening(sock, gpud)
+        wait(lambda: client.request("GET", "/healthz", ok_statuses=(503,))[0] == 200, 30, "gpud healthy")
         if lose:
             client.request("POST", "/v1/sim/gpu-lost", {"gpu": 0, "how": lose})
         time.sleep(2.0)  # past the loss: the inventory refresh, the event set rebuilt

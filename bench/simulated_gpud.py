@@ -37,16 +37,18 @@ def wait_until_listening(path: Path, server: subprocess.Popen, timeout: float = 
     """Until server accepts connections on the Unix socket path. Its file appears at bind(2), before
     listen(2), and a connect in between is refused (linux net/unix/af_unix.c, unix_stream_connect:
     ECONNREFUSED unless the peer is TCP_LISTEN): bench/api.py's first measurement was, once in CI."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def listening() -> bool:
+        if server.poll() is not None:
+            raise SystemExit(f"{server.args[0]} exited ({server.returncode}) before it listened on {path}")
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.connect(str(path))
-            return
         except (FileNotFoundError, ConnectionRefusedError):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{server.args[0]} did not listen on {path} (exit {server.poll()})") from None
-        time.sleep(0.05)
+            return False
+        return True
+
+    wait(listening, timeout, f"{server.args[0]} to listen on {path}")
 
 
 def wait(predicate, timeout: float, what: str, interval: float = 0.05):
