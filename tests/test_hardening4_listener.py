@@ -8,13 +8,11 @@ always had one. Now the connection that completes a request wins its place."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import time
 
 import pytest
 from helpers import need
-from test_prometheus import TRICKLER, node, scrape_failure  # noqa: F401 (node: a fixture)
+from test_prometheus import node, scrapes_beside_a_trickler  # noqa: F401 (node: a fixture)
 
 from gpud.api.metrics_listener import MAX_CONNECTIONS_PER_ADDRESS
 from gpud.config import listen_address
@@ -24,27 +22,12 @@ from gpud.config import listen_address
 async def test_a_trickler_on_the_scrapers_own_address_does_not_lock_it_out(node, seconds):
     need(os.geteuid() == 0, "runs the trickler as another user")
     host, port = listen_address(node.address)
-    trickler = await asyncio.create_subprocess_exec(
-        "/usr/bin/python3", "-c", TRICKLER, str(port), str(MAX_CONNECTIONS_PER_ADDRESS), "1",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, user=60052, group=60052, extra_groups=[])
-    try:
-        assert await asyncio.wait_for(trickler.stdout.readline(), 20) == b"started\n"
-        await asyncio.sleep(1.0)  # fixed time: the trickler's connections fill every slot first
-        failures, started = [], time.monotonic()
-        while time.monotonic() < started + seconds:
-            failures.append(await scrape_failure(host, port))
-            await asyncio.sleep(0.1)  # fixed time: a scrape interval, shortened
-        elapsed = time.monotonic() - started
-    finally:
-        trickler.stdin.close()
-        stats = json.loads(await asyncio.wait_for(trickler.stdout.readline(), 20))
-        await asyncio.wait_for(trickler.wait(), 20)
-    failed = [failure for failure in failures if failure is not None]
-    print(f"scrapes answered {len(failures) - len(failed)}/{len(failures)}; the trickler connected "
-          f"{stats['connects']} times ({stats['connects'] / elapsed:.0f}/s), {stats['closed']} of its connections "
-          "closed")
+    failed, scrapes, stats, elapsed = await scrapes_beside_a_trickler(host, port, MAX_CONNECTIONS_PER_ADDRESS, 1,
+                                                                      60052, seconds)
+    print(f"scrapes answered {scrapes - len(failed)}/{scrapes}; the trickler connected {stats['connects']} times "
+          f"({stats['connects'] / elapsed:.0f}/s), {stats['closed']} of its connections closed")
     assert stats["connects"] >= 9 * MAX_CONNECTIONS_PER_ADDRESS and stats["closed"] > 0, stats
-    assert len(failed) <= 0.01 * len(failures), f"{len(failed)} of {len(failures)} scrapes failed: {failed}"
+    assert len(failed) <= 0.01 * scrapes, f"{len(failed)} of {scrapes} scrapes failed: {failed}"
 
 
 async def test_a_newcomer_that_sends_no_head_is_closed_and_the_waiting_ones_stay(node):

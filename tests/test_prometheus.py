@@ -225,6 +225,29 @@ async def scrape_failure(host: str, port: int) -> str | None:
     return f"answered {answer[:60]!r}" if answer else "closed unanswered"
 
 
+async def scrapes_beside_a_trickler(host: str, port: int, per_address: int, first: int, uid: int,
+                                    seconds: float) -> tuple[list[str], int, dict, float]:
+    """Prometheus's first scrapes from 127.0.0.1, one every 0.1 s for seconds, while TRICKLER runs as uid (a
+    user with no group) holding per_address connections from each of 127.0.0.first to first+8. What went wrong
+    with each failed scrape, the number of scrapes, the trickler's counts and the seconds scraped."""
+    trickler = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3", "-c", TRICKLER, str(port), str(per_address), str(first), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, user=uid, group=uid, extra_groups=[])
+    try:
+        assert await asyncio.wait_for(trickler.stdout.readline(), 20) == b"started\n"
+        await asyncio.sleep(1.0)  # fixed time: the trickler's connections fill every slot first
+        failures, started = [], time.monotonic()
+        while time.monotonic() < started + seconds:
+            failures.append(await scrape_failure(host, port))
+            await asyncio.sleep(0.1)  # fixed time: a scrape interval, shortened
+        elapsed = time.monotonic() - started
+    finally:
+        trickler.stdin.close()
+        stats = json.loads(await asyncio.wait_for(trickler.stdout.readline(), 20))
+        await asyncio.wait_for(trickler.wait(), 20)
+    return [failure for failure in failures if failure is not None], len(failures), stats, elapsed
+
+
 # Guards issue 20 item 2: 8 trickling connections from each of 127.0.0.2-10, reconnecting when
 # closed, took all 64 slots and 28-30 of 30 scrapes were refused. Now the trickler (a real local user
 # with no group) holds 270, and Prometheus's scrapes from 127.0.0.1 on a new connection each are all
@@ -233,23 +256,9 @@ async def scrape_failure(host: str, port: int) -> str | None:
 async def test_trickling_connections_from_many_loopback_addresses_do_not_lock_out_scrapes(node, seconds):
     need(os.geteuid() == 0, "runs the trickler as another user")
     host, port = listen_address(node.address)
-    trickler = await asyncio.create_subprocess_exec(
-        "/usr/bin/python3", "-c", TRICKLER, str(port), "30", "2", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, user=60051, group=60051, extra_groups=[])
-    try:
-        assert await asyncio.wait_for(trickler.stdout.readline(), 20) == b"started\n"
-        await asyncio.sleep(1.0)  # fixed time: the trickler's connections fill every slot first
-        failures, deadline = [], time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            failures.append(await scrape_failure(host, port))
-            await asyncio.sleep(0.1)
-    finally:
-        trickler.stdin.close()
-        stats = json.loads(await asyncio.wait_for(trickler.stdout.readline(), 20))
-        await asyncio.wait_for(trickler.wait(), 20)
+    failed, scrapes, stats, _ = await scrapes_beside_a_trickler(host, port, 30, 2, 60051, seconds)
     assert stats["connects"] >= 270 and stats["closed"] > 0, stats  # it did hold (and lose) connections
-    failed = [failure for failure in failures if failure is not None]
-    assert len(failed) <= 0.01 * len(failures), f"{len(failed)} of {len(failures)} scrapes failed: {failed}"
+    assert len(failed) <= 0.01 * scrapes, f"{len(failed)} of {scrapes} scrapes failed: {failed}"
 
 
 # Guards the whole-head deadline: a head trickled a byte at a time used to hold its slot for
